@@ -1,0 +1,132 @@
+"""Builders for tiny random-init models and tokenizers, saved as real Hugging Face folders.
+
+Nothing is downloaded: tokenizers are trained here on a few sentences, models are random-init
+from ``transformers`` configs. head_dim is 32 so the same models also run under vLLM's CPU build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedTokenizerFast,
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+CORPUS = [
+    "Hello there, how are you doing today?",
+    "I am fine, thank you. What is the weather like?",
+    "It is sunny and warm. Do you like the sun?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and the target verifies them.",
+    "user assistant system tool: one two three four five six seven eight nine ten",
+    "What is your name? My name is Draftsmith. Nice to meet you!",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}-_/",
+]
+
+
+def build_tokenizer(path: str | Path, template: str = CHATML_TEMPLATE, vocab_size: int = 384) -> Path:
+    """Train a byte-level BPE tokenizer with a chat template and save it as a HF folder."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    llama3 = template == LLAMA3_TEMPLATE
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>" if llama3 else None,
+        eos_token="<|eot_id|>" if llama3 else "<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = template
+    path = Path(path)
+    fast.save_pretrained(path)
+    return path
+
+
+def llama_config(vocab_size: int = 384, num_layers: int = 4, hidden_size: int = 64, **overrides) -> LlamaConfig:
+    """A Llama config small enough for CPU tests; head_dim 32 as vLLM's CPU build requires."""
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
+        head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def build_llama(path: str | Path, tokenizer_template: str | None = CHATML_TEMPLATE, seed: int = 0,
+                **config_overrides) -> Path:
+    """Save a random-init LlamaForCausalLM (and a tokenizer, unless template is None)."""
+    path = Path(path)
+    if tokenizer_template is not None:
+        build_tokenizer(path, tokenizer_template)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(**config_overrides)).eval()
+    _spread_weights(model)
+    model.save_pretrained(path)
+    return path
+
+
+def build_llava(path: str | Path, seed: int = 0, **text_overrides) -> Path:
+    """Save a random-init multimodal wrapper (Llava) whose language model is a tiny Llama."""
+    path = Path(path)
+    build_tokenizer(path)
+    text = llama_config(**text_overrides)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=1, image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_id=text.vocab_size - 1,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    _spread_weights(model)
+    model.save_pretrained(path)
+    return path
+
+
+def _spread_weights(model: torch.nn.Module) -> None:
+    """Random-init weights (std 0.02) make every layer's output nearly identical; larger ones make
+    hidden states and next-token distributions differ enough for tests to tell layers apart."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+
+
+def write_jsonl(path: str | Path, rows: list) -> Path:
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
