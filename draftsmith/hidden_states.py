@@ -1,0 +1,344 @@
+"""The hidden-state shard store: per-layer safetensors shards, made visible only when complete.
+
+Layout under the store root (``results/<run>/hidden_states``)::
+
+    part-<p>/store.json                  what this part's shards were made from (fingerprint, dtype, layers)
+    part-<p>/shard-<s>/layer-<id>.safetensors   {"hidden_states": [T, H]} (+ {"scales": [T]} for fp8)
+    part-<p>/shard-<s>/tokens.safetensors       {"input_ids": [T], "loss_mask": [T], "offsets": [n+1]}
+    part-<p>/shard-<s>/manifest.json            sample ids, counts, sha256 of every file above
+    part-<p>.json                        the part's manifest (the extraction rule's output)
+    index.json                           every part and shard (the merge rule's output)
+
+A shard is written into a hidden temporary folder and renamed into place once all its files
+are written, synced and checksummed, so a crash leaves either a whole shard or none. The rule
+outputs are the small manifests: Snakemake deletes a failed job's outputs, never the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from draftsmith.errors import ExtractionError
+from draftsmith.io import atomic_write_json, fsync_dir, read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = "draftsmith.hidden_states/1"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+STORAGE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+}
+BYTES_PER_ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    part: int
+    shard: int
+    path: str  # relative to the store root
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    checksums: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+
+
+@dataclass
+class ShardData:
+    sample_ids: list[str]
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # bool [T]
+    offsets: torch.Tensor  # int64 [n+1]: sample i is rows offsets[i]:offsets[i+1]
+    states: dict[int, torch.Tensor]  # layer id -> [T, H]; fp8 comes back dequantised to bf16
+
+
+@dataclass
+class HiddenStateIndex:
+    root: Path
+    dtype: str
+    hidden_size: int
+    aux_layer_ids: list[int]
+    final_layer_id: int
+    shards: list[ShardInfo]
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return [*self.aux_layer_ids, self.final_layer_id]
+
+    @classmethod
+    def load(cls, path: str | Path) -> HiddenStateIndex:
+        path = Path(path)
+        raw = read_json(path)
+        if raw.get("format") != INDEX_FORMAT:
+            raise ExtractionError(
+                f"not a Draftsmith hidden-state index (format {raw.get('format')!r}, expected {INDEX_FORMAT!r})",
+                where=str(path), fix="rerun the merge_hidden_states rule to rebuild it",
+            )
+        return cls(
+            root=path.parent, dtype=raw["dtype"], hidden_size=raw["hidden_size"],
+            aux_layer_ids=raw["aux_layer_ids"], final_layer_id=raw["final_layer_id"],
+            shards=[ShardInfo(**s) for s in raw["shards"]], num_samples=raw["num_samples"],
+            num_tokens=raw["num_tokens"], num_loss_tokens=raw["num_loss_tokens"],
+        )
+
+
+def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
+    """Bytes one token costs on disk: its states for every captured layer, plus ids and mask."""
+    states = num_layers * hidden_size * BYTES_PER_ELEMENT[dtype]
+    scales = num_layers * 4 if dtype == "fp8" else 0
+    return states + scales + 8 + 1
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one float32 scale per token (row), so outlier tokens do not crush the rest."""
+    states = states.float()
+    scales = states.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (states / scales[:, None]).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (values.float() * scales[:, None]).to(torch.bfloat16)
+
+
+def _layer_file(layer_id: int) -> str:
+    return f"layer-{layer_id}.safetensors"
+
+
+TOKENS_FILE = "tokens.safetensors"
+SHARD_MANIFEST = "manifest.json"
+
+
+def shard_dir_name(shard: int) -> str:
+    return f"shard-{shard:05d}"
+
+
+class PartStore:
+    """Writes one extraction part's shards; knows which shards are already complete.
+
+    ``fingerprint`` identifies what the shards are made from (model, samples, layers, dtype):
+    a store holding shards of another fingerprint is cleared rather than resumed, since mixing
+    them would hand training states that belong to other tokens.
+    """
+
+    def __init__(self, root: str | Path, part: int, *, fingerprint: str, dtype: str,
+                 hidden_size: int, layer_ids: Sequence[int]) -> None:
+        if dtype not in STORAGE_DTYPES:
+            raise ExtractionError(f"unknown storage dtype {dtype!r}", where="extraction.dtype",
+                                  fix=f"use one of {sorted(STORAGE_DTYPES)}")
+        self.root = Path(root)
+        self.part = part
+        self.dir = self.root / f"part-{part}"
+        self.meta = {
+            "fingerprint": fingerprint, "dtype": dtype, "hidden_size": hidden_size,
+            "layer_ids": sorted(layer_ids),
+        }
+        self._open()
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.meta["layer_ids"]
+
+    def _open(self) -> None:
+        meta_path = self.dir / "store.json"
+        if meta_path.exists() and read_json(meta_path) != self.meta:
+            log.warning("part %d: shards in %s were made from other inputs or settings; clearing them",
+                        self.part, self.dir)
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".shard-*.tmp-*"):  # left by a crash mid-shard
+            shutil.rmtree(stale, ignore_errors=True)
+        if not meta_path.exists():
+            atomic_write_json(meta_path, self.meta)
+
+    def shard_info(self, shard: int) -> ShardInfo | None:
+        """The shard's info if it is complete on disk, else None (a corrupt shard is removed)."""
+        path = self.dir / shard_dir_name(shard)
+        if not path.is_dir():
+            return None
+        info = _read_shard_manifest(path)
+        problem = _check_files(path, info.checksums)
+        if problem:
+            log.warning("part %d shard %d is damaged (%s); it will be extracted again", self.part, shard, problem)
+            shutil.rmtree(path)
+            return None
+        return info
+
+    def write_shard(self, shard: int, sample_ids: Sequence[str], input_ids: Sequence[Sequence[int]],
+                    loss_masks: Sequence[Sequence[int]], states: dict[int, torch.Tensor]) -> ShardInfo:
+        """Write one shard's tokens and per-layer states; visible only once complete."""
+        lengths = [len(ids) for ids in input_ids]
+        num_tokens = sum(lengths)
+        if sorted(states) != self.layer_ids:
+            raise ExtractionError(f"shard {shard} has layers {sorted(states)}, the store expects {self.layer_ids}")
+        for layer_id, tensor in states.items():
+            if tuple(tensor.shape) != (num_tokens, self.meta["hidden_size"]):
+                raise ExtractionError(
+                    f"layer {layer_id} states have shape {tuple(tensor.shape)}, "
+                    f"expected ({num_tokens}, {self.meta['hidden_size']})", where=f"part {self.part} shard {shard}")
+        tmp = self.dir / f".{shard_dir_name(shard)}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            files = {TOKENS_FILE: _tokens_bytes(input_ids, loss_masks, lengths)}
+            for layer_id in self.layer_ids:
+                files[_layer_file(layer_id)] = _states_bytes(states[layer_id], self.meta["dtype"])
+            checksums = {}
+            for name, data in files.items():
+                with open(tmp / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                checksums[name] = sha256_file(tmp / name)
+            info = ShardInfo(
+                part=self.part, shard=shard, path=f"{self.dir.name}/{shard_dir_name(shard)}",
+                num_samples=len(sample_ids), num_tokens=num_tokens,
+                num_loss_tokens=int(sum(sum(m) for m in loss_masks)), checksums=checksums,
+            )
+            atomic_write_json(tmp / SHARD_MANIFEST, {**asdict(info), "sample_ids": list(sample_ids)})
+            final = self.dir / shard_dir_name(shard)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fsync_dir(self.dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return info
+
+    def finish(self, shards: Sequence[ShardInfo], manifest_path: str | Path) -> dict:
+        """Write the part's manifest (the extraction rule's output) listing its shards in order."""
+        manifest = {
+            "format": INDEX_FORMAT, "part": self.part, **self.meta,
+            "store": str(self.dir.relative_to(self.root)),
+            "shards": [asdict(s) for s in sorted(shards, key=lambda s: s.shard)],
+        }
+        atomic_write_json(manifest_path, manifest)
+        return manifest
+
+
+def merge_parts(part_manifests: Sequence[str | Path], index_path: str | Path) -> HiddenStateIndex:
+    """Combine the parts' manifests into ``index.json``, the one file training depends on."""
+    index_path = Path(index_path)
+    parts = sorted((read_json(p) for p in part_manifests), key=lambda m: m["part"])
+    if not parts:
+        raise ExtractionError("no extraction parts to merge", where=str(index_path))
+    first = parts[0]
+    for manifest in parts[1:]:
+        for key in ("dtype", "hidden_size", "layer_ids"):
+            if manifest[key] != first[key]:
+                raise ExtractionError(
+                    f"parts disagree on {key}: part {first['part']} has {first[key]}, "
+                    f"part {manifest['part']} has {manifest[key]}",
+                    fix="rerun extraction for all parts with the same settings")
+    shards = [s for manifest in parts for s in manifest["shards"]]
+    layer_ids = first["layer_ids"]
+    index = {
+        "format": INDEX_FORMAT,
+        "dtype": first["dtype"],
+        "hidden_size": first["hidden_size"],
+        "aux_layer_ids": layer_ids[:-1],
+        "final_layer_id": layer_ids[-1],
+        "layer_ids": layer_ids,
+        "parts": [m["part"] for m in parts],
+        "num_shards": len(shards),
+        "num_samples": sum(s["num_samples"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_loss_tokens": sum(s["num_loss_tokens"] for s in shards),
+        "bytes": sum((index_path.parent / s["path"] / name).stat().st_size
+                     for s in shards for name in s["checksums"]),
+        "shards": shards,
+    }
+    atomic_write_json(index_path, index)
+    return HiddenStateIndex.load(index_path)
+
+
+def read_shard(index: HiddenStateIndex, shard: ShardInfo, layer_ids: Sequence[int] | None = None,
+               verify: bool = True) -> ShardData:
+    """Load one shard's tokens and the asked layers; with ``verify``, check each file's sha256 first."""
+    path = index.root / shard.path
+    wanted = index.layer_ids if layer_ids is None else list(layer_ids)
+    unknown = set(wanted) - set(index.layer_ids)
+    if unknown:
+        raise ExtractionError(f"layers {sorted(unknown)} were not extracted (the index has {index.layer_ids})",
+                              where=str(index.root / "index.json"))
+    tokens = load_safetensors(_read_checked(path, TOKENS_FILE, shard, verify))
+    states = {}
+    for layer_id in wanted:
+        tensors = load_safetensors(_read_checked(path, _layer_file(layer_id), shard, verify))
+        values = tensors["hidden_states"]
+        states[layer_id] = dequantize_fp8(values, tensors["scales"]) if "scales" in tensors else values
+    manifest = read_json(path / SHARD_MANIFEST)
+    return ShardData(
+        sample_ids=manifest["sample_ids"], input_ids=tokens["input_ids"].long(),
+        loss_mask=tokens["loss_mask"].bool(), offsets=tokens["offsets"], states=states,
+    )
+
+
+def _read_checked(shard_dir: Path, name: str, shard: ShardInfo, verify: bool) -> bytes:
+    file = shard_dir / name
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        raise ExtractionError(f"cannot read hidden-state file: {e}", where=str(file),
+                              fix="rerun the workflow: extraction redoes missing shards") from e
+    if verify:
+        if hashlib.sha256(data).hexdigest() != shard.checksums.get(name):
+            raise ExtractionError(
+                f"checksum mismatch: part {shard.part} shard {shard.shard} file {name} is corrupt",
+                where=str(file),
+                fix="rerun the workflow: extraction checks every shard and regenerates only damaged ones")
+    return data
+
+
+def _read_shard_manifest(shard_dir: Path) -> ShardInfo:
+    raw = read_json(shard_dir / SHARD_MANIFEST)
+    raw.pop("sample_ids")
+    return ShardInfo(**raw)
+
+
+def _check_files(shard_dir: Path, checksums: dict[str, str]) -> str | None:
+    for name, digest in checksums.items():
+        file = shard_dir / name
+        if not file.exists():
+            return f"{name} is missing"
+        if sha256_file(file) != digest:
+            return f"{name} fails its checksum"
+    return None
+
+
+def _tokens_bytes(input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
+                  lengths: list[int]) -> bytes:
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    flat_ids = [t for ids in input_ids for t in ids]
+    flat_mask = [m for mask in loss_masks for m in mask]
+    return save_safetensors({
+        "input_ids": torch.tensor(flat_ids, dtype=torch.int64),
+        "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
+        "offsets": offsets,
+    })
+
+
+def _states_bytes(states: torch.Tensor, dtype: str) -> bytes:
+    states = states.detach().cpu()
+    if dtype == "fp8":
+        values, scales = quantize_fp8(states)
+        return save_safetensors({"hidden_states": values.contiguous(), "scales": scales.contiguous()})
+    return save_safetensors({"hidden_states": states.to(STORAGE_DTYPES[dtype]).contiguous()})
+
