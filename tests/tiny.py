@@ -74,7 +74,7 @@ def build_tokenizer(path: str | Path, template: str = CHATML_TEMPLATE, vocab_siz
     return path
 
 
-def llama_config(vocab_size: int = 384, num_layers: int = 4, hidden_size: int = 64, **overrides) -> LlamaConfig:
+def llama_config(vocab_size: int = 384, num_layers: int = 8, hidden_size: int = 64, **overrides) -> LlamaConfig:
     """A Llama config small enough for CPU tests; head_dim 32 as vLLM's CPU build requires."""
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,

@@ -1,0 +1,1 @@
+"""The target model: preflight (inspect), weight access, and hidden-state capture backends."""

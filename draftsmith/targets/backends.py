@@ -1,0 +1,42 @@
+"""The interface every hidden-state capture backend implements, and which backends suit a target.
+
+A backend loads the target once and turns batches of token ids into per-sample hidden states of
+the captured layers (DESIGN.md's numbering: id i is the input of decoder layer i, id L the state
+the lm_head consumes). Sorting, batching, sharding and writing belong to the extraction driver.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class CaptureBackend(ABC):
+    """Loads the target once; ``capture`` maps token-id lists to {layer id: [len, hidden]} per sample."""
+
+    name: str
+
+    @abstractmethod
+    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+        """Hidden states of the captured layers for each sequence of the batch, in batch order."""
+
+    def close(self) -> None:
+        """Release the model and any worker processes."""
+
+    def __enter__(self) -> CaptureBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def backend_support(info: dict, config) -> dict[str, dict]:
+    """For target.json: which backends can capture this target, and why not where one cannot."""
+    from draftsmith.targets.vllm_support import vllm_support
+
+    return {
+        # The HF backend runs the very class preflight just built, through the layer path it resolved.
+        "hf": {"supported": True},
+        "vllm": vllm_support(info, config),
+    }

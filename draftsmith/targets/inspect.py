@@ -1,0 +1,242 @@
+"""Preflight: learn everything later stages need about the target without reading its weights.
+
+The model is built from its config on the meta device, so a 1T-parameter target is inspected
+in seconds; every problem that would otherwise surface after a half-hour load (a wrapper the
+tools do not know, layer ids out of range, no chat template, remote code) is raised here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.errors import TargetError
+from draftsmith.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+TARGET_FORMAT = "draftsmith.target/1"
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's usual low, middle and high layers: [2, L//2, L-3]."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+
+
+def load_config(model_path: str | Path, trust_remote_code: bool):
+    """The target's config, or a TargetError that says why it cannot be read."""
+    from transformers import AutoConfig
+
+    model_path = Path(model_path)
+    config_file = model_path / "config.json"
+    if not config_file.is_file():
+        raise TargetError("the target folder has no config.json", where=str(model_path),
+                          fix="point target.path at a Hugging Face model folder (config.json, tokenizer, weights)")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TargetError(f"config.json is not valid JSON: {e}", where=str(config_file),
+                          fix="restore the model's config.json") from e
+    auto_map = raw.get("auto_map") or {}
+    if auto_map and not trust_remote_code:
+        if raw.get("model_type") not in _known_model_types():
+            code = sorted({str(v).split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)})
+            raise TargetError(
+                f"model type {raw.get('model_type')!r} needs the model's own Python code ({', '.join(code)}), "
+                "and trust_remote_code is off",
+                where=str(config_file),
+                fix="read that code, then set target.trust_remote_code: true in the config")
+    if auto_map and trust_remote_code:
+        log.warning("trust_remote_code is on: the Python code named in %s auto_map will run: %s",
+                    config_file, sorted(set(map(str, auto_map.values()))))
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        raise TargetError(f"transformers cannot read the config: {e}", where=str(config_file),
+                          fix="upgrade transformers, or set target.trust_remote_code: true if the model "
+                              "ships its own code") from e
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def build_meta_model(config, trust_remote_code: bool) -> nn.Module:
+    """Instantiate the target's architecture with no storage (meta device)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    candidates = []
+    for arch in getattr(config, "architectures", None) or []:
+        if hasattr(transformers, arch):
+            candidates.append(getattr(transformers, arch))
+    auto_map = getattr(config, "auto_map", None) or {}
+    errors = []
+    with torch.device("meta"):
+        for cls in candidates:
+            try:
+                return cls._from_config(config)
+            except Exception as e:  # noqa: BLE001 - try the next way of building it, report all
+                errors.append(f"{cls.__name__}: {e}")
+        for auto_cls in (AutoModelForCausalLM, AutoModelForImageTextToText):
+            if auto_map and auto_cls.__name__ not in auto_map and candidates:
+                continue
+            try:
+                return auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+            except (ValueError, KeyError) as e:
+                errors.append(f"{auto_cls.__name__}: {e}")
+    raise TargetError(
+        f"transformers cannot build architecture {getattr(config, 'architectures', None)} "
+        f"(model_type {config.model_type!r}): " + "; ".join(errors),
+        fix="use a model folder whose architecture transformers knows, or enable "
+            "target.trust_remote_code for a model that ships its own code")
+
+
+def module_path(root: nn.Module, target: nn.Module) -> str:
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    raise TargetError(f"module {type(target).__name__} is not part of the model")
+
+
+def find_decoder_layers(model: nn.Module, num_layers: int) -> str:
+    """Dotted path of the text model's decoder layers, through any multimodal wrapper.
+
+    Prefer the decoder that the model itself names (``get_decoder()``); otherwise take the one
+    ModuleList of ``num_layers`` layers that sits beside a token embedding.
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        if len(decoder.layers) == num_layers:
+            return module_path(model, decoder.layers)
+    embedding = model.get_input_embeddings()
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            parent_name = name.rpartition(".")[0]
+            parent = model.get_submodule(parent_name) if parent_name else model
+            if any(child is embedding for child in parent.children()):
+                found.append(name)
+    if len(found) == 1:
+        return found[0]
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    raise TargetError(
+        f"cannot tell which module list holds the {num_layers} decoder layers (candidates: {found or lists})",
+        fix="set target.layers_path to the dotted path of the decoder layers, e.g. language_model.model.layers")
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    if len(set(layer_ids)) != len(layer_ids):
+        raise TargetError(f"aux layer ids {list(layer_ids)} repeat a layer", where="target.aux_layer_ids",
+                          fix="list each layer once")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetError(
+            f"aux layer ids {bad} are out of range: the target has {num_layers} decoder layers, so ids run "
+            f"0..{num_layers - 1} (id i is the input of decoder layer i; the final state {num_layers} is always captured)",
+            where="target.aux_layer_ids", fix=f"use ids below {num_layers}, e.g. {default_aux_layer_ids(num_layers)}")
+    return sorted(layer_ids)
+
+
+def inspect_tokenizer(model_path: Path, vocab_size: int) -> dict:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as e:
+        raise TargetError(f"the target's tokenizer cannot be loaded: {e}", where=str(model_path),
+                          fix="put the model's tokenizer files (tokenizer.json, tokenizer_config.json) in the folder") from e
+    if len(tokenizer) > vocab_size:
+        raise TargetError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
+            "they belong to different models", where=str(model_path),
+            fix="use the tokenizer that was released with this model")
+    if not tokenizer.chat_template:
+        raise TargetError("the tokenizer has no chat template, so conversations cannot be formatted as the "
+                          "target expects", where=str(model_path),
+                          fix="add the model's chat template (chat_template.jinja or tokenizer_config.json "
+                              "'chat_template') to the folder")
+    return {"tokenizer_size": len(tokenizer), "has_chat_template": True,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+
+
+def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | None = None,
+                   trust_remote_code: bool = False, layers_path: str | None = None) -> dict:
+    """Describe the target (DESIGN.md's target.json) from its config and tokenizer alone."""
+    from draftsmith.targets.backends import backend_support
+
+    started = time.perf_counter()
+    model_path = Path(model_path).resolve()
+    config = load_config(model_path, trust_remote_code)
+    text_config = config.get_text_config()
+    num_layers = text_config.num_hidden_layers
+    model = build_meta_model(config, trust_remote_code)
+    if layers_path is None:
+        layers_path = find_decoder_layers(model, num_layers)
+    else:
+        try:
+            layers = model.get_submodule(layers_path)
+        except AttributeError as e:
+            raise TargetError(f"the model has no module {layers_path!r}", where="target.layers_path",
+                              fix="leave target.layers_path empty to let preflight find the layers") from e
+        if len(layers) != num_layers:
+            raise TargetError(f"{layers_path} holds {len(layers)} modules, the config says {num_layers} layers",
+                              where="target.layers_path")
+    aux = check_layer_ids(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids, num_layers)
+    tokenizer = inspect_tokenizer(model_path, text_config.vocab_size)
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    info = {
+        "format": TARGET_FORMAT,
+        "model_path": str(model_path),
+        "architecture": (config.architectures or [type(model).__name__])[0],
+        "model_type": config.model_type,
+        "text_model_type": text_config.model_type,
+        "wrapped": text_config is not config,
+        "layers_path": layers_path,
+        "embed_path": module_path(model, embed),
+        "lm_head_path": module_path(model, head),
+        "tie_word_embeddings": head.weight is embed.weight,
+        "num_hidden_layers": num_layers,
+        "hidden_size": text_config.hidden_size,
+        "vocab_size": text_config.vocab_size,
+        "aux_layer_ids": aux,
+        "final_layer_id": num_layers,
+        "captured_layer_ids": [*aux, num_layers],
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "torch_dtype": str(getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or "float32").replace("torch.", ""),
+        "trust_remote_code": trust_remote_code,
+        **tokenizer,
+        "text_config": text_config.to_dict(),
+    }
+    info["backends"] = backend_support(info, config)
+    info["inspect_seconds"] = round(time.perf_counter() - started, 3)
+    return info
+
+
+def write_target_json(out_path: str | Path, model_path: str | Path, **kwargs) -> dict:
+    info = inspect_target(model_path, **kwargs)
+    atomic_write_json(out_path, info)
+    log.info("target %s: %s, %d layers at %s, hidden %d, vocab %d, aux layers %s (+ final %d), %.1fB parameters",
+             info["model_path"], info["architecture"], info["num_hidden_layers"], info["layers_path"],
+             info["hidden_size"], info["vocab_size"], info["aux_layer_ids"], info["final_layer_id"],
+             info["num_parameters"] / 1e9)
+    return info
+
+
+def read_target_json(path: str | Path) -> dict:
+    from draftsmith.io import read_json
+
+    info = read_json(path)
+    if info.get("format") != TARGET_FORMAT:
+        raise TargetError(f"not a Draftsmith target description (format {info.get('format')!r})", where=str(path),
+                          fix="rerun the inspect_target rule")
+    return info
