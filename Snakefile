@@ -1,0 +1,42 @@
+# Draftsmith: train an EAGLE-3 draft model for a target LLM, one cached stage per rule.
+# README.md has the stage map; every artifact's contract is in the README's "Artifacts" section.
+
+from snakemake.utils import min_version, validate
+from draftsmith.config import check_config, check_semantics
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+# Short messages naming each bad key first; then Snakemake fills in the schema's defaults.
+check_config(config, workflow.source_path("config/schema.yaml"), workflow.configfiles)
+validate(config, "config/schema.yaml")
+check_semantics(config, workflow.configfiles)
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/data.smk"
+include: "rules/extraction.smk"
+include: "rules/training.smk"
+include: "rules/evaluation.smk"
+
+
+rule all:
+    input:
+        final_outputs(),
+    default_target: True
+
+
+rule preflight:
+    input:
+        rules.inspect_target.output,
+        rules.prepare_dataset.output,
+        rules.build_vocab_mapping.output,
+
+
+rule extract:
+    input:
+        rules.merge_hidden_states.output,

@@ -1,0 +1,82 @@
+"""Configuration checks that run before any job: the schema, then rules the schema cannot express."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from draftsmith.errors import ConfigError
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def _allowed(schema: dict) -> str:
+    if "enum" in schema:
+        return "one of " + ", ".join(map(repr, schema["enum"]))
+    bounds = []
+    for word, op in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<")):
+        if word in schema:
+            bounds.append(f"{op} {schema[word]}")
+    kind = schema.get("type", "")
+    kind = " or ".join(kind) if isinstance(kind, list) else kind
+    return " ".join(filter(None, [kind, " and ".join(bounds)])) or "see config/schema.yaml"
+
+
+def schema_errors(config: dict, schema: dict) -> list[str]:
+    """One line per problem, naming the key and what is allowed there."""
+    lines = []
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
+        key = _key(error.absolute_path)
+        if error.validator == "additionalProperties":
+            allowed = sorted(error.schema.get("properties", {}))
+            unknown = sorted(set(error.instance) - set(allowed))
+            for name in unknown:
+                where = f"{key}.{name}" if error.absolute_path else name
+                lines.append(f"{where}: unknown key; allowed here: {', '.join(allowed)}")
+        else:
+            lines.append(f"{key}: {error.message}; allowed: {_allowed(error.schema)}")
+    return lines
+
+
+def semantic_errors(config: dict) -> list[str]:
+    """Checks across keys, once the schema has filled in defaults."""
+    lines = []
+    target = config["target"]
+    if target["source"] == "path" and not target["path"]:
+        lines.append("target.path: required when target.source is 'path' (a Hugging Face model folder)")
+    if target["source"] == "demo" and target["path"]:
+        lines.append("target.path: set, but target.source is 'demo'; set target.source: path to use it")
+    if target["path"] and not Path(target["path"]).is_dir():
+        lines.append(f"target.path: {target['path']!r} is not a folder")
+    if config["extraction"]["backend"] == "hf" and config["extraction"]["tensor_parallel_size"] > 1:
+        lines.append("extraction.tensor_parallel_size: > 1 needs extraction.backend: vllm "
+                     "(the hf backend spreads a large model with device_map instead)")
+    aux = target["aux_layer_ids"]
+    if aux is not None and len(set(aux)) != len(aux):
+        lines.append(f"target.aux_layer_ids: {aux} repeats a layer; list each layer once")
+    for source in config["data"]["sources"]:
+        if source != "demo" and not Path(source).exists():
+            lines.append(f"data.sources: {source!r} does not exist")
+    return lines
+
+
+def check_config(config: dict, schema_path: str | Path, config_files: list[str] | None = None) -> None:
+    """Raise ConfigError listing every problem, or return with ``config`` unchanged."""
+    schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    problems = schema_errors(config, schema)
+    where = ", ".join(config_files or []) or None
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
+                          fix=f"correct the keys above (types, ranges and defaults: {schema_path})")
+
+
+def check_semantics(config: dict, config_files: list[str] | None = None) -> None:
+    problems = semantic_errors(config)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems),
+                          where=", ".join(config_files or []) or None, fix="correct the keys above")

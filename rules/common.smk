@@ -1,0 +1,78 @@
+# Helpers shared by every rule file: paths, config lookups, resources, code fingerprints.
+
+import os
+from pathlib import Path
+
+from draftsmith.fingerprint import code_fingerprint
+
+RUN = config["run"]
+RESULTS = f"results/{RUN}"
+LOGS = f"logs/{RUN}"
+BENCH = f"benchmarks/{RUN}"
+
+
+def code(*modules):
+    """Rerun a rule when the draftsmith code it uses changes (Snakemake tracks only script: files)."""
+    return code_fingerprint(*modules)
+
+
+def target_dir():
+    if config["target"]["source"] == "demo":
+        return f"{RESULTS}/target"
+    return config["target"]["path"]
+
+
+def target_files():
+    """The files of the target that preflight reads: its config and tokenizer, never the weights."""
+    folder = target_dir()
+    if config["target"]["source"] == "demo":
+        return [f"{folder}/config.json"]
+    return [f"{folder}/config.json"] + [
+        str(p) for p in Path(folder).glob("tokenizer*") if p.is_file()
+    ]
+
+
+def dataset_sources():
+    return [
+        f"{RESULTS}/data/demo_conversations.jsonl" if s == "demo" else s
+        for s in config["data"]["sources"]
+    ]
+
+
+def conversations_for_training():
+    """The conversations the trainer learns from: the target's own answers when regeneration is on."""
+    if config["regenerate"]["enabled"]:
+        return [f"{RESULTS}/data/regenerated.jsonl"]
+    return dataset_sources()
+
+
+def cuda_present():
+    # Decided without importing torch; on a cluster set the device to cuda explicitly.
+    return os.path.exists("/dev/nvidiactl")
+
+
+def uses_gpu(device):
+    return device == "cuda" or (device == "auto" and cuda_present())
+
+
+def target_gpus():
+    """GPUs one target instance needs (declared so Snakemake and cluster executors book them)."""
+    extraction = config["extraction"]
+    return extraction["tensor_parallel_size"] if uses_gpu(config["device"]) else 0
+
+
+def train_gpus():
+    return config["train"]["devices"] if uses_gpu(config["device"]) else 0
+
+
+def extraction_parts():
+    return range(config["extraction"]["parts"])
+
+
+def final_outputs():
+    return [
+        f"{RESULTS}/eval/acceptance.json",
+        f"{RESULTS}/eval/acceptance_by_position.png",
+        f"{RESULTS}/eval/tau_vs_k.png",
+        f"{RESULTS}/train/training_curves.png",
+    ]

@@ -1,0 +1,86 @@
+# Data: the demo conversations, on-policy regeneration, tokenisation with loss masks, draft vocab.
+
+
+rule demo_dataset:
+    output:
+        data=f"{RESULTS}/data/demo_conversations.jsonl",
+    params:
+        code=code("draftsmith.demo"),
+    log:
+        f"{LOGS}/demo_dataset.log",
+    threads: 1
+    script:
+        "../workflow_scripts/demo_dataset.py"
+
+
+rule regenerate_responses:
+    input:
+        sources=dataset_sources(),
+        target=rules.inspect_target.output.target,
+    output:
+        data=f"{RESULTS}/data/regenerated.jsonl",
+    params:
+        settings=config["regenerate"],
+        dtype=config["target"]["dtype"],
+        device=config["device"],
+        seed=config["seed"],
+        work_dir=f"{RESULTS}/data/regenerate_work",
+        code=code("draftsmith.regenerate"),
+    log:
+        f"{LOGS}/regenerate_responses.log",
+    benchmark:
+        f"{BENCH}/regenerate_responses.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=target_gpus(),
+    script:
+        "../workflow_scripts/regenerate_responses.py"
+
+
+rule prepare_dataset:
+    input:
+        sources=conversations_for_training(),
+        target=rules.inspect_target.output.target,
+    output:
+        train=f"{RESULTS}/data/train.jsonl",
+        heldout=f"{RESULTS}/data/heldout.jsonl",
+        stats=report(
+            f"{RESULTS}/data/stats.json",
+            caption="../report/data_stats.rst",
+            category="2. Data",
+        ),
+    params:
+        tokenizer=target_dir(),
+        settings={
+            **{k: v for k, v in config["data"].items() if k != "sources"},
+            "seed": config["seed"],
+        },
+        code=code("draftsmith.data"),
+    log:
+        f"{LOGS}/prepare_dataset.log",
+    benchmark:
+        f"{BENCH}/prepare_dataset.tsv"
+    threads: 1
+    script:
+        "../workflow_scripts/prepare_dataset.py"
+
+
+rule build_vocab_mapping:
+    input:
+        train=rules.prepare_dataset.output.train,
+        target=rules.inspect_target.output.target,
+    output:
+        mapping=f"{RESULTS}/vocab/mapping.safetensors",
+        stats=report(
+            f"{RESULTS}/vocab/stats.json",
+            caption="../report/vocab_stats.rst",
+            category="2. Data",
+        ),
+    params:
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        code=code("draftsmith.vocab"),
+    log:
+        f"{LOGS}/build_vocab_mapping.log",
+    threads: 1
+    script:
+        "../workflow_scripts/build_vocab_mapping.py"

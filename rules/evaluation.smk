@@ -1,0 +1,52 @@
+# Evaluation: speculative decoding of held-out prompts with the target and the trained draft,
+# checked token for token against plain greedy decoding, beside a prompt-lookup baseline.
+
+
+rule evaluate_draft:
+    input:
+        draft=rules.train_draft.output.config,
+        target=rules.inspect_target.output.target,
+        heldout=rules.prepare_dataset.output.heldout,
+    output:
+        acceptance=report(
+            f"{RESULTS}/eval/acceptance.json",
+            caption="../report/acceptance.rst",
+            category="4. Evaluation",
+        ),
+    params:
+        settings=config["eval"],
+        dtype=config["target"]["dtype"],
+        device=config["device"],
+        code=code("draftsmith.evaluate"),
+    log:
+        f"{LOGS}/evaluate_draft.log",
+    benchmark:
+        f"{BENCH}/evaluate_draft.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=min(target_gpus(), 1),
+    script:
+        "../workflow_scripts/evaluate_draft.py"
+
+
+rule plot_evaluation:
+    input:
+        acceptance=rules.evaluate_draft.output.acceptance,
+    output:
+        by_position=report(
+            f"{RESULTS}/eval/acceptance_by_position.png",
+            caption="../report/acceptance_by_position.rst",
+            category="4. Evaluation",
+        ),
+        tau_vs_k=report(
+            f"{RESULTS}/eval/tau_vs_k.png",
+            caption="../report/tau_vs_k.rst",
+            category="4. Evaluation",
+        ),
+    params:
+        code=code("draftsmith.plots"),
+    log:
+        f"{LOGS}/plot_evaluation.log",
+    threads: 1
+    script:
+        "../workflow_scripts/plot_evaluation.py"

@@ -1,0 +1,42 @@
+# Hidden-state extraction: one job (one engine instance) per part; shards live beside the
+# part manifests, out of reach of Snakemake's clean-up of failed jobs, so a rerun resumes.
+
+
+rule extract_hidden_states:
+    input:
+        train=rules.prepare_dataset.output.train,
+        target=rules.inspect_target.output.target,
+    output:
+        manifest=f"{RESULTS}/hidden_states/part-{{part}}.json",
+    params:
+        store=f"{RESULTS}/hidden_states",
+        parts=config["extraction"]["parts"],
+        settings=config["extraction"],
+        model_dtype=config["target"]["dtype"],
+        device=config["device"],
+        code=code("draftsmith.extract"),
+    log:
+        f"{LOGS}/extract_hidden_states/part-{{part}}.log",
+    benchmark:
+        f"{BENCH}/extract_hidden_states/part-{{part}}.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=target_gpus(),
+    script:
+        "../workflow_scripts/extract_hidden_states.py"
+
+
+rule merge_hidden_states:
+    input:
+        manifests=expand(
+            f"{RESULTS}/hidden_states/part-{{part}}.json", part=extraction_parts()
+        ),
+    output:
+        index=f"{RESULTS}/hidden_states/index.json",
+    params:
+        code=code("draftsmith.hidden_states"),
+    log:
+        f"{LOGS}/merge_hidden_states.log",
+    threads: 1
+    script:
+        "../workflow_scripts/merge_hidden_states.py"

@@ -1,0 +1,39 @@
+# The target model: the embedded demo model, and the preflight that reads no weights.
+
+
+rule demo_target:
+    output:
+        config=f"{RESULTS}/target/config.json",
+    params:
+        folder=lambda wildcards, output: os.path.dirname(output.config),
+        cache_dir="resources",
+        code=code("draftsmith.demo"),
+    log:
+        f"{LOGS}/demo_target.log",
+    benchmark:
+        f"{BENCH}/demo_target.tsv"
+    threads: 2
+    script:
+        "../workflow_scripts/demo_target.py"
+
+
+rule inspect_target:
+    input:
+        target=target_files(),
+    output:
+        target=report(
+            f"{RESULTS}/target.json",
+            caption="../report/target.rst",
+            category="1. Target",
+        ),
+    params:
+        model_path=target_dir(),
+        aux_layer_ids=config["target"]["aux_layer_ids"],
+        trust_remote_code=config["target"]["trust_remote_code"],
+        layers_path=config["target"]["layers_path"],
+        code=code("draftsmith.targets.inspect"),
+    log:
+        f"{LOGS}/inspect_target.log",
+    threads: 1
+    script:
+        "../workflow_scripts/inspect_target.py"

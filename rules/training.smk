@@ -1,0 +1,50 @@
+# Training the EAGLE-3 draft. Checkpoints live in train/state/, outside the rule's outputs, so a
+# killed or failed run resumes from its last checkpoint instead of starting over.
+
+
+rule train_draft:
+    input:
+        index=rules.merge_hidden_states.output.index,
+        mapping=rules.build_vocab_mapping.output.mapping,
+        target=rules.inspect_target.output.target,
+    output:
+        config=f"{RESULTS}/draft/config.json",
+        weights=f"{RESULTS}/draft/model.safetensors",
+        metrics=f"{RESULTS}/train/metrics.jsonl",
+        summary=report(
+            f"{RESULTS}/train/summary.json",
+            caption="../report/train_summary.rst",
+            category="3. Training",
+        ),
+    params:
+        work_dir=f"{RESULTS}/train/state",
+        settings={**config["train"], "seed": config["seed"]},
+        device=config["device"],
+        code=code("draftsmith.train"),
+    log:
+        f"{LOGS}/train_draft.log",
+    benchmark:
+        f"{BENCH}/train_draft.tsv"
+    threads: workflow.cores
+    resources:
+        gpu=train_gpus(),
+    script:
+        "../workflow_scripts/train_draft.py"
+
+
+rule plot_training:
+    input:
+        metrics=rules.train_draft.output.metrics,
+    output:
+        curves=report(
+            f"{RESULTS}/train/training_curves.png",
+            caption="../report/training_curves.rst",
+            category="3. Training",
+        ),
+    params:
+        code=code("draftsmith.plots"),
+    log:
+        f"{LOGS}/plot_training.log",
+    threads: 1
+    script:
+        "../workflow_scripts/plot_training.py"

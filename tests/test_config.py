@@ -1,0 +1,93 @@
+"""Config validation: every kind of mistake stops the run before any job, naming the key."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.config import check_config, check_semantics, schema_errors
+from draftsmith.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "config" / "schema.yaml"
+
+
+@pytest.fixture(scope="module")
+def schema():
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+@pytest.fixture
+def demo_config():
+    return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+def test_shipped_configs_are_valid(schema, demo_config):
+    assert schema_errors(demo_config, schema) == []
+    for example in (ROOT / "config" / "examples").glob("*.yaml"):
+        assert schema_errors(yaml.safe_load(example.read_text()), schema) == [], example
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"target": {"sorce": "demo"}}, "target.sorce: unknown key; allowed here: aux_layer_ids, dtype"),
+        ({"trainn": {}}, "trainn: unknown key; allowed here:"),
+        ({"train": {"ttt_decay": 2}}, "train.ttt_decay: 2 is greater than the maximum of 1; allowed: number > 0 and ≤ 1"),
+        ({"train": {"ttt_steps": "three"}}, "train.ttt_steps: 'three' is not of type 'integer'"),
+        ({"extraction": {"dtype": "int4"}}, "extraction.dtype: 'int4' is not one of"),
+        ({"data": {"heldout_fraction": 0}}, "data.heldout_fraction: 0 is less than or equal to the minimum of 0"),
+        ({"data": {"heldout_fraction": 1}}, "data.heldout_fraction: 1 is greater than or equal to the maximum of 1"),
+        ({"vocab": {"draft_vocab_size": 0}}, "vocab.draft_vocab_size: 0 is less than the minimum of 1"),
+        ({"run": "../escape"}, "run: '../escape' does not match"),
+        ({"target": {"aux_layer_ids": [-1]}}, "target.aux_layer_ids.0: -1 is less than the minimum of 0"),
+    ],
+)
+def test_schema_errors_name_the_key_and_what_is_allowed(demo_config, patch, expected):
+    config = copy.deepcopy(demo_config)
+    for section, value in patch.items():
+        if isinstance(value, dict) and isinstance(config.get(section), dict):
+            config[section].update(value)
+        else:
+            config[section] = value
+    with pytest.raises(ConfigError) as info:
+        check_config(config, SCHEMA, ["my.yaml"])
+    message = str(info.value)
+    assert expected in message
+    assert "my.yaml" in message
+
+
+def test_all_problems_are_reported_at_once(demo_config):
+    demo_config["train"]["lr"] = -1
+    demo_config["eval"]["k"] = 99
+    with pytest.raises(ConfigError) as info:
+        check_config(demo_config, SCHEMA)
+    assert "train.lr" in str(info.value) and "eval.k" in str(info.value)
+
+
+def _defaults(schema):
+    """The config Snakemake's validate would fill in from the schema for an empty config."""
+    from snakemake.utils import validate
+
+    config = {}
+    validate(config, str(SCHEMA))
+    return config
+
+
+def test_semantic_checks(schema, tmp_path):
+    config = _defaults(schema)
+    config["target"]["source"] = "path"
+    with pytest.raises(ConfigError, match="target.path: required"):
+        check_semantics(config)
+    config["target"]["path"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        check_semantics(config)
+    config["target"]["path"] = str(tmp_path)
+    config["target"]["aux_layer_ids"] = [2, 2]
+    with pytest.raises(ConfigError, match="repeats a layer"):
+        check_semantics(config)
+    config["target"]["aux_layer_ids"] = None
+    config["data"]["sources"] = [str(tmp_path / "nope.jsonl")]
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_semantics(config)
