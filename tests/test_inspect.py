@@ -1,0 +1,148 @@
+"""Preflight on meta-device models: plain and wrapped targets, and every stop it must make."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+import tiny
+from draftsmith.errors import TargetError
+from draftsmith.targets.inspect import inspect_target
+from draftsmith.targets.weights import load_embedding_and_head
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return tiny.build_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return tiny.build_llava(tmp_path_factory.mktemp("llava"))
+
+
+def _no_weights_read(monkeypatch):
+    """Fail the test if anything opens a safetensors file."""
+    import safetensors
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("preflight read weights")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    monkeypatch.setattr("safetensors.torch.load_file", refuse)
+
+
+def test_plain_llama(llama_dir, monkeypatch):
+    _no_weights_read(monkeypatch)
+    info = inspect_target(llama_dir)
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert info["layers_path"] == "model.layers"
+    assert info["wrapped"] is False
+    assert (info["num_hidden_layers"], info["hidden_size"], info["vocab_size"]) == (8, 64, 384)
+    assert info["aux_layer_ids"] == [2, 4, 5]  # [2, L//2, L-3]
+    assert info["final_layer_id"] == 8
+    assert info["captured_layer_ids"] == [2, 4, 5, 8]
+    assert info["has_chat_template"] is True
+    assert info["backends"]["hf"]["supported"] is True
+    json.dumps(info)  # target.json must serialise
+
+
+def test_wrapped_multimodal_model_resolves_to_its_language_model(llava_dir, monkeypatch):
+    _no_weights_read(monkeypatch)
+    info = inspect_target(llava_dir)
+    assert info["architecture"] == "LlavaForConditionalGeneration"
+    assert info["wrapped"] is True
+    assert info["text_model_type"] == "llama"
+    # The resolved path must name the text decoder's layers, not the vision tower's.
+    model = LlavaForConditionalGeneration.from_pretrained(llava_dir)
+    layers = model.get_submodule(info["layers_path"])
+    assert layers is model.model.language_model.layers
+    assert info["num_hidden_layers"] == len(layers) == 8
+
+
+def test_embedding_and_head_come_from_the_checkpoint_through_the_wrapper(llava_dir, tmp_path):
+    info = inspect_target(llava_dir)
+    (tmp_path / "target.json").write_text(json.dumps(info))
+    embed, head = load_embedding_and_head(tmp_path / "target.json")
+    model = LlavaForConditionalGeneration.from_pretrained(llava_dir)
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight)
+
+
+def test_tied_embeddings(tmp_path):
+    folder = tiny.build_llama(tmp_path / "tied", tie_word_embeddings=True)
+    info = inspect_target(folder)
+    assert info["tie_word_embeddings"] is True
+    (tmp_path / "target.json").write_text(json.dumps(info))
+    embed, head = load_embedding_and_head(tmp_path / "target.json")
+    assert torch.equal(embed, AutoModelForCausalLM.from_pretrained(folder).lm_head.weight)
+    assert head is embed
+
+
+def test_meta_build_of_a_large_model_takes_seconds(tmp_path):
+    # A 70B-class shape (80 layers, hidden 8192): building real weights would need 280 GB.
+    folder = tmp_path / "big"
+    tiny.build_tokenizer(folder)
+    config = tiny.llama_config(num_layers=80, hidden_size=8192, intermediate_size=28672,
+                               num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256)
+    config.save_pretrained(folder)
+    started = time.perf_counter()
+    info = inspect_target(folder)
+    assert time.perf_counter() - started < 10
+    assert info["num_parameters"] > 60e9
+    assert info["aux_layer_ids"] == [2, 40, 77]
+
+
+@pytest.mark.parametrize(
+    "aux, message",
+    [([2, 8], r"aux layer ids \[8\] are out of range"), ([2, 2, 3], "repeat a layer")],
+)
+def test_bad_layer_ids(llama_dir, aux, message):
+    with pytest.raises(TargetError, match=message):
+        inspect_target(llama_dir, aux_layer_ids=aux)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(TargetError, match="no config.json") as info:
+        inspect_target(tmp_path)
+    assert "fix:" in str(info.value)
+
+
+def test_unreadable_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(TargetError, match="config.json is not valid JSON"):
+        inspect_target(tmp_path)
+
+
+def test_tokenizer_without_chat_template(tmp_path):
+    folder = tiny.build_llama(tmp_path / "m")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(TargetError, match="no chat template"):
+        inspect_target(folder)
+
+
+def test_missing_tokenizer(tmp_path):
+    folder = tiny.build_llama(tmp_path / "m", tokenizer_template=None)
+    with pytest.raises(TargetError, match="tokenizer"):
+        inspect_target(folder)
+
+
+def test_tokenizer_of_another_model(tmp_path):
+    folder = tiny.build_llama(tmp_path / "m", vocab_size=100)  # the tokenizer has 384 tokens
+    with pytest.raises(TargetError, match="different models"):
+        inspect_target(folder)
+
+
+def test_remote_code_is_refused_unless_enabled(tmp_path):
+    folder = tiny.build_llama(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my_custom_lm", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TargetError, match="configuration_custom.py") as info:
+        inspect_target(folder)
+    assert "trust_remote_code: true" in str(info.value)
