@@ -130,3 +130,30 @@ def write_jsonl(path: str | Path, rows: list) -> Path:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
+
+
+KIMI_K25_TEXT_CONFIG = dict(
+    # Kimi-K2.5's text model: DeepSeek-V3 architecture, 61 layers, 384 routed experts, MLA.
+    model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+    n_shared_experts=1, n_routed_experts=384, routed_scaling_factor=2.827, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+    num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=262144,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "rope_theta": 50000.0},
+)
+
+
+def build_kimi_k25_config(path: str | Path) -> Path:
+    """A folder with Kimi-K2.5's config (a DeepSeek-V3 text model inside a multimodal wrapper) and a
+    tokenizer, but no weights: enough for preflight, which never reads weights."""
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+    path = Path(path)
+    config = Kimi_K25Config(text_config=dict(KIMI_K25_TEXT_CONFIG), tie_word_embeddings=False)
+    config.architectures = ["KimiK25ForConditionalGeneration"]
+    config.save_pretrained(path)
+    build_tokenizer(path)
+    return path
