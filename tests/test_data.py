@@ -1,0 +1,382 @@
+"""prepare_dataset: formats, bad rows, the assistant-only loss mask, truncation, held-out split, stats."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import tiny
+from draftsmith.data import (
+    REASONS,
+    BadRow,
+    ChatTemplateError,
+    Conversation,
+    DataSettings,
+    load_conversations,
+    prepare_dataset,
+    split_heldout,
+    tokenize_conversation,
+)
+from draftsmith.errors import DataError
+
+SYSTEM = "You are nice."
+QUESTIONS = ["Hello there, how are you doing today?", "What is the weather like?", "What is your name?"]
+ANSWERS = ["I am fine, thank you.", "It is sunny and warm.", "My name is Draftsmith. Nice to meet you!"]
+
+# Renders earlier assistant turns as a placeholder (as templates that strip reasoning do), so a
+# prefix of the conversation does not render as a prefix of the whole.
+REWRITE_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}"
+    "{{ (message['content'] if loop.last else 'ok') + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Closes the whole conversation with an extra EOS (as Phi-3's template does): a rendering up to an
+# assistant turn then ends differently from the same turn inside the whole.
+EOS_AT_END_TEMPLATE = tiny.CHATML_TEMPLATE + "{% if not add_generation_prompt %}{{ '<|endoftext|>' }}{% endif %}"
+
+
+def conversation(i: int = 0, turns: int = 2, system: bool = True) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}] if system else []
+    for t in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[(i + t) % 3]})
+        messages.append({"role": "assistant", "content": ANSWERS[(i + t) % 3]})
+    return messages
+
+
+def masked_runs(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
+    """The decoded text of each maximal run of masked tokens."""
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def run(tmp_path: Path, sources, tokenizer: Path, name: str = "out", **settings) -> tuple[dict, list, list]:
+    out = tmp_path / name
+    stats = prepare_dataset(sources, tokenizer, out, DataSettings(**settings))
+    assert json.loads((out / "stats.json").read_text()) == stats
+    return stats, read_jsonl(out / "train.jsonl"), read_jsonl(out / "heldout.jsonl")
+
+
+def message_rows(n: int, prefix: str = "row") -> list[dict]:
+    return [{"id": f"{prefix}{i}", "messages": conversation(i)} for i in range(n)]
+
+
+# --- the loss mask ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template, end_of_turn", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>")])
+def test_loss_mask_is_exactly_the_assistant_turns(template, end_of_turn, request):
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(f"{template}_tokenizer"))
+    messages = conversation(0, turns=3)
+    ids, mask = tokenize_conversation(tokenizer, messages)
+
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False),
+                            add_special_tokens=False)["input_ids"]
+    # Each assistant turn is one masked run: its content and the token closing the turn; nothing
+    # of the role headers, the system prompt or the user turns.
+    assert masked_runs(tokenizer, ids, mask) == [a + end_of_turn for a in ANSWERS]
+    unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    for text in [SYSTEM, *QUESTIONS, "assistant"]:
+        assert text in unmasked
+
+
+def test_loss_mask_follows_a_template_that_trims_content(llama3_tokenizer):
+    tokenizer = AutoTokenizer.from_pretrained(llama3_tokenizer)
+    messages = [{"role": "user", "content": QUESTIONS[0]},
+                {"role": "assistant", "content": "  " + ANSWERS[0] + "\n"}]
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert masked_runs(tokenizer, ids, mask) == [ANSWERS[0] + "<|eot_id|>"]
+
+
+def test_loss_mask_when_the_template_closes_the_conversation_with_eos(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok", EOS_AT_END_TEMPLATE))
+    ids, mask = tokenize_conversation(tokenizer, conversation(0, turns=2))
+    assert tokenizer.decode(ids).endswith("<|endoftext|>")
+    assert masked_runs(tokenizer, ids, mask) == [ANSWERS[0] + "<|im_end|>", ANSWERS[1] + "<|im_end|>"]
+
+
+def test_template_that_rewrites_turns_falls_back_to_generation_markers(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok", REWRITE_TEMPLATE))
+    ids, mask = tokenize_conversation(tokenizer, conversation(0, turns=2))
+    assert masked_runs(tokenizer, ids, mask) == ["ok<|im_end|>", ANSWERS[1] + "<|im_end|>"]
+
+
+def test_template_that_rewrites_turns_without_markers_is_an_error(tmp_path):
+    template = REWRITE_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok", template))
+    with pytest.raises(ChatTemplateError, match="rewrites earlier turns") as e:
+        tokenize_conversation(tokenizer, conversation(0, turns=2))
+    assert "generation" in e.value.fix
+    # In a run, such rows count as template_error (the held-out row needs its prompt only) and the
+    # run fails saying why and how to fix the template.
+    tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(4))
+    with pytest.raises(DataError, match="template_error=3") as e:
+        prepare_dataset([tmp_path / "d.jsonl"], tmp_path / "tok", tmp_path / "out", DataSettings())
+    assert "rewrites earlier turns" in e.value.where and "{% generation %}" in e.value.fix
+
+
+# --- input formats ---------------------------------------------------------------------------
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_saved_dataset(path: Path, rows: list[dict], splits: tuple[str, ...] = ()) -> Path:
+    import datasets
+
+    ds = datasets.Dataset.from_list(rows)
+    (datasets.DatasetDict({s: ds for s in splits}) if splits else ds).save_to_disk(str(path))
+    return path
+
+
+def sharegpt(messages: list[dict]) -> list[dict]:
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    return [{"from": names[m["role"]], "value": m["content"]} for m in messages]
+
+
+FORMATS = {
+    "jsonl_messages": lambda d, rows: tiny.write_jsonl(d / "d.jsonl", rows),
+    "jsonl_sharegpt": lambda d, rows: tiny.write_jsonl(
+        d / "d.jsonl", [{"id": r["id"], "conversations": sharegpt(r["messages"])} for r in rows]),
+    "json_list": lambda d, rows: (d / "d.json").write_text(json.dumps(rows)) and d / "d.json",
+    "json_data": lambda d, rows: (d / "d.json").write_text(json.dumps({"data": rows})) and d / "d.json",
+    "parquet": lambda d, rows: write_parquet(d / "d.parquet", rows),
+    "saved_dataset": lambda d, rows: write_saved_dataset(d / "ds", rows),
+    "saved_dataset_dict": lambda d, rows: write_saved_dataset(d / "ds", rows, ("train", "test")),
+}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_each_input_format_gives_the_same_rows(kind, tmp_path, chatml_tokenizer):
+    rows = message_rows(6)
+    source = FORMATS[kind](tmp_path, rows)
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer)
+    reference = tiny.write_jsonl(tmp_path / "ref.jsonl", rows)
+    _, ref_train, ref_held = run(tmp_path, [reference], chatml_tokenizer, name="ref")
+
+    assert stats["rows_read"] == stats["rows_kept"] == 6
+    assert sum(stats["rows_dropped"].values()) == 0
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "source"} for r in rs]  # noqa: E731
+    assert strip(train) == strip(ref_train) and strip(held) == strip(ref_held)
+    first_line = 1 if kind.startswith("jsonl") else 0  # jsonl: 1-based lines; others: 0-based row index
+    assert {r["source"]["line"] for r in train + held} == set(range(first_line, first_line + 6))
+    assert all(r["source"]["file"] == str(source) for r in train + held)
+
+
+def test_plain_text_rows_train_with_full_loss_and_are_never_held_out(tmp_path, llama3_tokenizer):
+    texts = ["The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts tokens."]
+    source = tiny.write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts] + message_rows(3))
+    stats, train, held = run(tmp_path, [source], llama3_tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(llama3_tokenizer)
+    text_rows = [r for r in train if r["id"] in ("t:1", "t:2")]
+    # Plain text is tokenized as the tokenizer feeds text (its own BOS, if it adds one).
+    assert [r["input_ids"] for r in text_rows] == [tokenizer(t)["input_ids"] for t in texts]
+    assert all(set(r["loss_mask"]) == {1} for r in text_rows)
+    assert stats["heldout_rows"] == 1 and held[0]["id"].startswith("row")
+
+
+def test_content_parts_are_joined_and_non_text_parts_are_bad(tmp_path, chatml_tokenizer):
+    parts = [{"type": "text", "text": "Hello there, "}, {"type": "text", "text": "how are you doing today?"}]
+    image = [{"type": "image_url", "image_url": {"url": "x.png"}}]
+    rows = [{"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": ANSWERS[0]}]},
+            {"messages": [{"role": "user", "content": image}, {"role": "assistant", "content": ANSWERS[0]}]}]
+    got = list(load_conversations([tiny.write_jsonl(tmp_path / "p.jsonl", rows)]))
+    assert got[0].messages[0]["content"] == QUESTIONS[0]
+    assert isinstance(got[1], BadRow) and got[1].reason == "non_text_content" and got[1].line == 2
+
+
+def test_a_dataset_dict_without_train_split_names_its_splits(tmp_path, chatml_tokenizer):
+    source = write_saved_dataset(tmp_path / "ds", message_rows(3), ("validation", "test"))
+    with pytest.raises(DataError, match=r"\['test', 'validation'\]"):
+        list(load_conversations([source]))
+
+
+def test_trailing_turns_after_the_last_answer_are_dropped(tmp_path):
+    rows = [{"messages": conversation(0) + [{"role": "user", "content": "bye"}]}]
+    (row,) = load_conversations([tiny.write_jsonl(tmp_path / "d.jsonl", rows)])
+    assert isinstance(row, Conversation) and row.messages == conversation(0) and row.id == "d:1"
+
+
+# --- bad rows --------------------------------------------------------------------------------
+
+
+def write_bad_rows(path: Path) -> dict[int, str]:
+    """A jsonl file with one row of each bad kind among good rows; returns {line: reason}."""
+    user = {"role": "user", "content": QUESTIONS[0]}
+    answer = {"role": "assistant", "content": ANSWERS[0]}
+    bad = {
+        2: ("invalid_json", b'{"messages": [}'),
+        3: ("not_utf8", b'{"messages": "\xff\xfe"}'),
+        4: ("missing_turns", {"messages": []}),
+        5: ("empty_turn", {"messages": [{"role": "user", "content": "  "}, answer]}),
+        6: ("unknown_role", {"messages": [{"role": "tool", "content": "42"}, answer]}),
+        7: ("no_assistant_turn", {"messages": [user]}),
+        8: ("non_text_content", {"messages": [user, {"role": "assistant", "content": 42}]}),
+        9: ("unknown_format", {"prompt": "x", "completion": "y"}),
+        10: ("too_long_prompt", {"messages": [{"role": "user", "content": " ".join(QUESTIONS * 8)}, answer]}),
+        11: ("template_error", {"messages": [answer, user, answer]}),
+        12: ("missing_turns", {"conversations": None, "messages": None, "id": "nulls"}),
+    }
+    lines = []
+    for line in range(1, 31):
+        if line in bad:
+            row = bad[line][1]
+            lines.append(row if isinstance(row, bytes) else json.dumps(row).encode())
+        else:
+            lines.append(json.dumps({"messages": conversation(line)}).encode())
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    # Line 12 has both keys null: with format auto that is "no known field".
+    return {line: ("unknown_format" if line == 12 else reason) for line, (reason, _) in bad.items()}
+
+
+def test_each_bad_row_kind_is_counted_with_its_line(tmp_path, chatml_tokenizer, caplog):
+    source = tmp_path / "bad.jsonl"
+    expected = write_bad_rows(source)
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer, max_seq_len=64, max_bad_fraction=0.5)
+
+    want = {reason: 0 for reason in REASONS}
+    for reason in expected.values():
+        want[reason] += 1
+    assert stats["rows_dropped"] == want
+    assert stats["rows_read"] == 30 and stats["rows_kept"] == 30 - len(expected)
+    assert {(b["line"], b["reason"]) for b in stats["first_bad_rows"]} <= set(expected.items())
+    assert len(stats["first_bad_rows"]) == 10 and all(b["file"] == str(source) for b in stats["first_bad_rows"])
+    assert f"{source}:2: invalid_json" in caplog.text
+    kept_lines = {r["source"]["line"] for r in train + held}
+    assert kept_lines.isdisjoint(expected)
+
+
+def test_too_many_bad_rows_fail_with_counts_place_and_fix(tmp_path, chatml_tokenizer):
+    source = tmp_path / "bad.jsonl"
+    write_bad_rows(source)
+    with pytest.raises(DataError) as e:
+        prepare_dataset([source], chatml_tokenizer, tmp_path / "out", DataSettings(max_seq_len=64))
+    message = str(e.value)
+    assert "more than data.max_bad_fraction=0.2" in message
+    assert "invalid_json=1" in message and "not_utf8=1" in message and "unknown_format=2" in message
+    assert f"{source}:2 (invalid_json" in e.value.where
+    assert "raise data.max_bad_fraction" in e.value.fix
+    assert not (tmp_path / "out" / "train.jsonl").exists()
+
+
+def test_an_empty_source_or_no_usable_row_is_an_error(tmp_path, chatml_tokenizer):
+    good = tiny.write_jsonl(tmp_path / "good.jsonl", message_rows(3))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="empty.jsonl holds no rows"):
+        prepare_dataset([good, empty], chatml_tokenizer, tmp_path / "out", DataSettings())
+    useless = tiny.write_jsonl(tmp_path / "useless.jsonl", [{"messages": []}])
+    with pytest.raises(DataError, match="no usable rows in .*useless.jsonl"):
+        prepare_dataset([useless], chatml_tokenizer, tmp_path / "out", DataSettings(max_bad_fraction=1.0))
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_dataset([tmp_path / "missing.jsonl"], chatml_tokenizer, tmp_path / "out", DataSettings())
+
+
+def test_a_tokenizer_without_chat_template_is_an_error_for_chat_rows_only(tmp_path):
+    folder = tiny.build_tokenizer(tmp_path / "tok")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = tiny.write_jsonl(tmp_path / "chat.jsonl", message_rows(3))
+    with pytest.raises(DataError, match="no chat template") as e:
+        prepare_dataset([chat], folder, tmp_path / "out", DataSettings())
+    assert "chat_template" in e.value.fix
+    text = tiny.write_jsonl(tmp_path / "text.jsonl", [{"text": "one two three"}] * 3)
+    stats, _, _ = run(tmp_path, [text], folder)
+    assert stats["train_rows"] == 3
+
+
+def test_settings_are_checked():
+    with pytest.raises(DataError, match="data.heldout_fraction"):
+        DataSettings(heldout_fraction=0.0)
+    with pytest.raises(DataError, match="data.format"):
+        DataSettings(format="csv")
+
+
+# --- truncation, split, stats ----------------------------------------------------------------
+
+
+def test_long_rows_are_truncated_to_max_seq_len(tmp_path, chatml_tokenizer):
+    source = tiny.write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation(i, turns=3)} for i in range(10)])
+    stats, train, _ = run(tmp_path, [source], chatml_tokenizer, max_seq_len=64)  # whole rows: ~140 tokens
+    assert stats["truncated_rows"] == stats["train_rows"] == len(train) == 9
+    assert all(len(r["input_ids"]) == len(r["loss_mask"]) == 64 and any(r["loss_mask"]) for r in train)
+    assert stats["tokens"] == 9 * 64
+
+
+def test_heldout_split_is_deterministic_and_disjoint_from_train(tmp_path, chatml_tokenizer):
+    source = tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(40))
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer, heldout_fraction=0.1, seed=3)
+    run(tmp_path, [source], chatml_tokenizer, name="again", heldout_fraction=0.1, seed=3)
+    for name in ("train.jsonl", "heldout.jsonl", "stats.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+
+    train_ids, held_ids = {r["id"] for r in train}, {r["id"] for r in held}
+    assert len(held_ids) == 4 and not train_ids & held_ids and train_ids | held_ids == {f"row{i}" for i in range(40)}
+    tokenizer = AutoTokenizer.from_pretrained(chatml_tokenizer)
+    for row in held:
+        number = int(row["id"][3:])
+        assert row["messages"] == conversation(number)
+        prompt = tokenizer.apply_chat_template(conversation(number)[:2], tokenize=False, add_generation_prompt=True)
+        assert row["prompt_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(row["prompt_ids"]).endswith("<|im_start|>assistant\n")
+
+    ids = [f"row{i}" for i in range(40)]
+    settings = DataSettings(heldout_fraction=0.1, seed=3)
+    assert split_heldout(random.Random(0).sample(ids, 40), settings) == held_ids
+    assert split_heldout(ids, DataSettings(heldout_fraction=0.1, seed=4)) != held_ids
+    assert len(split_heldout(ids, DataSettings(heldout_fraction=0.001))) == 1
+    assert len(split_heldout(ids, DataSettings(heldout_fraction=0.5, max_heldout=7))) == 7
+
+
+def test_duplicate_ids_are_made_unique_and_counted(tmp_path, chatml_tokenizer):
+    rows = message_rows(3) + message_rows(2)  # row0, row1 twice
+    a = tiny.write_jsonl(tmp_path / "a.jsonl", rows)
+    b = tiny.write_jsonl(tmp_path / "b.jsonl", message_rows(1))  # row0 a third time
+    stats, train, held = run(tmp_path, [a, b], chatml_tokenizer)
+    ids = sorted(r["id"] for r in train + held)
+    assert ids == ["row0", "row0#2", "row0#3", "row1", "row1#2", "row2"]
+    assert stats["duplicate_ids"] == 3
+
+
+def test_stats_totals_agree_with_the_files(tmp_path, chatml_tokenizer):
+    source = tmp_path / "bad.jsonl"
+    write_bad_rows(source)
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer, max_seq_len=64, max_bad_fraction=0.5,
+                             max_samples=10)
+    assert stats["rows_read"] == stats["rows_kept"] + sum(stats["rows_dropped"].values()) \
+        + stats["rows_over_max_samples"]
+    # 21 rows survive reading, 1 is held out, 10 of the other 20 are sampled; a sampled row that
+    # then fails (too long, template) is not replaced.
+    assert stats["rows_over_max_samples"] == 10
+    assert stats["train_rows"] == len(train) <= 10 and stats["heldout_rows"] == len(held) <= 1
+    assert stats["tokens"] == sum(len(r["input_ids"]) for r in train)
+    assert stats["loss_tokens"] == sum(sum(r["loss_mask"]) for r in train)
+    assert stats["heldout_prompt_tokens"] == sum(len(r["prompt_ids"]) for r in held)
+    assert stats["max_seq_len"] == 64
