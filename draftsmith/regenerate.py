@@ -1,0 +1,451 @@
+"""Stage regenerate_responses: replace the assistant turns of the training conversations with the
+target's own answers, so the draft learns the distribution it will be asked to predict.
+
+Conversations are read with ``draftsmith.data.load_conversations`` (bad rows are skipped here and
+counted by prepare_dataset), grouped into chunks of ``chunk_size`` conversations, and each chunk is
+regenerated turn by turn: round r answers the r-th assistant turn of every conversation in the
+chunk, conditioned on the original user turns and the answers regenerated in earlier rounds. A
+round runs as left-padded ``model.generate`` batches sorted by prompt length. Each finished chunk
+is renamed into ``work_dir`` atomically, so a killed job resumes at the first missing chunk; a
+fingerprint of the settings, the model, the sources and this code guards the chunks against reuse
+under different conditions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.data import BadRow, load_conversations
+from draftsmith.errors import DataError, TargetError
+from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+REGENERATE_FORMAT = "draftsmith.regenerate/1"
+PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
+DEFAULT_CHUNK_SIZE = 256  # conversations per resumable chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the target (shared with draftsmith.evaluate)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = cuda when torch sees a GPU, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TargetError("device is cuda but torch sees no GPU", where="config key device",
+                          fix="set device: cpu (or auto), or run on a machine with a CUDA GPU")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 on GPU, float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in names:
+        raise TargetError(f"unknown dtype {dtype!r}", where="config key target.dtype",
+                          fix="use one of auto, " + ", ".join(names))
+    return names[dtype]
+
+
+def load_target_model(model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
+                      trust_remote_code: bool = False) -> torch.nn.Module:
+    """The target with its weights, in eval mode, built by the class its config names (so a
+    multimodal wrapper loads as itself), with a neutral generation config.
+
+    The model folder's generation_config.json (repetition penalty, top_k, min_length, ...) is
+    replaced so that "greedy" means argmax and "temperature t" means only that: what the draft
+    learns and what evaluation measures must be the same distribution.
+    """
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    model_path = Path(model_path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise TargetError(f"cannot read the target's config: {e}", where=str(model_path),
+                          fix="rerun inspect_target, which says what is wrong with the folder") from e
+    classes = [getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)]
+    cls = classes[0] if classes else AutoModelForCausalLM
+    try:
+        model = cls.from_pretrained(model_path, dtype=torch_dtype, device_map={"": str(torch_device)},
+                                    trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise TargetError(f"cannot load the target's weights with {getattr(cls, '__name__', cls)}: {e}",
+                          where=str(model_path),
+                          fix="check the folder holds the model's safetensors files and enough memory is free") from e
+    text_config = model.config.get_text_config()
+    model.generation_config = GenerationConfig(
+        bos_token_id=getattr(text_config, "bos_token_id", None),
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=getattr(text_config, "pad_token_id", None),
+    )
+    return model.eval()
+
+
+def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Tokens that end an answer: the model's generation EOS ids and the tokenizer's EOS (the
+    chat template's end-of-turn token, e.g. <|im_end|>)."""
+    ids: list[int] = []
+    for source in (model.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+        for i in source if isinstance(source, (list, tuple)) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise TargetError("neither the model nor its tokenizer names an end-of-sequence token, so "
+                          "generation could only stop at max_new_tokens",
+                          fix="set eos_token_id in the model's generation_config.json or the tokenizer")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and fingerprint
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    """The regenerate section of the config (``enabled`` is the workflow's switch, unused here)."""
+
+    enabled: bool = True
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        def bad(key: str, want: str) -> DataError:
+            return DataError(f"regenerate.{key} is {getattr(self, key)!r}; it must be {want}",
+                             where=f"config key regenerate.{key}", fix=f"set regenerate.{key} to {want}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise bad("batch_size", "an integer >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _model_identity(model_path: Path) -> dict:
+    """Cheap identity of a model folder: the small files hashed, the weight files by name and size
+    (hashing a trillion-parameter checkpoint would take longer than regenerating)."""
+    small, weights = {}, {}
+    for path in sorted(p for p in model_path.iterdir() if p.is_file()):
+        if path.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+            weights[path.name] = path.stat().st_size
+        elif path.stat().st_size < (64 << 20):
+            small[path.name] = sha256_file(path)
+    return {"files": small, "weights": weights}
+
+
+def _source_identity(source: Path) -> dict:
+    if source.is_dir():
+        return {str(p.relative_to(source)): sha256_file(p) for p in sorted(source.rglob("*")) if p.is_file()}
+    return {source.name: sha256_file(source)}
+
+
+def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path],
+                             seed: int, dtype: str, device: str, chunk_size: int) -> str:
+    """Hash of everything that decides the regenerated text; chunks written under another are stale."""
+    from draftsmith.fingerprint import code_fingerprint
+
+    generation = asdict(settings)
+    generation.pop("enabled")
+    if settings.greedy:
+        # Greedy answers depend on none of these; sampled ones on all (the random stream).
+        generation.pop("top_p")
+    else:
+        generation.update(seed=seed, chunk_size=chunk_size)
+    payload = {
+        "format": REGENERATE_FORMAT,
+        "generation": generation,
+        "model": model,
+        "numerics": {"dtype": dtype, "device": device},
+        "sources": [{"path": str(s), "content": _source_identity(Path(s))} for s in sources],
+        "code": code_fingerprint("draftsmith.regenerate"),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+@dataclass
+class TurnCounts:
+    """What a chunk's regeneration produced, for the log."""
+
+    turns: int = 0
+    tokens: int = 0
+    truncated: int = 0  # answers cut at max_new_tokens
+    empty: int = 0  # answers that stop at once (prepare_dataset drops their conversations)
+    unchanged: int = 0  # conversations passed through (template failure, no prompt before an answer)
+
+    def add(self, other: TurnCounts) -> None:
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)
+
+
+class Regenerator:
+    """Answers the assistant turns of conversations with one loaded model and tokenizer."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, settings: RegenerateSettings, *,
+                 seed: int = 0, stop_ids: Sequence[int] | None = None) -> None:
+        self.model, self.tokenizer, self.settings, self.seed = model, tokenizer, settings, seed
+        self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.stop_ids[0])
+        self.device = next(model.parameters()).device
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The conversation so far, rendered with the chat template and ending in the generation
+        prompt, tokenized as prepare_dataset tokenizes held-out prompts (no extra special tokens)."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        """New tokens per prompt (the stop token excluded), in ``prompts`` order; left-padded
+        batches of similar length keep padding small."""
+        s = self.settings
+        out: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for b, start in enumerate(range(0, len(order), s.batch_size)):
+            batch = order[start:start + s.batch_size]
+            width = max(len(prompts[i]) for i in batch)
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]):] = 1
+            sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p}
+            if not s.greedy:
+                # One seed per batch, derived from the chunk's and the round's, so a resumed run
+                # draws what an uninterrupted run would have drawn.
+                torch.manual_seed(_derived_seed(seed, b))
+            with torch.no_grad():
+                generated = self.model.generate(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                    max_new_tokens=s.max_new_tokens, do_sample=not s.greedy, **sampling,
+                    eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+            for row, i in enumerate(batch):
+                tokens = generated[row, width:].tolist()
+                out[i] = tokens
+        return out
+
+    def answer(self, tokens: list[int], counts: TurnCounts) -> str:
+        stop = next((j for j, t in enumerate(tokens) if t in self.stop_ids), None)
+        counts.turns += 1
+        if stop is None:
+            counts.truncated += 1
+        else:
+            tokens = tokens[:stop]  # what follows the stop token is padding
+        counts.tokens += len(tokens)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        counts.empty += not text.strip()
+        return text
+
+    def regenerate(self, conversations: list[list[dict]], seed: int = 0) -> tuple[list[list[dict]], TurnCounts]:
+        """The conversations with every assistant turn replaced by the model's answer, in order.
+
+        A conversation the chat template cannot render, or that opens with an assistant turn, is
+        returned unchanged: prepare_dataset drops and counts it with its reason.
+        """
+        messages = [[dict(m) for m in conv] for conv in conversations]
+        turns = [[k for k, m in enumerate(conv) if m["role"] == "assistant"] for conv in messages]
+        skipped: set[int] = {c for c, t in enumerate(turns) if t and t[0] == 0}
+        counts = TurnCounts()
+        for r in range(max(map(len, turns), default=0)):
+            jobs, prompts = [], []
+            for c, t in enumerate(turns):
+                if len(t) <= r or c in skipped:
+                    continue
+                try:
+                    prompts.append(self.prompt_ids(messages[c][:t[r]]))
+                except Exception as e:  # noqa: BLE001 - Jinja templates raise anything; see docstring
+                    log.debug("conversation %d: the chat template failed (%s); left unchanged", c, e)
+                    skipped.add(c)
+                    continue
+                jobs.append((c, t[r]))
+            answers = self.generate(prompts, seed=_derived_seed(self.seed, seed, r))
+            for (c, k), tokens in zip(jobs, answers):
+                messages[c][k] = {"role": "assistant", "content": self.answer(tokens, counts)}
+        for c in skipped:
+            messages[c] = [dict(m) for m in conversations[c]]
+        counts.unchanged += len(skipped)
+        return messages, counts
+
+
+def _derived_seed(*parts: int) -> int:
+    """A seed for one batch of one round of one chunk, independent of what ran before it."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunks
+
+
+def _chunk_path(work_dir: Path, index: int) -> Path:
+    return work_dir / f"chunk-{index:06d}.jsonl"
+
+
+def _read_chunk(path: Path, ids: list[str]) -> list[dict] | None:
+    """A finished chunk's rows, or None when it is missing or not the chunk expected here."""
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if [r.get("id") for r in rows] != ids:
+        log.warning("%s does not hold the conversations expected there; regenerating it", path)
+        return None
+    return rows
+
+
+def _prepare_work_dir(work_dir: Path, fingerprint: str) -> None:
+    """Drop chunks written under another fingerprint, then record this one."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    marker = work_dir / "fingerprint.json"
+    old = read_json(marker).get("fingerprint") if marker.is_file() else None
+    stale = sorted(work_dir.glob("chunk-*.jsonl"))
+    if old != fingerprint:
+        if stale:
+            log.info("settings, model, sources or code changed since %d chunks were written in %s: "
+                     "discarding them", len(stale), work_dir)
+        for path in stale:
+            path.unlink()
+        atomic_write_json(marker, {"format": REGENERATE_FORMAT, "fingerprint": fingerprint})
+
+
+def _chunks(rows: Iterator, chunk_size: int, bad: Counter) -> Iterator[list]:
+    chunk: list = []
+    for row in rows:
+        if isinstance(row, BadRow):
+            bad[row.reason] += 1
+            continue
+        chunk.append(row)
+        if len(chunk) == chunk_size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _output_row(conv: Any, messages: list[dict] | None) -> dict:
+    source = {"file": conv.file, "line": conv.line}
+    if messages is None:  # a plain-text row: nothing to answer, passed through
+        return {"id": conv.id, "text": conv.text, "source": source}
+    return {"id": conv.id, "messages": messages, "source": source}
+
+
+def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regenerator, out_path: str | Path,
+                             work_dir: str | Path, fingerprint: str, *,
+                             chunk_size: int = DEFAULT_CHUNK_SIZE) -> dict:
+    """Regenerate every conversation of ``sources`` chunk by chunk into ``work_dir``, then write
+    them, in source order, to ``out_path``; chunks already there under ``fingerprint`` are kept."""
+    started = time.perf_counter()
+    work_dir, out_path = Path(work_dir), Path(out_path)
+    _prepare_work_dir(work_dir, fingerprint)
+    total = sum(1 for row in load_conversations(sources) if not isinstance(row, BadRow))
+    if total == 0:
+        raise DataError(f"no usable conversations in {', '.join(map(str, sources))}",
+                        where=", ".join(map(str, sources)),
+                        fix="check data.sources; prepare_dataset's log explains bad rows")
+    bad: Counter = Counter()
+    counts = TurnCounts()
+    reused = written = text_rows = 0
+    progress = tqdm(total=total, desc="regenerating", unit=" conversations", file=sys.stderr,
+                    mininterval=PROGRESS_INTERVAL_S)
+    for index, chunk in enumerate(_chunks(load_conversations(sources), chunk_size, bad)):
+        path = _chunk_path(work_dir, index)
+        text_rows += sum(not c.is_chat for c in chunk)
+        if _read_chunk(path, [c.id for c in chunk]) is not None:
+            reused += 1
+        else:
+            chats = [c for c in chunk if c.is_chat]
+            messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index)
+            counts.add(chunk_counts)
+            answered = dict(zip(map(id, chats), messages))
+            rows = [_output_row(c, answered.get(id(c))) for c in chunk]
+            atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            written += 1
+        progress.update(len(chunk))
+    progress.close()
+    num_chunks = reused + written
+    _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
+    stats = {
+        "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
+        "turns_generated": counts.turns, "tokens_generated": counts.tokens,
+        "turns_truncated": counts.truncated, "empty_answers": counts.empty,
+        "text_rows_passed_through": text_rows, "conversations_unchanged": counts.unchanged,
+        "bad_rows_skipped": dict(bad),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log.info("regenerated %d conversations into %s: %d chunks generated, %d reused; %d turns, %d tokens "
+             "(%d cut at max_new_tokens, %d empty); %d bad rows skipped %s",
+             total, out_path, written, reused, counts.turns, counts.tokens, counts.truncated, counts.empty,
+             sum(bad.values()), dict(bad) or "")
+    if counts.turns and counts.truncated / counts.turns > 0.5:
+        log.warning("%d of %d answers hit regenerate.max_new_tokens=%d: the draft will learn cut-off answers; "
+                    "raise regenerate.max_new_tokens", counts.truncated, counts.turns,
+                    regenerator.settings.max_new_tokens)
+    return stats
+
+
+def _concatenate(parts: list[Path], out_path: Path) -> None:
+    """Write the parts one after another to ``out_path``, visible only once complete."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, out_path)
+    fsync_dir(out_path.parent)
+
+
+def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, out_path: str | Path,
+                         work_dir: str | Path, settings: RegenerateSettings, *, seed: int = 0,
+                         dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> dict:
+    """Load the target in ``model_path`` and write ``out_path``: the conversations of ``sources``
+    with the target's own answers (OpenAI messages, same ids, plus ``source``)."""
+    from transformers import AutoTokenizer
+
+    model_path = Path(model_path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    fingerprint = regeneration_fingerprint(
+        settings, model=_model_identity(model_path), sources=sources, seed=seed,
+        dtype=str(torch_dtype).replace("torch.", ""), device=torch_device.type, chunk_size=chunk_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype,
+             "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}")
+    regenerator = Regenerator(model, tokenizer, settings, seed=seed)
+    return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, chunk_size=chunk_size)

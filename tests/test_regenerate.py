@@ -1,0 +1,154 @@
+"""On-policy regeneration: the target's own greedy answers, turn by turn, resumable by chunk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import tiny
+from draftsmith.regenerate import (
+    RegenerateSettings,
+    Regenerator,
+    load_target_model,
+    regenerate_responses,
+    stop_token_ids,
+)
+
+CONVERSATIONS = [
+    {"id": "a", "messages": [{"role": "user", "content": "Hello there, how are you?"},
+                             {"role": "assistant", "content": "I am fine."}]},
+    {"id": "b", "messages": [{"role": "system", "content": "You are Draftsmith."},
+                             {"role": "user", "content": "What is your name?"},
+                             {"role": "assistant", "content": "Draftsmith."},
+                             {"role": "user", "content": "Do you like the sun?"},
+                             {"role": "assistant", "content": "It is sunny and warm."}]},
+    "{not json",
+    {"id": "c", "messages": [{"role": "user", "content": "one two three four five six seven"},
+                             {"role": "assistant", "content": "eight nine ten"}]},
+    {"id": "d", "conversations": [{"from": "human", "value": "The quick brown fox?"},
+                                  {"from": "gpt", "value": "Jumps over the lazy dog."}]},
+    {"id": "e", "messages": [{"role": "user", "content": "Nice to meet you!"}]},  # no answer: a bad row
+]
+GOOD_IDS = ["a", "b", "c", "d"]
+
+
+REGENERATE = Regenerator.regenerate
+
+
+class Killed(Exception):
+    """Stands in for the job being killed mid-run."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.build_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture
+def source(tmp_path):
+    return tiny.write_jsonl(tmp_path / "conversations.jsonl", CONVERSATIONS)
+
+
+def _run(source, model_dir, tmp_path, chunk_size=1, **settings):
+    settings = {"max_new_tokens": 12, "batch_size": 2, **settings}
+    out = tmp_path / "regenerated.jsonl"
+    stats = regenerate_responses([source], model_dir, out, tmp_path / "work", RegenerateSettings(**settings),
+                                 seed=3, dtype="float32", device="cpu", chunk_size=chunk_size)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return rows, stats
+
+
+def _count_chunks(monkeypatch, fail_after=None):
+    """Count Regenerator.regenerate calls (one per chunk generated); optionally die like a killed job."""
+    calls = []
+
+    def spy(self, conversations, seed=0):
+        if fail_after is not None and len(calls) == fail_after:
+            raise Killed("killed")
+        calls.append(seed)
+        return REGENERATE(self, conversations, seed)
+
+    monkeypatch.setattr(Regenerator, "regenerate", spy)
+    return calls
+
+
+def test_greedy_answers_equal_model_generate_turn_by_turn(source, model_dir, tmp_path):
+    rows, stats = _run(source, model_dir, tmp_path, chunk_size=3)
+    assert [r["id"] for r in rows] == GOOD_IDS
+    assert stats["bad_rows_skipped"] == {"invalid_json": 1, "no_assistant_turn": 1}
+    assert stats["turns_generated"] == 5
+
+    model = load_target_model(model_dir, dtype="float32", device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = stop_token_ids(model, tokenizer)
+    originals = {"a": CONVERSATIONS[0]["messages"], "b": CONVERSATIONS[1]["messages"],
+                 "c": CONVERSATIONS[3]["messages"]}
+    for row in rows:
+        messages = row["messages"]
+        assert row["source"]["file"] == str(source)
+        if row["id"] in originals:
+            original = originals[row["id"]]
+            assert [m["role"] for m in messages] == [m["role"] for m in original]
+            assert [m["content"] for m in messages if m["role"] != "assistant"] == \
+                   [m["content"] for m in original if m["role"] != "assistant"]
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            # Conditioned on the original user turns and the regenerated earlier answers.
+            text = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                 do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+            new = out[0, ids.shape[1]:].tolist()
+            new = new[: next((j for j, t in enumerate(new) if t in stops), len(new))]
+            assert message["content"] == tokenizer.decode(new, skip_special_tokens=True), (row["id"], k)
+    assert messages[-1]["content"] != "Jumps over the lazy dog."
+
+
+def test_resume_after_kill_skips_finished_chunks(source, model_dir, tmp_path, monkeypatch):
+    reference, _ = _run(source, model_dir, tmp_path / "uninterrupted")
+
+    calls = _count_chunks(monkeypatch, fail_after=2)
+    with pytest.raises(Killed):
+        _run(source, model_dir, tmp_path)
+    assert calls == [0, 1]
+    work = tmp_path / "work"
+    finished = {p.name: p.stat().st_mtime_ns for p in work.glob("chunk-*.jsonl")}
+    assert sorted(finished) == ["chunk-000000.jsonl", "chunk-000001.jsonl"]
+    assert not (tmp_path / "regenerated.jsonl").exists()
+
+    calls = _count_chunks(monkeypatch)
+    rows, stats = _run(source, model_dir, tmp_path)
+    assert calls == [2, 3]  # only the chunks the killed job had not finished
+    assert (stats["chunks_reused"], stats["chunks_generated"]) == (2, 2)
+    assert {p: work.joinpath(p).stat().st_mtime_ns for p in finished} == finished
+    assert rows == reference
+
+
+def test_sampled_resume_draws_what_an_uninterrupted_run_draws(source, model_dir, tmp_path, monkeypatch):
+    reference, _ = _run(source, model_dir, tmp_path / "uninterrupted", temperature=1.0, top_p=0.9)
+    _count_chunks(monkeypatch, fail_after=1)
+    with pytest.raises(Killed):
+        _run(source, model_dir, tmp_path, temperature=1.0, top_p=0.9)
+    _count_chunks(monkeypatch)
+    rows, _ = _run(source, model_dir, tmp_path, temperature=1.0, top_p=0.9)
+    assert rows == reference
+    greedy, _ = _run(source, model_dir, tmp_path / "greedy")
+    assert rows != greedy
+
+
+def test_changed_max_new_tokens_invalidates_chunks(source, model_dir, tmp_path, monkeypatch):
+    long_rows, _ = _run(source, model_dir, tmp_path, max_new_tokens=12)
+
+    calls = _count_chunks(monkeypatch)
+    _run(source, model_dir, tmp_path, max_new_tokens=12)
+    assert calls == []  # same settings: everything reused
+
+    rows, stats = _run(source, model_dir, tmp_path, max_new_tokens=3)
+    assert calls == [0, 1, 2, 3]
+    assert stats["chunks_reused"] == 0
+    assert stats["turns_generated"] == 5 and stats["tokens_generated"] <= 5 * 3
+    assert rows != long_rows
