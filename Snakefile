@@ -7,7 +7,12 @@ from draftsmith.config import check_config, check_semantics
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# The embedded demo's config, unless --configfile names another: a user's config then starts from
+# the schema's defaults, not from the demo's settings.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
+
 
 
 # Short messages naming each bad key first; then Snakemake fills in the schema's defaults.

@@ -69,7 +69,7 @@ def check_config(config: dict, schema_path: str | Path, config_files: list[str] 
     """Raise ConfigError listing every problem, or return with ``config`` unchanged."""
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
     problems = schema_errors(config, schema)
-    where = ", ".join(config_files or []) or None
+    where = ", ".join(map(str, config_files or [])) or None
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,
                           fix=f"correct the keys above (types, ranges and defaults: {schema_path})")
@@ -79,4 +79,4 @@ def check_semantics(config: dict, config_files: list[str] | None = None) -> None
     problems = semantic_errors(config)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems),
-                          where=", ".join(config_files or []) or None, fix="correct the keys above")
+                          where=", ".join(map(str, config_files or [])) or None, fix="correct the keys above")

@@ -1,0 +1,62 @@
+"""Honest caching, checked through real `snakemake` runs of the first stages on a tiny target."""
+
+import pytest
+
+import tiny
+from workflow_helpers import copy_workflow, planned_rules, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+PREFLIGHT_TARGETS = ["results/t/target.json", "results/t/vocab/mapping.safetensors"]
+
+
+@pytest.fixture
+def workflow(tmp_path):
+    workdir = copy_workflow(tmp_path / "wf")
+    model = tiny.build_llama(tmp_path / "model")
+    rows = [{"messages": [{"role": "user", "content": f"Hello there number {i}"},
+                          {"role": "assistant", "content": f"I am fine, thank you {i}."}]} for i in range(40)]
+    data = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
+    config = {"run": "t", "device": "cpu",
+              "target": {"source": "path", "path": str(model)},
+              "data": {"sources": [str(data)], "max_seq_len": 64, "heldout_fraction": 0.1},
+              "vocab": {"draft_vocab_size": 64}}
+    return workdir, write_config(workdir, config)
+
+
+def test_caching_follows_inputs_params_and_code(workflow):
+    workdir, config = workflow
+
+    plan = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
+    assert planned_rules(plan) == {"inspect_target", "prepare_dataset", "build_vocab_mapping"}
+    assert "reason: Missing output files" in plan.stdout
+
+    snakemake(workdir, *PREFLIGHT_TARGETS, configfile=config)
+    assert (workdir / "results/t/target.json").exists()
+    again = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
+    assert planned_rules(again) == set(), again.stdout
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+    # A parameter of one stage reruns that stage (and its dependents) only.
+    changed = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, "--config", "vocab={draft_vocab_size: 32}",
+                        configfile=config)
+    assert planned_rules(changed) == {"build_vocab_mapping"}
+
+    # Editing the code of one stage reruns that stage and its dependents, nothing upstream.
+    with (workdir / "draftsmith" / "data.py").open("a") as f:
+        f.write("\n# an edit\n")
+    edited = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
+    assert planned_rules(edited) == {"prepare_dataset", "build_vocab_mapping"}
+
+    with (workdir / "draftsmith" / "vocab.py").open("a") as f:
+        f.write("\n# an edit\n")
+    snakemake(workdir, *PREFLIGHT_TARGETS, configfile=config)
+    assert planned_rules(snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)) == set()
+
+
+def test_bad_config_stops_before_any_job(workflow):
+    workdir, config = workflow
+    result = snakemake(workdir, "-n", "--config", "train={ttt_stepz: 3}", configfile=config, check=False)
+    assert result.returncode != 0
+    assert "train.ttt_stepz: unknown key" in result.stdout + result.stderr
+    assert not (workdir / "results").exists()

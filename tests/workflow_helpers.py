@@ -1,0 +1,56 @@
+"""Run the real workflow with `snakemake` on a private copy of the repository's workflow files.
+
+The copy includes the draftsmith package, put first on PYTHONPATH, so a test may edit package
+code (to prove that caching follows it) without touching the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOW_PARTS = ["Snakefile", "rules", "workflow_scripts", "config", "report", "draftsmith"]
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+
+
+def copy_workflow(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        src = ROOT / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / part)
+    return dest
+
+
+def write_config(workdir: Path, config: dict, name: str = "test.yaml") -> Path:
+    path = workdir / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def snakemake(workdir: Path, *args: str, configfile: Path | None = None, check: bool = True,
+              timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(workdir), "PYTHONUNBUFFERED": "1"}
+    cmd = [SNAKEMAKE, "--cores", "2", "--resources", "gpu=0"]
+    if configfile is not None:
+        cmd += ["--configfile", str(configfile)]
+    result = subprocess.run([*cmd, *args], cwd=workdir, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    return result
+
+
+def planned_rules(result: subprocess.CompletedProcess) -> set[str]:
+    """Rules a dry run would execute, read from its job table."""
+    text = result.stdout + result.stderr
+    return set(re.findall(r"^(?:local)?rule (\w+):", text, flags=re.M)) - {"all", "preflight", "extract"}
