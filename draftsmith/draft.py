@@ -1,0 +1,561 @@
+"""The EAGLE-3 draft model, and its save/load in the speculators format that vLLM serves.
+
+The module layout and weight names are speculators 0.9's ``Eagle3DraftModel``
+(speculators/models/eagle3/core.py, model_definitions.py), which are also the names vLLM's
+``llama_eagle3.py`` loads::
+
+    embed_tokens.weight            [V, H]   the target's token embeddings, frozen
+    fc.weight                      [H, A*H] fuses the A captured target states
+    layers.0.input_layernorm       on the token embedding
+    layers.0.hidden_norm           on the fused (step 0) or fed-back (later steps) hidden state
+    layers.0.self_attn.{q,k,v}_proj  take cat([normed embedding, normed hidden]) = 2H inputs
+    layers.0.self_attn.o_proj, post_attention_layernorm, mlp.{gate,up,down}_proj
+    layers.i (i >= 1)              plain Llama decoder layers
+    norm.weight, lm_head.weight    [Vd, H] over the draft vocabulary
+    d2t [Vd] int64, t2d [V] bool   draft id i is target id i + d2t[i]
+
+Layer numbering: ``eagle_aux_hidden_state_layer_ids`` is written as our ``aux_layer_ids``
+unchanged. Ours are Hugging Face ``output_hidden_states`` indices (id i = input of decoder layer
+i). vLLM 0.32 uses the config's ids as ``aux_hidden_state_layers`` as they are
+(vllm/v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``) and captures id i
+where the stream enters layer i: llama.py ``_maybe_add_hidden_state(aux, idx + 1, ...)`` after
+layer idx (and id 0 = embeddings before the first layer), deepseek_v2.py ``if idx in
+self.aux_hidden_state_layers`` before layer idx runs; the captured value is
+``hidden_states + residual``, i.e. the un-normed residual stream = HF ``hidden_states[i]``. So the
+two numberings are the same and no +1/-1 applies (DFlash's ``target_layer_ids`` are the ones vLLM
+shifts by +1). vLLM concatenates the aux states in ascending layer order (interfaces.py sorts
+them), so ``fc`` sees them in ascending order too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from draftsmith.errors import TrainingError
+from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format is written here
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Eagle3DraftConfig:
+    """Shape and serving metadata of an EAGLE-3 draft (a Llama-style decoder over fused target states)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]  # HF hidden_states ids == vLLM eagle_aux_hidden_state_layer_ids (module docstring)
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    norm_before_residual: bool = True
+    initializer_range: float = 0.02
+    pad_token_id: int | None = None
+    verifier_name_or_path: str | None = None
+    verifier_architectures: list[str] = field(default_factory=list)
+    speculative_tokens: int = 3
+
+    def __post_init__(self) -> None:
+        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
+            raise TrainingError(f"aux layer ids must be distinct and ascending, got {self.aux_layer_ids}",
+                                where="target.json aux_layer_ids",
+                                fix="vLLM concatenates aux states in ascending layer order; list them so")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise TrainingError(f"{self.num_attention_heads} attention heads are not a multiple of "
+                                f"{self.num_key_value_heads} key/value heads", where="draft config")
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @classmethod
+    def from_target(cls, target: dict, *, draft_vocab_size: int, num_layers: int = 1,
+                    norm_before_residual: bool = True, speculative_tokens: int = 3,
+                    aux_layer_ids: Sequence[int] | None = None) -> Eagle3DraftConfig:
+        """A draft shaped after the target's text model (``target.json`` as a dict).
+
+        Llama/Qwen-like targets lend their attention layout; targets without one (MLA, as in
+        DeepSeek-V3 / Kimi-K2) get 128-dim heads, hidden/128 of them, and 8 key/value heads, the
+        layout public EAGLE-3 drafts for those targets use. RoPE scaling is kept only for Llama
+        targets, whose scaling vLLM's Llama draft implements identically.
+        """
+        tc = target.get("text_config", {})
+        hidden = int(target["hidden_size"])
+        heads = tc.get("num_attention_heads") or max(hidden // 128, 1)
+        head_dim = tc.get("head_dim") or hidden // heads
+        kv_heads = tc.get("num_key_value_heads") or heads
+        if "kv_lora_rank" in tc or heads * head_dim < hidden // 2:
+            head_dim = 128 if hidden % 128 == 0 else hidden // max(hidden // 128, 1)
+            heads = hidden // head_dim
+            kv_heads = 8 if heads % 8 == 0 else heads
+        rope = _draft_rope_parameters(tc)
+        architectures = [target["architecture"]] if target.get("architecture") else []
+        return cls(
+            hidden_size=hidden, num_attention_heads=int(heads), num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim), intermediate_size=int(tc.get("intermediate_size") or 4 * hidden),
+            target_vocab_size=int(target["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=list(aux_layer_ids if aux_layer_ids is not None else target["aux_layer_ids"]),
+            num_layers=num_layers, rms_norm_eps=float(tc.get("rms_norm_eps") or 1e-6),
+            hidden_act=tc.get("hidden_act") or "silu",
+            max_position_embeddings=int(tc.get("max_position_embeddings") or 4096),
+            rope_parameters=rope, norm_before_residual=norm_before_residual,
+            initializer_range=float(tc.get("initializer_range") or 0.02),
+            pad_token_id=tc.get("pad_token_id"), verifier_name_or_path=target.get("model_path"),
+            verifier_architectures=architectures, speculative_tokens=speculative_tokens,
+        )
+
+    def transformer_layer_config(self) -> dict[str, Any]:
+        """The ``transformer_layer_config`` dict: a LlamaConfig (as speculators serialises it).
+
+        ``num_aux_hidden_states`` rides along because vLLM's llama_eagle3.py reads the fc input
+        width from it and otherwise assumes 3 aux layers.
+        """
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters), initializer_range=self.initializer_range,
+            attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+            pad_token_id=self.pad_token_id, bos_token_id=None, eos_token_id=None,
+        )
+        config.architectures = ["LlamaForCausalLM"]
+        out = config.to_diff_dict()
+        out.pop("transformers_version", None)
+        out["num_aux_hidden_states"] = self.num_aux
+        return out
+
+    def llama_config(self):
+        from transformers import LlamaConfig
+
+        kwargs = {k: v for k, v in self.transformer_layer_config().items()
+                  if k not in ("model_type", "architectures", "num_aux_hidden_states")}
+        return LlamaConfig(**kwargs)
+
+    def to_speculators(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
+        """config.json as speculators 0.9's ``Eagle3SpeculatorConfig`` writes it."""
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{
+                    "proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
+                    "verifier_accept_k": 1, "accept_tolerance": 0.0,
+                }],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": self.verifier_name_or_path,
+                             "architectures": list(self.verifier_architectures)},
+            },
+            "transformer_layer_config": self.transformer_layer_config(),
+            "draft_vocab_size": self.draft_vocab_size,
+            # vLLM defaults a missing norm_before_residual to True, speculators' config class to
+            # False: always write it.
+            "norm_before_residual": self.norm_before_residual,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "embed_requires_grad": False,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "tie_word_embeddings": False,
+            "dtype": dtype,
+        }
+
+    @classmethod
+    def from_speculators(cls, config: dict[str, Any]) -> Eagle3DraftConfig:
+        if config.get("speculators_model_type") != "eagle3":
+            raise TrainingError(f"not an EAGLE-3 speculators config (speculators_model_type "
+                                f"{config.get('speculators_model_type')!r})", where="config.json")
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if config.get(flag):
+                raise TrainingError(f"{flag}=true drafts are not supported", where="config.json",
+                                    fix="load it with speculators itself")
+        tl = config["transformer_layer_config"]
+        if tl.get("model_type", "llama") != "llama":
+            raise TrainingError(f"only Llama-style draft layers are supported, got {tl.get('model_type')!r}",
+                                where="config.json transformer_layer_config.model_type")
+        rope = tl.get("rope_parameters") or {"rope_type": "default", "rope_theta": tl.get("rope_theta", 10000.0)}
+        spec = config.get("speculators_config") or {}
+        verifier = spec.get("verifier") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        heads = tl["num_attention_heads"]
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or []
+        return cls(
+            hidden_size=tl["hidden_size"], num_attention_heads=heads,
+            num_key_value_heads=tl.get("num_key_value_heads") or heads,
+            head_dim=tl.get("head_dim") or tl["hidden_size"] // heads,
+            intermediate_size=tl["intermediate_size"], target_vocab_size=tl["vocab_size"],
+            draft_vocab_size=config.get("draft_vocab_size") or tl["vocab_size"],
+            aux_layer_ids=list(aux), num_layers=tl.get("num_hidden_layers", 1),
+            rms_norm_eps=tl.get("rms_norm_eps", 1e-6), hidden_act=tl.get("hidden_act", "silu"),
+            max_position_embeddings=tl.get("max_position_embeddings", 4096), rope_parameters=dict(rope),
+            norm_before_residual=bool(config.get("norm_before_residual", False)),
+            initializer_range=tl.get("initializer_range", 0.02), pad_token_id=tl.get("pad_token_id"),
+            verifier_name_or_path=verifier.get("name_or_path"),
+            verifier_architectures=list(verifier.get("architectures") or []),
+            speculative_tokens=methods[0].get("speculative_tokens", 3),
+        )
+
+
+def _draft_rope_parameters(text_config: dict) -> dict[str, Any]:
+    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
+    if isinstance(params, dict) and isinstance(next(iter(params.values()), None), dict):
+        params = params.get("full_attention") or next(iter(params.values()))  # per-layer-type RoPE
+    theta = (params.get("rope_theta") if isinstance(params, dict) else None) or text_config.get("rope_theta") or 10000.0
+    rope_type = (params.get("rope_type") or params.get("type") or "default") if isinstance(params, dict) else "default"
+    if text_config.get("model_type") == "llama" and rope_type in ("llama3", "linear", "dynamic"):
+        return {**params, "rope_type": rope_type, "rope_theta": float(theta)}
+    return {"rope_type": "default", "rope_theta": float(theta)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules (the math of transformers' Llama modules, with speculators' Eagle3 first layer)
+
+
+class RMSNorm(nn.Module):
+    """LlamaRMSNorm: normalise in float32, scale by the weight in the input's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Eagle3DraftConfig, in_features: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                layer_index: int) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        out = attend(layer_index, q, k, v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Eagle3DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        from transformers.activations import ACT2FN
+
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3FirstLayer(nn.Module):
+    """speculators' ``Eagle3FirstLayerMixin.forward`` (model_definitions.py:53-110): attention
+    over cat([input_layernorm(embeds), hidden_norm(hidden)]), residual from the hidden part
+    (the normed one when ``norm_before_residual``)."""
+
+    def __init__(self, config: Eagle3DraftConfig) -> None:
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = Attention(config, 2 * config.hidden_size)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend, layer_index: int = 0) -> torch.Tensor:
+        residual = hidden
+        embeds = self.input_layernorm(embeds)
+        hidden = self.hidden_norm(hidden)
+        if self.norm_before_residual:
+            residual = hidden
+        x = self.self_attn(torch.cat([embeds, hidden], dim=-1), cos, sin, attend, layer_index)
+        x = residual + x
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLayer(nn.Module):
+    """A plain Llama decoder layer (the draft's layers after the first)."""
+
+    def __init__(self, config: Eagle3DraftConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend, layer_index: int) -> torch.Tensor:
+        x = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend, layer_index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftKVCache:
+    """Keys and values of every position the draft has seen, per layer, for incremental drafting.
+
+    ``crop(n)`` forgets everything after the first ``n`` positions: call it after verification so
+    that only positions of accepted tokens (computed from the target's hidden states) remain,
+    exactly as vLLM overwrites the slots of rejected draft tokens.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[0]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k])
+            v = torch.cat([self.values[layer], v])
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:length], self.values[i][:length]
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft: fc over the concatenated aux states, one Eagle-3 layer (+ plain layers), norm, lm_head.
+
+    Training unrolls it with ``step`` (see draftsmith.train); inference uses ``draft_step`` with a
+    ``DraftKVCache``. Both run the same layers: only the attention pattern is supplied from outside.
+    """
+
+    def __init__(self, config: Eagle3DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(config.num_aux * h, h, bias=False)
+        layers: list[nn.Module] = [Eagle3FirstLayer(config)]
+        layers += [DecoderLayer(config) for _ in range(1, config.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.rotary = LlamaRotaryEmbedding(config.llama_config())
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Speculators' (Hugging Face Llama) init: normal(0, initializer_range) linears, unit norms."""
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def load_target_weights(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor,
+                            t2d: torch.Tensor) -> None:
+        """Copy the target's embeddings and the draft-vocab rows of its lm_head, and the vocab mapping."""
+        c = self.config
+        if tuple(embed.shape) != (c.target_vocab_size, c.hidden_size):
+            raise TrainingError(f"target embeddings have shape {tuple(embed.shape)}, expected "
+                                f"({c.target_vocab_size}, {c.hidden_size})", where="target embed_tokens")
+        rows = draft_rows(d2t, t2d, c.target_vocab_size)
+        with torch.no_grad():
+            self.embed_tokens.weight = nn.Parameter(embed.detach().clone(), requires_grad=False)
+            self.lm_head.weight.copy_(lm_head.detach()[rows].to(self.lm_head.weight.dtype))
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    # -- the shared math ------------------------------------------------------------------------
+
+    def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] in float32 (as transformers' LlamaRotaryEmbedding computes them)."""
+        probe = torch.empty(0, device=position_ids.device, dtype=torch.float32)
+        cos, sin = self.rotary(probe, position_ids[None])
+        return cos[0], sin[0]
+
+    def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
+        """[T, A*H] captured states (ascending layer ids, concatenated) -> [T, H]."""
+        return self.fc(aux_states)
+
+    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass: (output hidden [T, H] fed to the next step, draft-vocab logits [T, Vd])."""
+        with torch.no_grad():
+            embeds = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(embeds, hidden, cos, sin, attend, i)
+        return hidden, self.lm_head(self.norm(hidden))
+
+    # -- inference -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def draft_step(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cache: DraftKVCache, *, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft on new positions, extending ``cache``; returns (hidden [n, H], logits [n, Vd]).
+
+        ``hidden_states`` are either the target's aux states [n, A*H] for positions whose token was
+        verified (``fused=False``; they go through ``fc``), or the draft's own output hidden states
+        from the previous draft step [n, H] (``fused=True``). ``input_ids`` [n] are the tokens that
+        come *after* each hidden state's position (EAGLE's shift: the state at position p is paired
+        with token p+1), ``position_ids`` [n] their positions; any convention works as long as it is
+        consistent, RoPE sees only differences. New queries attend to everything in the cache plus
+        the new positions causally: this is step 0 of training when the cache holds only verified
+        positions, and TTT step j when it also holds the j previous draft positions of this chain.
+        Map logits to target ids with ``draft_to_target(logits.argmax(-1))``.
+        """
+        if not fused:
+            hidden_states = self.fuse(hidden_states.to(self.fc.weight.dtype))
+        cos, sin = self.rope(position_ids)
+        n = input_ids.shape[0]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k, v = cache.append(layer, k, v)
+            total = k.shape[0]
+            mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
+            mask[:, total - n:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            return out.transpose(0, 1)
+
+        return self.step(hidden_states, input_ids, cos, sin, attend)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def draft_rows(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """Target ids of the draft vocabulary in draft order (i + d2t[i]), checked against t2d."""
+    rows = torch.arange(d2t.shape[0], dtype=torch.long) + d2t.cpu().long()
+    if rows.min() < 0 or rows.max() >= target_vocab_size:
+        raise TrainingError("d2t maps draft ids outside the target vocabulary", where="vocab/mapping.safetensors",
+                            fix="rerun build_vocab_mapping for this target")
+    expected = torch.zeros(target_vocab_size, dtype=torch.bool)
+    expected[rows] = True
+    if t2d.shape[0] != target_vocab_size or not torch.equal(expected, t2d.cpu().bool()):
+        raise TrainingError("d2t and t2d disagree (t2d must mark exactly the target ids i + d2t[i])",
+                            where="vocab/mapping.safetensors", fix="rerun build_vocab_mapping for this target")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# speculators format
+
+
+def speculators_state_dict(model: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights under speculators 0.9's names (ours are the same), floats cast to ``dtype``."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("rotary."):
+            continue
+        tensor = tensor.detach().cpu()
+        out[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    return out
+
+
+def save_speculators(model: Eagle3Draft, out_dir: str | Path, *, dtype: str = "bfloat16",
+                     extra_files: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` so speculators and vLLM load the draft as-is."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = speculators_state_dict(model, DTYPES[dtype])
+    atomic_write_bytes(out_dir / "model.safetensors",
+                       save_safetensors(tensors, metadata={"format": "pt"}))
+    for name, obj in (extra_files or {}).items():
+        atomic_write_json(out_dir / name, obj)
+    atomic_write_json(out_dir / "config.json", model.config.to_speculators(dtype=dtype))
+    return out_dir
+
+
+def load_speculators(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> Eagle3Draft:
+    """Load a speculators-format EAGLE-3 draft (ours or speculators'); strict about weight names."""
+    path = Path(path)
+    config = Eagle3DraftConfig.from_speculators(read_json(path / "config.json"))
+    tensors = load_file(path / "model.safetensors", device=str(device))
+    if not config.aux_layer_ids:
+        config = replace(config, aux_layer_ids=list(range(tensors["fc.weight"].shape[1] // config.hidden_size)))
+    model = Eagle3Draft(config)
+    if "d2t" not in tensors:  # a draft over the full target vocabulary
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(config.target_vocab_size, dtype=torch.bool)
+    tensors.pop("verifier_lm_head.weight", None)
+    tensors.pop("verifier_norm.weight", None)
+    missing, unexpected = model.load_state_dict(
+        {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}, strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise TrainingError(f"draft weights do not match the config: missing {missing}, unexpected {unexpected}",
+                            where=str(path / "model.safetensors"))
+    model.embed_tokens.weight.requires_grad_(False)
+    return model.to(device)
+
+
+def num_flops_per_token(config: Eagle3DraftConfig, ttt_steps: int) -> float:
+    """Training FLOPs per token (forward + backward) of the matmuls, excluding attention scores
+    and the frozen teacher/argmax products, which ``bench`` counts separately."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    first = 2 * h * (q + 2 * kv) + q * h + 3 * h * i
+    later = h * (q + 2 * kv) + q * h + 3 * h * i
+    per_step = first + (config.num_layers - 1) * later + h * config.draft_vocab_size
+    fc = config.num_aux * h * h
+    return 2 * 3 * (fc + ttt_steps * per_step)
+
+
+__all__ = [
+    "Eagle3DraftConfig", "Eagle3Draft", "DraftKVCache", "save_speculators", "load_speculators",
+    "speculators_state_dict", "draft_rows", "num_flops_per_token",
+]

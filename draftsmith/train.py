@@ -1,0 +1,1018 @@
+"""Train an EAGLE-3 draft on captured hidden states, with training-time test (TTT).
+
+Conventions are speculators 0.9's (speculators/models/eagle3/{data,core,attention,metrics}.py),
+so a draft trained here behaves under vLLM's eagle3 proposer as one trained there:
+
+* shift (data.py ``shift_batch``): per sample of n tokens the draft sees n-1 positions t with
+  token x[t+1], fused aux state g[t], teacher state y[t+1] (the target's distribution over
+  x[t+2]), loss mask l[t+1] and position id t+1.
+* TTT (core.py ``forward``): step j feeds back step j-1's output hidden state (pre-norm) with the
+  teacher-forced token x[t+1+j] (``original_input_ids[:, 1 + ttt_step:]``) at position id t+1+j;
+  its logits at t are scored against the teacher at t+j under loss mask l[t+1+j]
+  (metrics.py ``align_for_step``), weighted by ``ttt_decay**j``, each step's KL averaged over its
+  loss tokens (losses/utils.py ``loss_function``) and the steps summed.
+* attention (attention.py ``create_combined_mask_mod``, ``extend_*_mask_for_draft_tokens``):
+  step j's query at t sees step 0's keys causally within its sample plus the keys of steps 1..j
+  at the same t.
+
+Where speculators lets a shifted step read past the end of a packed sample (its right-padding
+runs across document boundaries), positions whose step-j target lies outside the sample are
+excluded here, so packing never changes the loss.
+
+The teacher is the captured final state (post-norm, what the target's lm_head consumes) times
+the lm_head rows of the draft vocabulary; the rest of the vocabulary is touched once per batch,
+chunked, only to learn whether the target's true argmax lies in the draft vocabulary, so that the
+reported accuracy is the probability that vLLM accepts the draft token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
+from draftsmith.errors import TrainingError
+from draftsmith.hidden_states import (
+    HiddenStateIndex,
+    ShardInfo,
+    _layer_file,
+    dequantize_fp8,
+    read_shard,
+)
+from draftsmith.io import atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "draftsmith.train-checkpoint/1"
+PAD_MULTIPLE = 128  # flex attention's block size: padded batches keep one compiled shape
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything that decides the trained weights, plus how often to log and checkpoint.
+
+    ``batch_tokens`` is per micro-batch (one process, one forward); an optimizer step takes
+    ``world_size * grad_accum_steps`` micro-batches, so 2 processes x 1 and 1 process x 2
+    train on the same global batches and give the same weights.
+    """
+
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+    epochs: float = 1  # a fraction trains on the first part of the last epoch's batches
+    max_steps: int | None = None
+    batch_tokens: int = 8192
+    grad_accum_steps: int = 1
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "bfloat16", "float32"
+    num_layers: int = 1
+    norm_before_residual: bool = True  # speculators' trainer default (and vLLM's default reading)
+    train_lm_head: bool = False  # speculators 0.9 keeps lm_head frozen at the target's rows
+    attention: str = "auto"  # "flex" (GPU default) or "sdpa" (CPU default): same math
+    compile: str = "auto"  # torch.compile the draft step: "auto" = on GPU
+    verify_shards: bool = True
+    progress: bool = True
+    device: str = "auto"  # "auto" (cuda when present), "cuda" or "cpu"
+
+    # settings that do not change the weights: a checkpoint stays valid when they change
+    NON_MATH = ("checkpoint_every", "keep_checkpoints", "log_every", "verify_shards", "progress",
+                "compile", "attention", "device")
+
+    def check(self) -> None:
+        problems = []
+        if self.ttt_steps < 1:
+            problems.append(("ttt_steps", "must be at least 1"))
+        if not 0 < self.ttt_decay <= 1:
+            problems.append(("ttt_decay", "must be in (0, 1]"))
+        if self.batch_tokens < 2:
+            problems.append(("batch_tokens", "must be at least 2"))
+        if self.epochs <= 0 or (self.max_steps is not None and self.max_steps < 1):
+            problems.append(("epochs/max_steps", "must be positive"))
+        if self.grad_accum_steps < 1 or self.checkpoint_every < 1 or self.log_every < 1:
+            problems.append(("grad_accum_steps/checkpoint_every/log_every", "must be at least 1"))
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            problems.append(("dtype", "must be auto, bfloat16 or float32"))
+        if self.attention not in ("auto", "flex", "sdpa"):
+            problems.append(("attention", "must be auto, flex or sdpa"))
+        if self.compile not in ("auto", "true", "false", True, False):
+            problems.append(("compile", "must be auto, true or false"))
+        if self.device not in ("auto", "cuda", "cpu"):
+            problems.append(("device", "must be auto, cuda or cpu"))
+        if problems:
+            key, what = problems[0]
+            raise TrainingError(f"training setting {key} {what}", where=f"train.{key}")
+
+    def math_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NON_MATH}
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: plan packed micro-batches from shard metadata, read rows of one shard at a time
+
+
+@dataclass
+class _ShardMeta:
+    """Per usable sample of one shard: first row, shifted length, loss tokens per TTT step."""
+
+    starts: np.ndarray  # int64 [n]: row of the sample's first token in the shard
+    lengths: np.ndarray  # int64 [n]: positions after the shift (n_tokens - 1, capped)
+    counts: np.ndarray  # int64 [n, K]: loss positions valid at step j
+
+
+def _shard_meta(index: HiddenStateIndex, shard: ShardInfo, cap: int, ttt_steps: int, verify: bool) -> _ShardMeta:
+    data = read_shard(index, shard, layer_ids=[], verify=verify)
+    offsets = data.offsets.numpy().astype(np.int64)
+    starts, ends = offsets[:-1], offsets[1:]
+    lengths = np.minimum(ends - starts - 1, cap)
+    keep = lengths >= 1
+    starts, lengths = starts[keep], lengths[keep]
+    cs = np.concatenate([[0], np.cumsum(data.loss_mask.numpy().astype(np.int64))])
+    counts = np.zeros((len(starts), ttt_steps), dtype=np.int64)
+    for j in range(ttt_steps):
+        # shifted positions t+j for t in [0, m-j) are rows start+1+j .. start+m
+        lo = np.minimum(starts + 1 + j, starts + 1 + lengths)
+        counts[:, j] = cs[starts + 1 + lengths] - cs[lo]
+    return _ShardMeta(starts, lengths, counts)
+
+
+@dataclass(frozen=True)
+class _Pack:
+    shard: int  # position in index.shards
+    samples: tuple[int, ...]  # sample positions in that shard's _ShardMeta
+    tokens: int
+    counts: tuple[int, ...]  # loss positions per TTT step
+    dummy: bool = False  # fills the last global batch; carries no loss
+
+
+def _plan_epoch(metas: list[_ShardMeta], cap: int, seed: int, epoch: int) -> list[_Pack]:
+    """The epoch's micro-batches: shards in a seeded order, each packed best-fit-decreasing into
+    batches of at most ``cap`` positions, in seeded order. Depends on nothing but data and seed."""
+    rng = np.random.default_rng([seed, epoch])
+    packs: list[_Pack] = []
+    for s in rng.permutation(len(metas)):
+        meta = metas[s]
+        order = rng.permutation(len(meta.lengths))
+        order = order[np.argsort(-meta.lengths[order], kind="stable")]
+        bins: list[list[int]] = []
+        room: list[tuple[int, int]] = []  # sorted (free space, bin id)
+        for i in order:
+            need = int(meta.lengths[i])
+            k = bisect.bisect_left(room, (need, -1))
+            if k == len(room):
+                bins.append([int(i)])
+                bisect.insort(room, (cap - need, len(bins) - 1))
+            else:
+                free, b = room.pop(k)
+                bins[b].append(int(i))
+                bisect.insort(room, (free - need, b))
+        for b in rng.permutation(len(bins)):
+            members = tuple(sorted(bins[b]))
+            idx = np.asarray(members)
+            packs.append(_Pack(int(s), members, int(meta.lengths[idx].sum()),
+                               tuple(int(c) for c in meta.counts[idx].sum(0))))
+    return packs
+
+
+@dataclass
+class _Step:
+    epoch: int
+    index: int  # step within the epoch
+    packs: list[_Pack]  # the global batch: world_size * grad_accum micro-batches
+    counts: np.ndarray  # loss positions per TTT step over the global batch
+    tokens: int
+
+
+def _plan_steps(metas: list[_ShardMeta], settings: TrainSettings, group: int) -> list[_Step]:
+    steps: list[_Step] = []
+    num_epochs = math.ceil(settings.epochs)
+    for epoch in range(num_epochs):
+        packs = _plan_epoch(metas, settings.batch_tokens, settings.seed, epoch)
+        if not packs:
+            break
+        per_epoch = math.ceil(len(packs) / group)
+        if epoch == num_epochs - 1 and settings.epochs < num_epochs:
+            per_epoch = max(1, math.ceil((settings.epochs - epoch) * per_epoch))
+        for i in range(per_epoch):
+            chunk = packs[i * group:(i + 1) * group]
+            chunk += [dataclasses.replace(packs[k % len(packs)], dummy=True) for k in range(group - len(chunk))]
+            real = [p for p in chunk if not p.dummy]
+            counts = np.sum([p.counts for p in real], axis=0)
+            steps.append(_Step(epoch, i, chunk, counts, sum(p.tokens for p in real)))
+            if settings.max_steps is not None and len(steps) >= settings.max_steps:
+                return steps
+    return steps
+
+
+class _ShardRows:
+    """Rows of one shard's files, memory-mapped: only the rows a micro-batch uses are read."""
+
+    def __init__(self, index: HiddenStateIndex, shard: ShardInfo, layer_ids: list[int]) -> None:
+        tokens = read_shard(index, shard, layer_ids=[], verify=False)
+        self.input_ids = tokens.input_ids
+        self.loss_mask = tokens.loss_mask
+        root = index.root / shard.path
+        self.files = {i: safe_open(str(root / _layer_file(i)), "pt") for i in layer_ids}
+        self.fp8 = index.dtype == "fp8"
+
+    def rows(self, layer_id: int, start: int, stop: int) -> torch.Tensor:
+        f = self.files[layer_id]
+        values = f.get_slice("hidden_states")[start:stop]
+        if self.fp8:
+            return dequantize_fp8(values, f.get_slice("scales")[start:stop])
+        return values
+
+
+def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[int], final_id: int,
+                 hidden: int, ttt_steps: int, pad_to: int, dtype: torch.dtype, pin: bool) -> dict:
+    """Pack the samples: aux [T, A*H], final [T, H], per-step token ids/valid masks, positions, docs."""
+    total = pack.tokens
+    t_pad = max(total, 1) if pad_to <= 1 else -(-total // pad_to) * pad_to
+    aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=dtype)
+    final = torch.zeros(t_pad, hidden, dtype=dtype)
+    ids = torch.zeros(ttt_steps, t_pad, dtype=torch.long)
+    valid = torch.zeros(ttt_steps, t_pad, dtype=torch.bool)
+    pos = torch.zeros(t_pad, dtype=torch.long)
+    doc = torch.full((t_pad,), len(pack.samples), dtype=torch.int32)  # padding: one extra document
+    o = 0
+    for d, i in enumerate(pack.samples):
+        s, m = int(meta.starts[i]), int(meta.lengths[i])
+        for a, layer in enumerate(aux_ids):
+            aux[o:o + m, a * hidden:(a + 1) * hidden] = rows.rows(layer, s, s + m)
+        final[o:o + m] = rows.rows(final_id, s + 1, s + 1 + m)
+        sample_ids = rows.input_ids[s + 1:s + 1 + m]
+        sample_loss = rows.loss_mask[s + 1:s + 1 + m]
+        if not pack.dummy:
+            for j in range(min(ttt_steps, m)):
+                valid[j, o:o + m - j] = sample_loss[j:]
+        for j in range(min(ttt_steps, m)):
+            ids[j, o:o + m - j] = sample_ids[j:]
+        pos[o:o + m] = torch.arange(1, m + 1)
+        doc[o:o + m] = d
+        o += m
+    batch = {"aux": aux, "final": final, "ids": ids, "valid": valid, "pos": pos, "doc": doc}
+    if pin:
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    batch["tokens"] = total
+    return batch
+
+
+class _Prefetcher:
+    """Builds this rank's micro-batches on a background thread, one shard open at a time."""
+
+    def __init__(self, jobs: list[tuple[_Pack, Any]], make, depth: int = 2) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(jobs, make), daemon=True)
+        self._thread.start()
+
+    def _run(self, jobs, make) -> None:
+        try:
+            for job in jobs:
+                if self._stop.is_set():
+                    return
+                self._queue.put(("ok", make(*job)))
+        except BaseException as e:  # handed to the training loop, which re-raises it
+            self._queue.put(("error", e))
+
+    def get(self) -> dict:
+        kind, value = self._queue.get()
+        if kind == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+
+
+class _Verifier(threading.Thread):
+    """Checks the sha256 of the state files of this rank's share of the shards, beside training."""
+
+    def __init__(self, index: HiddenStateIndex, shards: list[ShardInfo]) -> None:
+        super().__init__(daemon=True)
+        self.index, self.shards, self.error = index, shards, None
+
+    def run(self) -> None:
+        for shard in self.shards:
+            for name, digest in shard.checksums.items():
+                path = self.index.root / shard.path / name
+                if sha256_file(path) != digest:
+                    self.error = TrainingError(
+                        f"checksum mismatch: part {shard.part} shard {shard.shard} file {name} is corrupt",
+                        where=str(path), fix="rerun the workflow: extraction regenerates damaged shards")
+                    return
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention of the unrolled draft
+
+
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch < 2.9
+    AuxRequest = None
+
+
+def _flex_with_lse(fn, q, k, v, block_mask, scale):
+    """flex_attention returning (out, lse), on both the new and the old return convention."""
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
+
+
+class TTTAttention:
+    """The TTT attention pattern for one micro-batch, used as the draft's ``attend``.
+
+    Step 0 stores each layer's keys/values; step j attends to them causally within the sample
+    and to the keys/values of steps 1..j at the same position. ``sdpa`` concatenates those keys
+    and uses an explicit boolean mask (speculators' dense path); ``flex`` runs the causal part
+    with flex attention over block-diagonal document masks and merges the few same-position keys
+    through the log-sum-exp, so it never materialises the (j+1)*T-wide mask.
+    """
+
+    def __init__(self, doc: torch.Tensor, impl: str, flex_fn=None) -> None:
+        self.impl, self.step_index = impl, 0
+        self.k0: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.extra: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        t = doc.shape[0]
+        if impl == "sdpa":
+            same = doc[:, None] == doc[None, :]
+            self.mask = same & torch.ones(t, t, dtype=torch.bool, device=doc.device).tril()
+            self.eye = torch.eye(t, dtype=torch.bool, device=doc.device)
+        else:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def causal_document(b, h, q_idx, kv_idx):
+                return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+            self.block_mask = create_block_mask(causal_document, None, None, t, t, device=doc.device,
+                                                _compile=doc.is_cuda)
+            if flex_fn is None:
+                from torch.nn.attention.flex_attention import flex_attention as flex_fn
+            self.flex = flex_fn
+
+    def next_step(self) -> None:
+        self.step_index += 1
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        gqa = q.shape[1] != k.shape[1]
+        if self.step_index == 0:
+            self.k0[layer] = (k, v)
+            self.extra[layer] = []
+        else:
+            self.extra[layer].append((k, v))
+        k0, v0 = self.k0[layer]
+        extra = self.extra[layer]
+        if self.impl == "sdpa":
+            keys = torch.cat([k0] + [e[0] for e in extra])
+            values = torch.cat([v0] + [e[1] for e in extra])
+            mask = torch.cat([self.mask] + [self.eye] * len(extra), dim=1)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                                 attn_mask=mask, scale=scale, enable_gqa=gqa)
+            return out.transpose(0, 1)
+        out, lse = _flex_with_lse(self.flex, q.transpose(0, 1)[None], k0.transpose(0, 1)[None],
+                                  v0.transpose(0, 1)[None], self.block_mask, scale)
+        out, lse = out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [T, Hq, D], [T, Hq]
+        if not extra:
+            return out
+        group = q.shape[1] // k.shape[1]
+        ks = torch.stack([e[0] for e in extra], dim=2).repeat_interleave(group, dim=1)  # [T, Hq, j, D]
+        vs = torch.stack([e[1] for e in extra], dim=2).repeat_interleave(group, dim=1)
+        f = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.einsum("thd,thjd->thj", q.to(f), ks.to(f)) * scale  # [T, Hq, j]
+        weights = torch.softmax(torch.cat([lse.to(f)[..., None], scores], dim=-1), dim=-1)
+        merged = weights[..., :1] * out.to(f) + torch.einsum("thj,thjd->thd", weights[..., 1:], vs.to(f))
+        return merged.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The objective
+
+
+class TTTObjective(nn.Module):
+    """Loss and accuracy counts of the draft unrolled for ``ttt_steps`` on one packed micro-batch.
+
+    The teacher matrices are plain attributes, not parameters or buffers: DDP neither syncs nor
+    broadcasts them, and checkpoints do not carry them (they come from the target).
+    """
+
+    def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, rows: torch.Tensor, *, ttt_steps: int,
+                 ttt_decay: float, attention: str, flex_fn=None, argmax_chunk: int = 2048) -> None:
+        super().__init__()
+        self.draft = draft
+        self.teacher = lm_head[rows]  # [Vd, H] draft-vocab rows, in draft order
+        outside = torch.ones(lm_head.shape[0], dtype=torch.bool)
+        outside[rows] = False
+        self.rest = lm_head[outside]  # [V - Vd, H]: only for "is the true argmax in the draft vocab?"
+        self.ttt_steps, self.ttt_decay = ttt_steps, ttt_decay
+        self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
+        self.step_fn = draft.step
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> TTTObjective:
+        self.teacher = self.teacher.to(device=device, dtype=dtype)
+        self.rest = self.rest.to(device=device, dtype=dtype)
+        return self
+
+    def unroll(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor):
+        """Yield the draft-vocab logits [T, Vd] of TTT steps 0..K-1 (see the module docstring)."""
+        hidden = self.draft.fuse(aux)
+        attend = TTTAttention(doc, self.attention, self.flex_fn)
+        for j in range(ids.shape[0]):
+            cos, sin = self.draft.rope(pos + j)
+            hidden, logits = self.step_fn(hidden, ids[j], cos, sin, attend)
+            attend.next_step()
+            yield logits
+
+    @torch.no_grad()
+    def _teacher(self, final: torch.Tensor):
+        logits = final @ self.teacher.to(final.dtype).T
+        max_in, arg = logits.max(-1)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        p = logp.exp()
+        neg_entropy = (p * logp).sum(-1)
+        if self.rest.shape[0]:
+            rest = self.rest.to(final.dtype)
+            max_out = torch.cat([(c @ rest.T).max(-1).values for c in final.split(self.argmax_chunk)])
+            in_vocab = max_in >= max_out
+        else:
+            in_vocab = torch.ones_like(arg, dtype=torch.bool)
+        return p, neg_entropy, arg, in_vocab
+
+    def forward(self, aux: torch.Tensor, final: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                pos: torch.Tensor, doc: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (sum_j weights[j] * sum of step-j KL over valid positions, stats [K, 4]).
+
+        stats rows: KL sum, valid positions, correct positions, positions whose steps 0..j were
+        all correct (the accepted-prefix events behind the simulated acceptance length).
+        """
+        t = aux.shape[0]
+        p, neg_entropy, target_arg, in_vocab = self._teacher(final)
+        arange = torch.arange(t, device=aux.device)
+        chain = valid[0]
+        loss = aux.new_zeros((), dtype=torch.float32)
+        stats = []
+        for j, logits in enumerate(self.unroll(aux, ids, pos, doc)):
+            at = (arange + j).clamp(max=t - 1)  # the teacher row of step j's prediction
+            logq = torch.log_softmax(logits.float(), dim=-1)
+            kl = neg_entropy[at] - (p[at] * logq).sum(-1)
+            v = valid[j]
+            kl_sum = torch.where(v, kl, 0.0).sum()
+            loss = loss + weights[j] * kl_sum
+            with torch.no_grad():
+                correct = v & in_vocab[at] & (logits.argmax(-1) == target_arg[at])
+                chain = chain & correct
+                stats.append(torch.stack([kl_sum.detach(), v.sum().float(), correct.sum().float(),
+                                          chain.sum().float()]))
+        return loss, torch.stack(stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _use_cuda(settings: TrainSettings) -> bool:
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("train.device is cuda but no CUDA device is visible", where="device",
+                            fix="set device: cpu, or run where a GPU is visible")
+    return settings.device != "cpu" and torch.cuda.is_available()
+
+
+def _init_distributed(cuda: bool) -> _Dist:
+    """Join the torchrun process group if there is one (NCCL on GPU, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 and not dist.is_initialized():
+        return _Dist()
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        owns = True
+    return _Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _fingerprint(settings: TrainSettings, index_path: Path, mapping_path: Path, target: dict, group: int) -> str:
+    keys = ("model_path", "hidden_size", "vocab_size", "num_hidden_layers", "aux_layer_ids", "final_layer_id",
+            "text_config")
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "settings": settings.math_dict(),
+        "index": sha256_file(index_path),
+        "mapping": sha256_file(mapping_path),
+        "target": {k: target.get(k) for k in keys},
+        "micro_batches_per_step": group,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _trainable_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().contiguous() for n, p in draft.named_parameters() if p.requires_grad}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _save_checkpoint(ckpt_root: Path, step: int, draft: Eagle3Draft, optimizer: torch.optim.Optimizer,
+                     state: dict, keep: int) -> Path:
+    """Write into a hidden folder, then rename: a kill leaves the previous checkpoint intact."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step-{step:08d}"
+    tmp = ckpt_root / f".step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = {
+            "model.safetensors": save_safetensors(_trainable_state(draft)),
+            "rng.safetensors": save_safetensors(_rng_state()),
+        }
+        for name, data in files.items():
+            atomic_write_bytes(tmp / name, data)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        with open(tmp / "optimizer.pt", "rb") as f:
+            os.fsync(f.fileno())
+        atomic_write_json(tmp / "state.json", state)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(ckpt_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_json(ckpt_root / "latest.json", {"step": step, "path": final.name})
+    old = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and p != final)
+    for p in old[:max(len(old) - (keep - 1), 0)]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def _find_checkpoint(ckpt_root: Path, fingerprint: str) -> tuple[Path | None, dict | None]:
+    """The latest checkpoint if it was made from the same data and settings, else (None, None)."""
+    for stale in ckpt_root.glob(".step-*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    pointer = ckpt_root / "latest.json"
+    if not pointer.exists():
+        return None, None
+    path = ckpt_root / read_json(pointer)["path"]
+    if not (path / "state.json").exists():
+        return None, None
+    state = read_json(path / "state.json")
+    if state.get("fingerprint") != fingerprint:
+        log.warning("checkpoints in %s were made from other data or settings; starting over", ckpt_root)
+        return None, None
+    return path, state
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def _lr_at(step: int, settings: TrainSettings, total: int) -> float:
+    """Linear warm-up, then linear decay to zero at the last step (speculators' default schedule)."""
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    return settings.lr * max(0.0, (total - step) / max(total - settings.warmup_steps, 1))
+
+
+def _resolve(settings: TrainSettings, device: torch.device) -> tuple[torch.dtype, str, bool]:
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "bfloat16": torch.bfloat16, "float32": torch.float32}[settings.dtype]
+    attention = settings.attention if settings.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    compile_ = settings.compile in ("true", True) or (settings.compile == "auto" and device.type == "cuda")
+    return dtype, attention, compile_
+
+
+def summarize(stats: list[list[float]]) -> dict:
+    """Per-step loss/accuracy and simulated acceptance length from summed [K, 4] stats."""
+    out: dict[str, Any] = {"loss": [], "acc": [], "cond_acc": [], "joint_acc": []}
+    starts = stats[0][1] if stats else 0.0
+    prev_chain = starts
+    for kl, n, correct, chain in stats:  # None where a ratio has no positions to count
+        out["loss"].append(kl / n if n else None)
+        out["acc"].append(correct / n if n else None)
+        out["cond_acc"].append(chain / prev_chain if prev_chain else None)
+        out["joint_acc"].append(chain / starts if starts else None)
+        prev_chain = chain
+    # tau = 1 + E[accepted prefix length]; the accepted prefix has length >= j+1 exactly when
+    # steps 0..j are all correct (chain), so E = sum_j P(chain_j), per start position.
+    out["tau"] = 1.0 + sum(out["joint_acc"]) if starts else None
+    out["tokens_scored"] = starts
+    return out
+
+
+def train_draft(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
+                work_dir: str | Path, settings: TrainSettings = TrainSettings()) -> dict:
+    """Train an EAGLE-3 draft and write it to ``out_dir`` in the speculators format; returns a summary.
+
+    Resumable: checkpoints under ``work_dir`` (never the rule's output) are picked up when they
+    were made from the same data and settings. Under torchrun every process calls this function.
+    """
+    settings.check()
+    index_path, mapping_path, out_dir, work_dir = map(Path, (index_path, mapping_path, out_dir, work_dir))
+    ddp = _init_distributed(_use_cuda(settings))
+    try:
+        return _train(index_path, mapping_path, Path(target_json), out_dir, work_dir, settings, ddp)
+    finally:
+        if ddp.owns_group:
+            dist.destroy_process_group()
+
+
+def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Path, work_dir: Path,
+           settings: TrainSettings, ddp: _Dist) -> dict:
+    from draftsmith.targets.weights import load_embedding_and_head
+
+    device = torch.device(f"cuda:{ddp.local_rank}") if _use_cuda(settings) else torch.device("cpu")
+    dtype, attention, compile_ = _resolve(settings, device)
+    index = HiddenStateIndex.load(index_path)
+    target = read_json(target_json)
+    mapping = load_file(str(mapping_path))
+    d2t, t2d = mapping["d2t"].long(), mapping["t2d"].bool()
+    _check_inputs(index, target, t2d, index_path, target_json, mapping_path)
+
+    config = Eagle3DraftConfig.from_target(
+        target, draft_vocab_size=int(d2t.shape[0]), num_layers=settings.num_layers,
+        norm_before_residual=settings.norm_before_residual, speculative_tokens=settings.ttt_steps,
+        aux_layer_ids=index.aux_layer_ids)
+    torch.manual_seed(settings.seed)
+    draft = Eagle3Draft(config)
+    embed, head = load_embedding_and_head(target_json)
+    frozen_dtype = dtype if dtype == torch.bfloat16 else torch.float32
+    draft.load_target_weights(embed.to(frozen_dtype), head, d2t, t2d)
+    draft.lm_head.weight.requires_grad_(settings.train_lm_head)
+    if not settings.train_lm_head:
+        draft.lm_head.weight.data = draft.lm_head.weight.data.to(frozen_dtype)
+    rows = draft_rows(d2t, t2d, config.target_vocab_size)
+    flex_fn = None
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex_fn = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    objective = TTTObjective(draft, head.to(frozen_dtype), rows, ttt_steps=settings.ttt_steps,
+                             ttt_decay=settings.ttt_decay, attention=attention, flex_fn=flex_fn)
+    del embed, head
+    draft.to(device)
+    objective.to_device(device, frozen_dtype)
+    if compile_:
+        objective.step_fn = torch.compile(draft.step, dynamic=False)
+
+    # plan the run from shard metadata alone (cheap), identically on every rank
+    group = ddp.world * settings.grad_accum_steps
+    metas = [_shard_meta(index, s, settings.batch_tokens, settings.ttt_steps, settings.verify_shards)
+             for s in index.shards]
+    steps = _plan_steps(metas, settings, group)
+    if not steps:
+        raise TrainingError("the hidden states hold no sample with at least 2 tokens", where=str(index_path),
+                            fix="check the dataset stage: every training sample needs a prompt and a reply")
+    total = len(steps)
+
+    fingerprint = _fingerprint(settings, index_path, mapping_path, target, group)
+    ckpt_root = work_dir / "checkpoints"
+    ckpt_path, ckpt_state = _find_checkpoint(ckpt_root, fingerprint)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
+                                  fused=device.type == "cuda")
+    start = 0
+    if ckpt_path is not None:
+        tensors = load_file(str(ckpt_path / "model.safetensors"))
+        missing, unexpected = draft.load_state_dict(tensors, strict=False)
+        expected = {n for n, p in draft.named_parameters() if p.requires_grad}
+        if set(tensors) != expected:
+            raise TrainingError(f"checkpoint weights do not match the draft ({sorted(set(tensors) ^ expected)})",
+                                where=str(ckpt_path), fix=f"delete {ckpt_root} to start over")
+        optimizer.load_state_dict(torch.load(ckpt_path / "optimizer.pt", map_location=device, weights_only=True))
+        rng = load_file(str(ckpt_path / "rng.safetensors"))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        start = int(ckpt_state["step"])
+        log.info("resuming from %s (step %d of %d)", ckpt_path, start, total)
+    elif ddp.main:
+        for stale in ("checkpoints", "tensorboard", "metrics.jsonl"):
+            p = work_dir / stale
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    if ddp.world > 1:
+        dist.barrier()
+
+    model: nn.Module = objective
+    if ddp.world > 1:
+        model = nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+
+    # this rank's micro-batches, in order, from the resume point on
+    jobs = []
+    for step in steps[start:]:
+        for a in range(settings.grad_accum_steps):
+            pack = step.packs[ddp.rank * settings.grad_accum_steps + a]
+            jobs.append((pack,))
+    aux_ids, final_id = list(index.aux_layer_ids), index.final_layer_id
+    pad_to = PAD_MULTIPLE if attention == "flex" else 1
+    batch_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    open_rows: dict[int, _ShardRows] = {}
+
+    def make(pack: _Pack) -> dict:
+        if pack.shard not in open_rows:
+            open_rows.clear()  # one shard open at a time
+            open_rows[pack.shard] = _ShardRows(index, index.shards[pack.shard], [*aux_ids, final_id])
+        return _build_batch(pack, metas[pack.shard], open_rows[pack.shard], aux_ids, final_id, index.hidden_size,
+                            settings.ttt_steps, pad_to, batch_dtype, device.type == "cuda")
+
+    prefetch = _Prefetcher(jobs, make)
+    verifier = None
+    if settings.verify_shards:
+        verifier = _Verifier(index, [s for i, s in enumerate(index.shards) if i % ddp.world == ddp.rank])
+        verifier.start()
+
+    writer = metrics_file = None
+    if ddp.main:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(work_dir / "metrics.jsonl", start)
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(work_dir / "tensorboard"), purge_step=start if start else None)
+        metrics_file = open(work_dir / "metrics.jsonl", "a", encoding="utf-8")
+    progress = None
+    if ddp.main and settings.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=sum(s.tokens for s in steps), initial=sum(s.tokens for s in steps[:start]),
+                        unit="tok", unit_scale=True, desc="train_draft", mininterval=2.0)
+
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
+                else contextlib.nullcontext())
+    decay = torch.tensor([settings.ttt_decay ** j for j in range(settings.ttt_steps)], dtype=torch.float64)
+    acc_stats = torch.zeros(settings.ttt_steps, 4, device=device, dtype=torch.float64)
+    bad_step = torch.full((), -1, device=device, dtype=torch.long)
+    last_good = str(ckpt_path) if ckpt_path is not None else None
+    window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
+    tokens_done = sum(s.tokens for s in steps[:start])
+    last_log: dict = {}
+    started = time.perf_counter()
+    model.train()
+    try:
+        for s in range(start, total):
+            step = steps[s]
+            lr = _lr_at(s, settings, total)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            # loss = sum_j decay^j * (KL summed over the global batch's step-j positions) / their number;
+            # DDP averages gradients over ranks, hence the factor world.
+            weights = (decay / np.maximum(step.counts, 1) * ddp.world).to(torch.float32).to(device)
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=device)
+            for a in range(settings.grad_accum_steps):
+                host = prefetch.get()
+                batch = {k: v.to(device, non_blocking=True) for k, v in host.items() if k != "tokens"}
+                sync = a == settings.grad_accum_steps - 1 or ddp.world == 1
+                ctx = model.no_sync() if (ddp.world > 1 and not sync) else contextlib.nullcontext()
+                with ctx, autocast:
+                    loss, stats = model(batch["aux"], batch["final"], batch["ids"], batch["valid"], batch["pos"],
+                                        batch["doc"], weights)
+                    loss.backward()
+                acc_stats += stats.double()
+                step_loss = step_loss + loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
+            optimizer.step()
+            bad = ~torch.isfinite(step_loss) | ~torch.isfinite(grad_norm)
+            bad_step = torch.where((bad_step < 0) & bad, torch.full_like(bad_step, s + 1), bad_step)
+            done = s + 1
+            tokens_done += step.tokens
+            window_tokens += step.tokens
+            window_steps += 1
+            if progress is not None:
+                progress.update(step.tokens)
+            checkpoint_now = done % settings.checkpoint_every == 0 or done == total
+            if done % settings.log_every == 0 or checkpoint_now:
+                reduced = acc_stats.clone()
+                flag = bad_step.clone().double()[None]
+                if ddp.world > 1:
+                    dist.all_reduce(reduced)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() >= 0:
+                    raise TrainingError(
+                        f"the loss became NaN or infinite at step {int(flag.item())}",
+                        where=f"{work_dir} (last good checkpoint: {last_good or 'none'})",
+                        fix="lower train.lr or raise train.warmup_steps; check the hidden states for "
+                            "inf values (fp16 targets overflow); the run resumes from the last good checkpoint")
+                if verifier is not None and verifier.error is not None:
+                    raise verifier.error
+                elapsed = time.perf_counter() - window_start
+                summary = summarize(reduced.tolist())
+                last_log = {"step": done, "epoch": step.epoch, "lr": lr, "tokens": tokens_done,
+                            "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                            "grad_norm": float(grad_norm), **summary}
+                if ddp.main:
+                    _log_metrics(metrics_file, writer, last_log)
+                    if progress is not None:
+                        progress.set_postfix(loss=_rounded(summary["loss"][0]), acc0=_rounded(summary["acc"][0]),
+                                             tau=_rounded(summary["tau"]))
+                acc_stats.zero_()
+                window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
+            if checkpoint_now:
+                if ddp.main:
+                    state = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "step": done,
+                             "epoch": step.epoch, "step_in_epoch": step.index + 1, "total_steps": total,
+                             "tokens": tokens_done, "world_size": ddp.world, "settings": dataclasses.asdict(settings),
+                             "metrics": last_log}
+                    last_good = str(_save_checkpoint(ckpt_root, done, draft, optimizer, state,
+                                                     settings.keep_checkpoints))
+                if ddp.world > 1:
+                    dist.barrier()
+    finally:
+        prefetch.close()
+        if progress is not None:
+            progress.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        if writer is not None:
+            writer.close()
+
+    result = {
+        "steps": total, "tokens": tokens_done, "resumed_from_step": start,
+        "seconds": round(time.perf_counter() - started, 3), "world_size": ddp.world,
+        "final": last_log or (ckpt_state or {}).get("metrics", {}),
+        "draft_vocab_size": config.draft_vocab_size, "aux_layer_ids": config.aux_layer_ids,
+        "checkpoint": last_good, "settings": dataclasses.asdict(settings),
+    }
+    if ddp.main:
+        save_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        save_speculators(draft, out_dir, dtype=save_dtype, extra_files={"training_summary.json": result})
+        atomic_write_json(work_dir / "summary.json", result)
+        log.info("draft written to %s: %d steps, %d tokens, step-0 accuracy %s, simulated tau %s", out_dir, total,
+                 tokens_done, result["final"].get("acc", ["?"])[0], result["final"].get("tau"))
+    if ddp.world > 1:
+        dist.barrier()
+    return result
+
+
+def _check_inputs(index: HiddenStateIndex, target: dict, t2d: torch.Tensor, index_path: Path, target_json: Path,
+                  mapping_path: Path) -> None:
+    if index.hidden_size != target["hidden_size"]:
+        raise TrainingError(f"hidden states have size {index.hidden_size}, the target {target['hidden_size']}",
+                            where=str(index_path), fix="rerun extraction for this target")
+    if index.final_layer_id != target["final_layer_id"]:
+        raise TrainingError(f"the index's final layer is {index.final_layer_id}, the target's "
+                            f"{target['final_layer_id']}: the teacher must be the state the lm_head reads",
+                            where=str(index_path), fix="rerun extraction for this target")
+    if t2d.shape[0] != target["vocab_size"]:
+        raise TrainingError(f"t2d covers {t2d.shape[0]} target tokens, the target has {target['vocab_size']}",
+                            where=str(mapping_path), fix="rerun build_vocab_mapping for this target")
+    if not index.aux_layer_ids:
+        raise TrainingError("the hidden states hold no aux layers", where=str(index_path))
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop log lines past the resumed step, so metrics.jsonl reads like one uninterrupted run."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+def _log_metrics(metrics_file, writer, entry: dict) -> None:
+    metrics_file.write(json.dumps(entry) + "\n")
+    metrics_file.flush()
+    step = entry["step"]
+    for key in ("lr", "tokens_per_s", "grad_norm", "tau"):
+        if entry[key] is not None:
+            writer.add_scalar(f"train/{key}", entry[key], step)
+    for key in ("loss", "acc", "cond_acc", "joint_acc"):
+        for j, value in enumerate(entry[key]):
+            if value is not None:
+                writer.add_scalar(f"train/{key}_{j}", value, step)
+    log.info("step %d: loss %s acc %s tau %s %.0f tok/s", step, _rounded(entry["loss"]), _rounded(entry["acc"]),
+             _rounded(entry["tau"]), entry["tokens_per_s"])
+
+
+def _rounded(x):
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return None if x is None else round(x, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points: the workflow rule, and torchrun's worker processes
+
+
+def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
+    """TrainSettings from the workflow's ``train:`` section (unknown keys are an error)."""
+    known = {f.name for f in dataclasses.fields(TrainSettings)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TrainingError(f"unknown training settings {unknown}", where="config train:",
+                            fix=f"use only {sorted(known)}")
+    return TrainSettings(**values)
+
+
+def run_training(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
+                 work_dir: str | Path, settings: TrainSettings, *, devices: int = 1, log_path: str | Path | None = None,
+                 metrics_out: str | Path | None = None, summary_out: str | Path | None = None) -> dict:
+    """Train in this process, or under ``torchrun`` with ``devices`` processes (DDP); then copy the
+    metrics and summary from the work dir to the rule's outputs."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    args = {"index_path": str(index_path), "mapping_path": str(mapping_path), "target_json": str(target_json),
+            "out_dir": str(out_dir), "work_dir": str(work_dir), "settings": dataclasses.asdict(settings)}
+    if devices > 1:
+        import subprocess
+        import sys
+
+        launch = work_dir / "launch.json"
+        atomic_write_json(launch, args)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
+               "-m", "draftsmith.train", str(launch)]
+        log.info("launching %s", " ".join(cmd))
+        with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
+            code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None)
+        if code != 0:
+            raise TrainingError(f"torchrun with {devices} processes exited with status {code}",
+                                where=str(log_path or "stderr"),
+                                fix="read the first traceback in the log; rerunning resumes from the last checkpoint")
+        summary = read_json(work_dir / "summary.json")
+    else:
+        summary = train_draft(index_path, mapping_path, target_json, out_dir, work_dir, settings)
+    if metrics_out is not None:
+        source = work_dir / "metrics.jsonl"
+        atomic_write_bytes(metrics_out, source.read_bytes() if source.exists() else b"")
+    if summary_out is not None:
+        atomic_write_json(summary_out, summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m draftsmith.train launch.json``: one torchrun worker."""
+    import sys
+
+    from draftsmith.logs import setup_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    setup_logging(None)
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    args = read_json(argv[0])
+    settings = TrainSettings(**args.pop("settings"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        settings = dataclasses.replace(settings, progress=False)
+    train_draft(settings=settings, **args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""The EAGLE-3 draft: its math against a plain reference, speculators and vLLM formats, incremental drafting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.draft import DraftKVCache, Eagle3Draft, Eagle3DraftConfig, load_speculators, save_speculators
+from draftsmith.train import TTTObjective
+
+HIDDEN, VOCAB, DRAFT_VOCAB = 64, 384, 100
+
+
+def make_draft(num_layers: int = 1, norm_before_residual: bool = True, seed: int = 0,
+               aux_layer_ids=(1, 2, 3), dtype=torch.float64) -> Eagle3Draft:
+    config = Eagle3DraftConfig(
+        hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+        target_vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=list(aux_layer_ids),
+        num_layers=num_layers, rms_norm_eps=1e-6, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, norm_before_residual=norm_before_residual,
+        verifier_name_or_path="/nonexistent/target", verifier_architectures=["LlamaForCausalLM"])
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.3
+    draft.load_target_weights(embed, head, ids - torch.arange(DRAFT_VOCAB), t2d)
+    with torch.no_grad():  # non-trivial norms, so a swapped norm would show
+        for name, p in draft.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "embed" not in name and "lm_head" not in name:
+                p.normal_(0, 0.15, generator=g)
+    return draft.to(dtype)
+
+
+def packed_batch(lengths, num_aux: int = 3, ttt_steps: int = 3, seed: int = 0, dtype=torch.float64):
+    """Shifted, packed inputs as the trainer builds them: ids[j][t] = x[t+1+j] within the sample."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    aux = torch.randn(total, num_aux * HIDDEN, generator=g, dtype=dtype)
+    tokens = [torch.randint(0, VOCAB, (m,), generator=g) for m in lengths]
+    ids = torch.zeros(ttt_steps, total, dtype=torch.long)
+    pos = torch.zeros(total, dtype=torch.long)
+    doc = torch.zeros(total, dtype=torch.int32)
+    o = 0
+    for d, (m, x) in enumerate(zip(lengths, tokens)):
+        for j in range(min(ttt_steps, m)):
+            ids[j, o:o + m - j] = x[j:]
+        pos[o:o + m] = torch.arange(1, m + 1)
+        doc[o:o + m] = d
+        o += m
+    return aux, ids, pos, doc, tokens
+
+
+def reference_logits(draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, ttt_steps: int):
+    """One sample, position by position: step j's query at t attends to step 0's keys at s <= t
+    and to steps 1..j's keys at t (the EAGLE-3 / speculators TTT pattern), token x[t+1+j],
+    position t+1+j, hidden state = step j-1's output at t."""
+    c = draft.config
+    w = {k: v.double() for k, v in draft.state_dict().items() if v.is_floating_point()}
+    m = aux.shape[0]
+    group = c.num_attention_heads // c.num_key_value_heads
+    inv_freq = 1.0 / (c.rope_parameters["rope_theta"] ** (torch.arange(0, c.head_dim, 2).double() / c.head_dim))
+
+    def rms(x, weight):
+        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    def rope(x, position):  # x [heads, D]
+        angles = position * inv_freq
+        cos, sin = torch.cat([angles.cos(), angles.cos()]), torch.cat([angles.sin(), angles.sin()])
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def mlp(x, p):
+        gate = x @ w[p + "mlp.gate_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+
+    hidden = aux.double() @ w["fc.weight"].T
+    first_keys = [[None] * m for _ in range(c.num_layers)]
+    chain_keys = [[[] for _ in range(m)] for _ in range(c.num_layers)]
+    out = []
+    for j in range(ttt_steps):
+        token = torch.stack([tokens[t + j] if t + j < m else torch.tensor(0) for t in range(m)])
+        embeds = w["embed_tokens.weight"][token]
+        x_all = hidden
+        for layer in range(c.num_layers):
+            p = f"layers.{layer}."
+            if layer == 0:
+                normed = rms(x_all, w[p + "hidden_norm.weight"])
+                residual = normed if c.norm_before_residual else x_all
+                attn_in = torch.cat([rms(embeds, w[p + "input_layernorm.weight"]), normed], -1)
+            else:
+                residual = x_all
+                attn_in = rms(x_all, w[p + "input_layernorm.weight"])
+            qs, ks, vs = [], [], []
+            for t in range(m):
+                position = t + 1 + j
+                q = (attn_in[t] @ w[p + "self_attn.q_proj.weight"].T).view(c.num_attention_heads, c.head_dim)
+                k = (attn_in[t] @ w[p + "self_attn.k_proj.weight"].T).view(c.num_key_value_heads, c.head_dim)
+                v = (attn_in[t] @ w[p + "self_attn.v_proj.weight"].T).view(c.num_key_value_heads, c.head_dim)
+                qs.append(rope(q, position))
+                ks.append(rope(k, position))
+                vs.append(v)
+                if j == 0:
+                    first_keys[layer][t] = (ks[-1], v)
+                else:
+                    chain_keys[layer][t].append((ks[-1], v))
+            new = []
+            for t in range(m):
+                keys = [first_keys[layer][s] for s in range(t + 1)] + chain_keys[layer][t]
+                heads = []
+                for h in range(c.num_attention_heads):
+                    scores = torch.stack([qs[t][h] @ k[h // group] for k, _ in keys]) / c.head_dim ** 0.5
+                    probs = torch.softmax(scores, 0)
+                    heads.append(sum(pr * v[h // group] for pr, (_, v) in zip(probs, keys)))
+                attn = torch.cat(heads) @ w[p + "self_attn.o_proj.weight"].T
+                x = residual[t] + attn
+                new.append(x + mlp(rms(x, w[p + "post_attention_layernorm.weight"]), p))
+            x_all = torch.stack(new)
+        hidden = x_all
+        out.append(rms(hidden, w["norm.weight"]) @ w["lm_head.weight"].T)
+    return out
+
+
+def unroll(draft, aux, ids, pos, doc, attention="sdpa"):
+    objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN, dtype=aux.dtype), torch.arange(DRAFT_VOCAB),
+                             ttt_steps=ids.shape[0], ttt_decay=1.0, attention=attention)
+    return list(objective.unroll(aux, ids, pos, doc))
+
+
+@pytest.mark.parametrize("num_layers,norm_before_residual", [(1, True), (1, False), (2, True)])
+def test_packed_ttt_forward_matches_reference_per_sample(num_layers, norm_before_residual):
+    draft = make_draft(num_layers, norm_before_residual)
+    lengths = [7, 1, 12, 4]
+    aux, ids, pos, doc, tokens = packed_batch(lengths)
+    logits = unroll(draft, aux, ids, pos, doc)
+    o = 0
+    for m, x in zip(lengths, tokens):
+        ref = reference_logits(draft, aux[o:o + m], x, 3)
+        for j in range(3):
+            torch.testing.assert_close(logits[j][o:o + m], ref[j], rtol=1e-5, atol=1e-5)
+        o += m
+
+
+def dense_flex(q, k, v, block_mask, scale, enable_gqa, return_aux):
+    """flex_attention's contract in plain autograd math (flex has no CPU backward)."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention.flex_attention import create_mask
+
+    t = q.shape[2]
+    mask = create_mask(block_mask.mask_mod, 1, 1, t, t, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.softmax(scores, -1) @ v.repeat_interleave(group, 1), SimpleNamespace(lse=lse)
+
+
+def test_flex_attention_path_matches_sdpa_path():
+    """The GPU path (flex over the causal part, same-position TTT keys merged through the LSE)
+    against the CPU path (concatenated keys, explicit mask): torch's flex kernel forward, and the
+    merge's gradients through a dense stand-in for flex (flex has no CPU backward)."""
+    draft = make_draft(2).float()
+    aux, ids, pos, doc, _ = packed_batch([9, 5, 14], dtype=torch.float32)
+    with torch.no_grad():
+        for a, b in zip(unroll(draft, aux, ids, pos, doc, "sdpa"), unroll(draft, aux, ids, pos, doc, "flex")):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    draft = draft.double()
+    aux = aux.double()
+    grads = {}
+    for impl, flex_fn in (("sdpa", None), ("flex", dense_flex)):
+        draft.zero_grad(set_to_none=True)
+        objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
+                                 ttt_decay=1.0, attention=impl, flex_fn=flex_fn)
+        logits = list(objective.unroll(aux, ids, pos, doc))
+        sum((lg * torch.linspace(-1, 1, lg.shape[-1])).sum() * (j + 1) for j, lg in enumerate(logits)).backward()
+        grads[impl] = ([lg.detach() for lg in logits],
+                       {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    for a, b in zip(grads["sdpa"][0], grads["flex"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert len(grads["sdpa"][1]) == len(grads["flex"][1]) > 10
+    for name, g in grads["sdpa"][1].items():
+        torch.testing.assert_close(grads["flex"][1][name], g, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_incremental_drafting_reproduces_every_ttt_step():
+    """draft_step with a KV cache (what speculative decoding runs) gives training's logits at
+    every TTT step, when the cache holds the verified prefix plus this chain's draft positions."""
+    draft = make_draft(2)
+    m, steps = 10, 3
+    aux, ids, pos, doc, (tokens,) = packed_batch([m], ttt_steps=steps)
+    trained = unroll(draft, aux, ids, pos, doc)
+    cache = DraftKVCache(draft.config.num_layers)
+    hidden0, logits0 = draft.draft_step(aux, tokens, pos, cache)
+    torch.testing.assert_close(logits0, trained[0], rtol=1e-6, atol=1e-6)
+    for t in (0, 4, m - 3):
+        cache.crop(t + 1)  # the verified prefix ends at position t
+        hidden = hidden0[t:t + 1]
+        for j in range(1, steps):
+            hidden, logits = draft.draft_step(hidden, tokens[t + j:t + j + 1], pos[t:t + 1] + j, cache, fused=True)
+            torch.testing.assert_close(logits[0], trained[j][t], rtol=1e-6, atol=1e-6)
+        # redo the prefix for the next chain: re-run step 0 on the rest
+        cache.crop(t + 1)
+        draft.draft_step(aux[t + 1:], tokens[t + 1:], pos[t + 1:], cache)
+
+
+def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path):
+    """config.json parses with speculators 0.9's Eagle3SpeculatorConfig, the weights load strictly
+    into its Eagle3DraftModel, and its own TTT forward gives our loss and our per-step tokens."""
+    pytest.importorskip("speculators")
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel
+    from speculators.losses import resolve_loss_config
+    from torch.nn.attention.flex_attention import create_mask
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    from tests.tiny import build_llama
+
+    verifier = build_llama(tmp_path / "target", tokenizer_template=None, num_layers=4)
+    draft = make_draft(1, True, aux_layer_ids=(1, 2, 3)).float()
+    draft.config.verifier_name_or_path = str(verifier)
+    save_speculators(draft, tmp_path / "draft", dtype="float32")
+    raw = json.loads((tmp_path / "draft" / "config.json").read_text())
+    config = Eagle3SpeculatorConfig.from_dict(raw)
+    assert config.transformer_layer_config.model_type == "llama"
+    assert config.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
+    assert config.speculators_config.proposal_methods[0].speculative_tokens == 3
+    assert config.norm_before_residual is True and config.draft_vocab_size == DRAFT_VOCAB
+
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    missing, unexpected = Eagle3DraftModel(config).load_state_dict(
+        load_file(tmp_path / "draft" / "model.safetensors"), strict=False)
+    assert not unexpected
+    assert set(missing) == {"verifier_lm_head.weight", "verifier_norm.weight"}  # filled from the verifier
+    theirs = SpeculatorModel.from_pretrained(tmp_path / "draft")  # the loading path users take
+    assert isinstance(theirs, Eagle3DraftModel) and theirs.config.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
+    theirs.config.transformer_layer_config._attn_implementation = "sdpa"
+    theirs._attn_impl, theirs._create_mask_fn = "sdpa", create_mask
+    for name, tensor in draft.state_dict().items():
+        if not name.startswith("rotary."):
+            torch.testing.assert_close(theirs.state_dict()[name], tensor, msg=name)
+
+    # same inputs through both: speculators applies verifier_norm to the pre-norm last state;
+    # our final state is post-norm, as the target's lm_head consumes it
+    m = 23
+    aux, ids, pos, doc, (tokens,) = packed_batch([m], dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    prenorm = torch.randn(m, HIDDEN, generator=g) * 3
+    loss_mask = torch.rand(m, generator=g) > 0.3
+    with torch.no_grad():
+        theirs.verifier_norm.weight.copy_(1 + 0.5 * torch.rand(HIDDEN, generator=g))
+        theirs.verifier_lm_head.weight.copy_(draft.lm_head.weight * 1.7)
+        final = theirs.verifier_norm(prenorm)
+    theirs.eval()
+    tokens_theirs, loss_theirs, metrics = theirs(
+        hidden_states=aux[None], input_ids=tokens[None], document_ids=torch.zeros(1, m, dtype=torch.long),
+        loss_mask=loss_mask[None], position_ids=pos[None], verifier_last_hidden_states=prenorm[None],
+        ttt_steps=3, ttt_step_loss_decay=0.8, loss_config=resolve_loss_config("kl_div", "eager"))
+
+    lm_head_full = torch.zeros(VOCAB, HIDDEN)
+    rows = torch.arange(DRAFT_VOCAB) + draft.d2t
+    lm_head_full[rows] = draft.lm_head.weight.detach() * 1.7
+    objective = TTTObjective(draft, lm_head_full, rows, ttt_steps=3, ttt_decay=0.8, attention="sdpa")
+    valid = torch.zeros(3, m, dtype=torch.bool)
+    for j in range(3):
+        valid[j, :m - j] = loss_mask[j:]
+    counts = valid.sum(1).double()
+    weights = (torch.tensor([0.8 ** j for j in range(3)], dtype=torch.float64) / counts).float()
+    with torch.no_grad():
+        loss, stats = objective(aux, final, ids, valid, pos, doc, weights)
+        ours = [lg.argmax(-1) for lg in objective.unroll(aux, ids, pos, doc)]
+    torch.testing.assert_close(loss, loss_theirs.float(), rtol=1e-4, atol=1e-5)
+    for j in range(3):
+        assert torch.equal(ours[j][:m - j], tokens_theirs[j][0][:m - j]), j
+        assert metrics[f"full_acc_{j}_total"].item() == valid[j].sum().item()
+
+
+def test_config_parses_for_vllm_eagle3():
+    """vLLM's speculators parser turns our config.json into an Eagle3LlamaForCausalLM draft config
+    with our aux layers, their count, the draft vocabulary and norm_before_residual."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    draft = make_draft(1, aux_layer_ids=(2, 5))
+    raw = draft.config.to_speculators()
+    parsed = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(raw)))
+    assert parsed["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert parsed["eagle_aux_hidden_state_layer_ids"] == [2, 5]
+    assert parsed["num_aux_hidden_states"] == 2  # vLLM sizes fc from this, else assumes 3
+    assert parsed["draft_vocab_size"] == DRAFT_VOCAB and parsed["vocab_size"] == VOCAB
+    assert parsed["norm_before_residual"] is True
+    assert SpeculatorsConfig.extract_vllm_speculative_config(raw) == {"method": "eagle3",
+                                                                     "num_speculative_tokens": 3}
+
+
+def test_save_load_roundtrip(tmp_path):
+    draft = make_draft(2, False).float()
+    save_speculators(draft, tmp_path / "d", dtype="float32")
+    loaded = load_speculators(tmp_path / "d")
+    assert loaded.config == draft.config
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert not loaded.embed_tokens.weight.requires_grad
+
+
+def test_kimi_k25_shaped_target_gets_a_servable_llama_draft():
+    """An MLA target (Kimi-K2.5 / DeepSeek-V3) has no Llama attention layout to copy: the draft gets
+    128-dim heads, hidden/128 of them, 8 key/value heads, plain RoPE at the target's theta."""
+    from tests.tiny import KIMI_K25_TEXT_CONFIG
+
+    target = {"hidden_size": 7168, "vocab_size": 163840, "aux_layer_ids": [2, 30, 58], "final_layer_id": 61,
+              "architecture": "KimiK25ForConditionalGeneration", "model_path": "/models/Kimi-K2.5",
+              "text_config": dict(KIMI_K25_TEXT_CONFIG)}
+    config = Eagle3DraftConfig.from_target(target, draft_vocab_size=32000)
+    assert (config.num_attention_heads, config.head_dim, config.num_key_value_heads) == (56, 128, 8)
+    assert config.intermediate_size == 18432 and config.rope_parameters == {"rope_type": "default",
+                                                                           "rope_theta": 50000.0}
+    tl = config.transformer_layer_config()
+    assert tl["model_type"] == "llama" and tl["vocab_size"] == 163840
+    assert config.to_speculators()["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]

@@ -1,0 +1,23 @@
+"""Snakemake entry: train the EAGLE-3 draft (torchrun when train.devices > 1)."""
+
+from pathlib import Path
+
+from draftsmith.logs import setup_logging
+from draftsmith.train import run_training, settings_from_dict
+
+setup_logging(snakemake.log[0])
+values = dict(snakemake.params.settings)
+devices = values.pop("devices", 1)
+device = snakemake.params.get("device", "auto")
+run_training(
+    snakemake.input.index,
+    snakemake.input.mapping,
+    snakemake.input.target,
+    Path(snakemake.output.config).parent,
+    snakemake.params.work_dir,
+    settings_from_dict({**values, "device": device}),
+    devices=devices,
+    log_path=snakemake.log[0],
+    metrics_out=snakemake.output.metrics,
+    summary_out=snakemake.output.summary,
+)
