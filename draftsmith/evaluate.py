@@ -1,0 +1,696 @@
+"""Stage evaluate_draft: speculative decoding of the held-out prompts with the target and a drafter,
+checked token for token against the target's own greedy output.
+
+The loop is greedy chain drafting: each step the drafter proposes up to ``k`` tokens after the
+text so far, the target scores the last accepted token and the proposals in one forward pass over
+its KV cache, and the longest prefix of proposals equal to the target's own argmax choices is
+accepted, plus the target's next choice. Speculative decoding is lossless, so the generated tokens
+must equal plain greedy decoding; a difference raises ``EvaluationError`` (only an exact near-tie
+of the target's two best logits, within the dtype's rounding, is let through and recorded).
+
+Drafters share one protocol (``Drafter``): the trained EAGLE-3 draft (fed the target's captured
+aux hidden states of the accepted positions), the prompt-lookup n-gram baseline, and the target
+itself as a perfect draft (for tests). Backends (``DecodingBackend``) run greedy and speculative
+decoding; ``hf`` is Hugging Face transformers with KV caches. Metrics are computed here from what a
+backend returns, so another backend (vLLM) only has to produce the same ``Generation`` records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from draftsmith.errors import EvaluationError
+from draftsmith.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+ACCEPTANCE_FORMAT = "draftsmith.acceptance/1"
+PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
+BACKENDS = ("hf", "vllm")
+DRAFTER_KINDS = ("eagle3", "ngram", "target")
+
+# The target scores a token one position at a time in greedy decoding and k+1 positions at a time
+# when verifying; different matmul shapes round differently, so where its two best logits are
+# closer than this the two runs may legitimately pick different tokens. Everything else is a bug.
+TIE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The eval section of the config.
+
+    ``sweep_max_prompts`` bounds the prompts used for the τ-against-k sweep (each k is a full
+    speculative run); the configured ``k`` always runs on all ``max_prompts`` prompts.
+    """
+
+    backend: str = "hf"
+    k: int = 3
+    k_sweep: tuple[int, ...] = (1, 2, 3, 4, 5)
+    max_prompts: int = 64
+    max_new_tokens: int = 128
+    ngram_max: int = 3
+    sweep_max_prompts: int | None = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k_sweep", tuple(sorted(set(self.k_sweep))))
+
+        def bad(key: str, want: str) -> EvaluationError:
+            return EvaluationError(f"eval.{key} is {getattr(self, key)!r}; it must be {want}",
+                                   where=f"config key eval.{key}", fix=f"set eval.{key} to {want}")
+
+        if self.backend not in BACKENDS:
+            raise bad("backend", "one of " + ", ".join(BACKENDS))
+        for key in ("k", "max_prompts", "max_new_tokens", "ngram_max"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise bad(key, "an integer >= 1")
+        if any(not isinstance(k, int) or k < 1 for k in self.k_sweep):
+            raise bad("k_sweep", "a list of integers >= 1")
+        if self.sweep_max_prompts is not None and self.sweep_max_prompts < 1:
+            raise bad("sweep_max_prompts", "null (all prompts) or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Which drafter to run, in terms any backend can translate (a vLLM backend would map these to
+    its speculative_config; the hf backend builds a ``Drafter``)."""
+
+    kind: str  # eagle3 | ngram | target
+    path: str | None = None  # eagle3: the speculators-format draft folder
+    ngram_max: int = 3  # ngram: longest suffix matched
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTER_KINDS:
+            raise EvaluationError(f"unknown drafter kind {self.kind!r}", fix="use one of " + ", ".join(DRAFTER_KINDS))
+
+    def describe(self) -> dict:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "eagle3":
+            out["path"] = self.path
+        if self.kind == "ngram":
+            out["ngram_max"] = self.ngram_max
+        return out
+
+
+@dataclass
+class Generation:
+    """One prompt decoded once: the generated tokens (stop token included), wall-clock seconds,
+    and for speculative runs the accepted and proposed draft tokens of each verification step."""
+
+    prompt_id: str
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+    # greedy runs: per generated token, (best logit - second best logit, the second-best token)
+    margins: list[tuple[float, int]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafters
+
+
+class Drafter(ABC):
+    """Proposes draft tokens after the accepted text of one prompt at a time.
+
+    Call order per prompt: ``begin`` once, then ``propose`` / ``commit`` alternately. The context is
+    always the prompt and every accepted token; the target's aux states are known for all context
+    positions but the last (the target has not run on the token it just chose).
+    """
+
+    needs_aux_states: bool = False
+
+    @abstractmethod
+    def begin(self, prompt_ids: list[int], first_token: int, aux_states: torch.Tensor | None) -> None:
+        """A new prompt: the target prefilled ``prompt_ids`` (``aux_states`` [len(prompt), A*H]
+        when ``needs_aux_states``) and chose ``first_token``."""
+
+    @abstractmethod
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` target token ids continuing the context (fewer, even none, is allowed)."""
+
+    @abstractmethod
+    def commit(self, new_tokens: list[int], aux_states: torch.Tensor | None) -> None:
+        """The target accepted ``new_tokens[:-1]`` of the last proposal and chose ``new_tokens[-1]``;
+        ``aux_states`` [len(new_tokens), A*H] are those of the positions of the previous last
+        token and the accepted ones."""
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
+    ``ngram_max`` down to 1) and propose what followed it."""
+
+    def __init__(self, ngram_max: int = 3) -> None:
+        self.ngram_max = ngram_max
+        self.context: list[int] = []
+
+    def begin(self, prompt_ids, first_token, aux_states) -> None:
+        self.context = [*prompt_ids, first_token]
+
+    def propose(self, k: int) -> list[int]:
+        ctx = self.context
+        end = len(ctx)
+        for n in range(min(self.ngram_max, end - 1), 0, -1):
+            suffix = ctx[end - n:]
+            for start in range(end - n - 1, -1, -1):
+                if ctx[start:start + n] == suffix:
+                    return ctx[start + n:start + n + k]
+        return []
+
+    def commit(self, new_tokens, aux_states) -> None:
+        self.context.extend(new_tokens)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes whatever ``script(context, k)`` returns; for tests and experiments."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.context: list[int] = []
+
+    def begin(self, prompt_ids, first_token, aux_states) -> None:
+        self.context = [*prompt_ids, first_token]
+
+    def propose(self, k: int) -> list[int]:
+        return list(self.script(list(self.context), k))[:k]
+
+    def commit(self, new_tokens, aux_states) -> None:
+        self.context.extend(new_tokens)
+
+
+class Eagle3Drafter(Drafter):
+    """The trained EAGLE-3 draft, run incrementally with its own KV cache.
+
+    As in training (draftsmith.train): the target's aux state at position p is paired with the
+    token at p+1 under position id p+1; the first draft token comes from the verified positions,
+    each further one (TTT step j) from the draft's own output hidden state and the token it just
+    proposed, at position id p+1+j, attending to the verified positions and to this chain's earlier
+    steps. After each proposal the cache is cut back to the verified positions.
+    """
+
+    needs_aux_states = True
+
+    def __init__(self, draft: torch.nn.Module) -> None:
+        from draftsmith.draft import DraftKVCache
+
+        self.draft = draft
+        self.device = draft.fc.weight.device
+        self._new_cache = lambda: DraftKVCache(len(draft.layers))
+        self.cache = self._new_cache()
+        self.pending: tuple[torch.Tensor, list[int]] | None = None
+        self.next_position = 1  # position id of the first pending state (its token's position)
+
+    def begin(self, prompt_ids, first_token, aux_states) -> None:
+        self.cache = self._new_cache()
+        self.pending = (aux_states, [*prompt_ids[1:], first_token])
+        self.next_position = 1
+
+    def propose(self, k: int) -> list[int]:
+        states, ids = self.pending
+        n = len(ids)
+        positions = torch.arange(self.next_position, self.next_position + n, device=self.device)
+        hidden, logits = self.draft.draft_step(states.to(self.device), torch.tensor(ids, device=self.device),
+                                               positions, self.cache)
+        verified = len(self.cache)
+        self.next_position += n
+        self.pending = (states[:0], [])
+        hidden = hidden[-1:]
+        token = self.draft.draft_to_target(logits[-1:].argmax(-1))
+        out = [int(token)]
+        for j in range(1, k):
+            position = torch.tensor([self.next_position - 1 + j], device=self.device)
+            hidden, logits = self.draft.draft_step(hidden, token, position, self.cache, fused=True)
+            token = self.draft.draft_to_target(logits.argmax(-1))
+            out.append(int(token))
+        self.cache.crop(verified)
+        return out
+
+    def commit(self, new_tokens, aux_states) -> None:
+        self.pending = (aux_states, list(new_tokens))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+
+
+class DecodingBackend(ABC):
+    """Runs the target greedily and speculatively; one instance holds one loaded target."""
+
+    name: str
+    stop_ids: list[int]
+    max_new_tokens: int
+    dtype: torch.dtype
+
+    @abstractmethod
+    def greedy(self, prompt: Prompt, max_new_tokens: int | None = None) -> Generation:
+        """Plain greedy decoding, with the margin of the best logit at each generated token."""
+
+    @abstractmethod
+    def speculate(self, prompt: Prompt, drafter: DrafterSpec | Drafter, k: int,
+                  max_new_tokens: int | None = None) -> Generation:
+        """Speculative decoding with ``k`` draft tokens per verification step."""
+
+    @abstractmethod
+    def describe_device(self) -> dict:
+        """What ran the evaluation (for acceptance.json)."""
+
+
+class HFTarget:
+    """A transformers causal LM under a KV cache, with forward pre-hooks on the aux layers that
+    capture their inputs (layer id i = input of decoder layer i) during a forward that asks."""
+
+    def __init__(self, model: torch.nn.Module, layers_path: str | None = None,
+                 aux_layer_ids: Sequence[int] = ()) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.aux_layer_ids = list(aux_layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False
+        self._hooks = []
+        if self.aux_layer_ids:
+            layers = model.get_submodule(layers_path)
+            for i in self.aux_layer_ids:
+                self._hooks.append(layers[i].register_forward_pre_hook(partial(self._capture, i), with_kwargs=True))
+
+    def _capture(self, layer_id: int, module, args, kwargs) -> None:
+        if self._capturing:
+            states = args[0] if args else kwargs["hidden_states"]
+            self._captured[layer_id] = states[0]
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def forward(self, ids: Sequence[int], cache, *, last_only: bool,
+                capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [T or 1, V] of ``ids`` appended to ``cache``, and their aux states [T, A*H]
+        (concatenated in ascending layer order) when ``capture``."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        self._captured.clear()
+        self._capturing = capture
+        try:
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1 if last_only else 0)
+        finally:
+            self._capturing = False
+        aux = None
+        if capture:
+            missing = [i for i in self.aux_layer_ids if i not in self._captured]
+            if missing:
+                raise EvaluationError(f"the target's forward did not run decoder layers {missing}",
+                                      where="target.json layers_path / aux_layer_ids",
+                                      fix="rerun inspect_target; set target.layers_path if it found the wrong layers")
+            aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        return out.logits[0], aux
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class TargetDrafter(Drafter):
+    """The target as its own draft: proposes the target's greedy continuation, so every proposal
+    is accepted (τ = k + 1); the check that the loop counts and verifies correctly."""
+
+    def __init__(self, target: HFTarget) -> None:
+        self.target = target
+        self.context: list[int] = []
+        self.cache = None
+        self.cached = 0
+
+    def begin(self, prompt_ids, first_token, aux_states) -> None:
+        self.context = [*prompt_ids, first_token]
+        self.cache = self.target.new_cache()
+        self.cached = 0
+
+    def propose(self, k: int) -> list[int]:
+        logits, _ = self.target.forward(self.context[self.cached:], self.cache, last_only=True)
+        self.cached = len(self.context)
+        out = []
+        for j in range(k):
+            out.append(int(logits[-1].argmax()))
+            if j < k - 1:
+                logits, _ = self.target.forward(out[-1:], self.cache, last_only=True)
+        _drop(self.cache, k - 1)
+        return out
+
+    def commit(self, new_tokens, aux_states) -> None:
+        self.context.extend(new_tokens)
+
+
+def _drop(cache, n: int) -> None:
+    """Forget the last ``n`` positions of a transformers cache."""
+    if n > 0:
+        cache.crop(-n)
+
+
+class HFBackend(DecodingBackend):
+    """Greedy and speculative decoding with Hugging Face transformers, one prompt at a time."""
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, stop_ids: Sequence[int], max_new_tokens: int, *,
+                 layers_path: str | None = None, aux_layer_ids: Sequence[int] = ()) -> None:
+        self.target = HFTarget(model, layers_path, aux_layer_ids)
+        self.stop_ids = list(stop_ids)
+        self._stop = set(self.stop_ids)
+        self.max_new_tokens = max_new_tokens
+        self.dtype = next(model.parameters()).dtype
+        self._drafters: dict[DrafterSpec, Drafter] = {}
+
+    def drafter(self, spec: DrafterSpec | Drafter) -> Drafter:
+        if isinstance(spec, Drafter):
+            return spec
+        if spec not in self._drafters:
+            self._drafters[spec] = self._build_drafter(spec)
+        return self._drafters[spec]
+
+    def _build_drafter(self, spec: DrafterSpec) -> Drafter:
+        if spec.kind == "ngram":
+            return NgramDrafter(spec.ngram_max)
+        if spec.kind == "target":
+            return TargetDrafter(self.target)
+        from draftsmith.draft import load_speculators
+
+        draft = load_speculators(spec.path, dtype=self.dtype, device=self.target.device).eval()
+        ids = list(draft.config.aux_layer_ids)
+        if ids != self.target.aux_layer_ids:
+            raise EvaluationError(
+                f"the draft fuses the target's layers {ids}, target.json says {self.target.aux_layer_ids}",
+                where=f"{spec.path}/config.json eagle_aux_hidden_state_layer_ids",
+                fix="evaluate the draft against the target it was trained for, or retrain it")
+        vocab = self.target.model.get_output_embeddings().weight.shape[0]
+        if draft.config.target_vocab_size != vocab:
+            raise EvaluationError(f"the draft was built for a vocabulary of {draft.config.target_vocab_size} "
+                                  f"tokens, the target has {vocab}", where=f"{spec.path}/config.json",
+                                  fix="evaluate the draft against the target it was trained for")
+        return Eagle3Drafter(draft)
+
+    def _sync(self) -> None:
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+
+    def greedy(self, prompt: Prompt, max_new_tokens: int | None = None) -> Generation:
+        limit = max_new_tokens or self.max_new_tokens
+        self._sync()
+        started = time.perf_counter()
+        cache = self.target.new_cache()
+        logits, _ = self.target.forward(prompt.ids, cache, last_only=True)
+        tokens: list[int] = []
+        margins: list[tuple[float, int]] = []
+        while True:
+            row = logits[-1]
+            token = int(row.argmax())
+            top = row.float().topk(2)
+            runner_up = int(top.indices[1] if int(top.indices[0]) == token else top.indices[0])
+            margins.append((float(top.values[0] - top.values[1]), runner_up))
+            tokens.append(token)
+            if token in self._stop or len(tokens) >= limit:
+                break
+            logits, _ = self.target.forward([token], cache, last_only=True)
+        self._sync()
+        return Generation(prompt.id, tokens, time.perf_counter() - started, margins=margins)
+
+    def speculate(self, prompt: Prompt, drafter: DrafterSpec | Drafter, k: int,
+                  max_new_tokens: int | None = None) -> Generation:
+        limit = max_new_tokens or self.max_new_tokens
+        drafter = self.drafter(drafter)
+        capture = drafter.needs_aux_states
+        self._sync()
+        started = time.perf_counter()
+        cache = self.target.new_cache()
+        logits, aux = self.target.forward(prompt.ids, cache, last_only=True, capture=capture)
+        tokens = [int(logits[-1].argmax())]
+        accepted: list[int] = []
+        proposed: list[int] = []
+        done = tokens[0] in self._stop or limit <= 1
+        if not done:
+            drafter.begin(list(prompt.ids), tokens[0], aux)
+        while not done:
+            draft = [int(t) for t in drafter.propose(k)][:k]
+            logits, aux = self.target.forward([tokens[-1], *draft], cache, last_only=False, capture=capture)
+            choice = logits.argmax(-1).tolist()
+            a = 0
+            while a < len(draft) and draft[a] == choice[a]:
+                a += 1
+            accepted.append(a)
+            proposed.append(len(draft))
+            _drop(cache, len(draft) - a)  # the rejected proposals' keys and values
+            new = [*draft[:a], choice[a]]
+            for token in new:
+                tokens.append(token)
+                if token in self._stop or len(tokens) >= limit:
+                    done = True
+                    break
+            if not done:
+                drafter.commit(new, aux[: a + 1] if aux is not None else None)
+        self._sync()
+        return Generation(prompt.id, tokens, time.perf_counter() - started, accepted, proposed)
+
+    def describe_device(self) -> dict:
+        import transformers
+
+        device = self.target.device
+        out = {"backend": self.name, "type": device.type, "dtype": str(self.dtype).replace("torch.", ""),
+               "torch": torch.__version__, "transformers": transformers.__version__}
+        if device.type == "cuda":
+            out["name"] = torch.cuda.get_device_name(device)
+        else:
+            out["name"] = _cpu_name()
+            out["threads"] = torch.get_num_threads()
+        return out
+
+    def close(self) -> None:
+        self.target.close()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and metrics
+
+
+def check_lossless(reference: Generation, candidate: Generation, *, label: str, tolerance: float) -> dict | None:
+    """None when ``candidate`` generated exactly the greedy ``reference``; a record of the position
+    when they part at a numerical near-tie of the target's two best logits; else EvaluationError."""
+    ref, got = reference.tokens, candidate.tokens
+    if ref == got:
+        return None
+    p = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    if p < len(ref) and p < len(got) and p < len(reference.margins):
+        margin, runner_up = reference.margins[p]
+        if got[p] == runner_up and margin <= tolerance:
+            log.warning("prompt %s, %s: speculative and greedy decoding part at generated token %d, where the "
+                        "target's two best logits differ by only %.2g (rounding); the rest of this prompt "
+                        "is not compared", reference.prompt_id, label, p, margin)
+            return {"prompt": reference.prompt_id, "drafter": label, "position": p, "margin": margin}
+    want = ref[p] if p < len(ref) else "the end (greedy decoding stopped)"
+    have = got[p] if p < len(got) else "the end (speculative decoding stopped)"
+    raise EvaluationError(
+        f"speculative decoding with the {label} is not lossless: at generated token {p}, greedy decoding "
+        f"gives {want} and speculative decoding gives {have}",
+        where=f"held-out prompt {reference.prompt_id!r}, generated position {p}",
+        fix="speculative decoding must reproduce greedy decoding exactly: this is a bug in the verification "
+            "loop or a nondeterministic target (check the attention implementation and the dtype)")
+
+
+def acceptance_stats(generations: Sequence[Generation], k: int) -> dict:
+    """τ (accepted draft tokens + 1 per verification step, averaged over steps), the share of steps
+    whose draft token j was accepted (a position after a rejection counts as not accepted) and
+    proposed, and the counts they come from."""
+    steps = sum(len(g.accepted) for g in generations)
+    accepted = [a for g in generations for a in g.accepted]
+    proposed = [n for g in generations for n in g.proposed]
+    by_position = [sum(a >= j for a in accepted) for j in range(1, k + 1)]
+    proposed_by_position = [sum(n >= j for n in proposed) for j in range(1, k + 1)]
+    seconds = sum(g.seconds for g in generations)
+    tokens = sum(len(g.tokens) for g in generations)
+    return {
+        "tau": (sum(accepted) + steps) / steps if steps else None,
+        "acceptance_rate_by_position": [c / steps if steps else None for c in by_position],
+        "proposal_rate_by_position": [c / steps if steps else None for c in proposed_by_position],
+        "accepted_by_position": by_position,
+        "num_prompts": len(generations),
+        "num_tokens": tokens,
+        "num_steps": steps,
+        "seconds": round(seconds, 4),
+        "tokens_per_second": tokens / seconds if seconds else None,
+    }
+
+
+def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: DrafterSpec | Drafter,
+                   baseline: DrafterSpec | Drafter, settings: EvalSettings) -> dict:
+    """Decode ``prompts`` greedily and speculatively with the draft and the baseline at ``k`` (and
+    at every k of the sweep on the first ``sweep_max_prompts``), check every speculative output
+    against greedy decoding, and return acceptance.json's figures."""
+    if not prompts:
+        raise EvaluationError("no held-out prompts to evaluate", where="data/heldout.jsonl",
+                              fix="raise data.heldout_fraction or data.max_heldout")
+    started = time.perf_counter()
+    sweep = sorted(set(settings.k_sweep) | {settings.k})
+    n_sweep = len(prompts) if settings.sweep_max_prompts is None else min(len(prompts), settings.sweep_max_prompts)
+    drafters = {"draft": draft, "baseline": baseline}
+    tolerance = TIE_TOLERANCE.get(backend.dtype, 1e-3)
+
+    # One-time costs (allocations, lazy kernels) must not count against whichever runs first.
+    warm = min(4, backend.max_new_tokens)
+    backend.greedy(prompts[0], max_new_tokens=warm)
+    for spec in drafters.values():
+        backend.speculate(prompts[0], spec, settings.k, max_new_tokens=warm)
+
+    greedy: list[Generation] = []
+    runs: dict[tuple[str, int], list[Generation]] = {(name, k): [] for name in drafters for k in sweep}
+    ties: list[dict] = []
+    for i, prompt in enumerate(tqdm(prompts, desc="evaluating", unit=" prompts", file=sys.stderr,
+                                    mininterval=PROGRESS_INTERVAL_S)):
+        reference = backend.greedy(prompt)
+        greedy.append(reference)
+        for k in sweep:
+            if k != settings.k and i >= n_sweep:
+                continue
+            for name, spec in drafters.items():
+                generation = backend.speculate(prompt, spec, k)
+                tie = check_lossless(reference, generation, label=f"{name} (k={k})", tolerance=tolerance)
+                if tie:
+                    ties.append({**tie, "k": k})
+                runs[name, k].append(generation)
+
+    main = {name: acceptance_stats(runs[name, settings.k], settings.k) for name in drafters}
+    greedy_seconds = sum(g.seconds for g in greedy)
+    greedy_tokens = sum(len(g.tokens) for g in greedy)
+    result = {
+        "format": ACCEPTANCE_FORMAT,
+        **main["draft"],
+        "draft": _describe(draft),
+        "baseline": {**_describe(baseline), **main["baseline"]},
+        "tau_by_k": {
+            "k": sweep,
+            "draft": [acceptance_stats(runs["draft", k][:n_sweep], k)["tau"] for k in sweep],
+            "baseline": [acceptance_stats(runs["baseline", k][:n_sweep], k)["tau"] for k in sweep],
+            "num_prompts": n_sweep,
+            "prompts": "all" if n_sweep == len(prompts) else f"the first {n_sweep} of {len(prompts)}",
+        },
+        "speedup": {
+            "draft": greedy_seconds / main["draft"]["seconds"] if main["draft"]["seconds"] else None,
+            "baseline": greedy_seconds / main["baseline"]["seconds"] if main["baseline"]["seconds"] else None,
+            "greedy_seconds": round(greedy_seconds, 4),
+            "draft_seconds": main["draft"]["seconds"],
+            "baseline_seconds": main["baseline"]["seconds"],
+            "greedy_tokens_per_second": greedy_tokens / greedy_seconds if greedy_seconds else None,
+            "num_prompts": len(prompts),
+            "measured": f"wall clock of the {backend.name} loops, one prompt at a time, on the same prompts",
+        },
+        "lossless": {
+            "checked_generations": sum(len(v) for v in runs.values()),
+            "numerical_ties": ties,
+        },
+        "device": backend.describe_device(),
+        "settings": {**asdict(settings), "k_sweep": list(settings.k_sweep), "stop_token_ids": backend.stop_ids},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log.info("τ = %.3f (draft) vs %.3f (%s baseline) at k=%d over %d prompts, %d tokens; speedup over greedy "
+             "%.2fx (draft), %.2fx (baseline)", result["tau"] or 0, result["baseline"]["tau"] or 0,
+             result["baseline"]["kind"], settings.k, len(prompts), result["num_tokens"],
+             result["speedup"]["draft"] or 0, result["speedup"]["baseline"] or 0)
+    if ties:
+        log.warning("%d generation(s) parted from greedy decoding at numerical near-ties (listed in "
+                    "lossless.numerical_ties)", len(ties))
+    return result
+
+
+def _describe(drafter: DrafterSpec | Drafter) -> dict:
+    if isinstance(drafter, DrafterSpec):
+        return drafter.describe()
+    return {"kind": type(drafter).__name__}
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+def read_prompts(heldout_jsonl: str | Path, max_prompts: int | None = None) -> list[Prompt]:
+    """The first ``max_prompts`` held-out prompts (heldout.jsonl rows: id, prompt_ids, ...)."""
+    prompts = []
+    with open(heldout_jsonl, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt = Prompt(str(row["id"]), [int(t) for t in row["prompt_ids"]])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise EvaluationError(f"not a held-out prompt row: {type(e).__name__}: {e}",
+                                      where=f"{heldout_jsonl}:{lineno}", fix="rerun prepare_dataset") from e
+            if not prompt.ids:
+                raise EvaluationError("the held-out prompt is empty", where=f"{heldout_jsonl}:{lineno}",
+                                      fix="rerun prepare_dataset")
+            prompts.append(prompt)
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+    return prompts
+
+
+def make_backend(name: str, target: dict, *, max_new_tokens: int, dtype: str = "auto",
+                 device: str = "auto") -> DecodingBackend:
+    """Load the target described by ``target`` (target.json) into the named backend."""
+    if name == "vllm":
+        raise EvaluationError("the vllm evaluation backend is not available yet", where="config key eval.backend",
+                              fix="set eval.backend: hf")
+    from transformers import AutoTokenizer
+
+    from draftsmith.regenerate import load_target_model, stop_token_ids
+
+    model = load_target_model(target["model_path"], dtype=dtype, device=device,
+                              trust_remote_code=target.get("trust_remote_code", False))
+    tokenizer = AutoTokenizer.from_pretrained(target["model_path"])
+    return HFBackend(model, stop_token_ids(model, tokenizer), max_new_tokens,
+                     layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
+
+
+def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
+                   out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
+                   device: str = "auto") -> dict:
+    """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
+    prompts and write acceptance.json to ``out_path``."""
+    from draftsmith.targets.inspect import read_target_json
+
+    target = read_target_json(target_json)
+    prompts = read_prompts(heldout_jsonl, settings.max_prompts)
+    backend = make_backend(settings.backend, target, max_new_tokens=settings.max_new_tokens,
+                           dtype=dtype, device=device)
+    log.info("evaluating %s on %d held-out prompts with %s (%s backend, %s)", draft_dir, len(prompts),
+             target["model_path"], settings.backend, backend.describe_device())
+    result = run_evaluation(backend, prompts, DrafterSpec("eagle3", path=str(draft_dir)),
+                            DrafterSpec("ngram", ngram_max=settings.ngram_max), settings)
+    result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
+    atomic_write_json(out_path, result)
+    return result

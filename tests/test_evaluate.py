@@ -1,0 +1,368 @@
+"""Speculative decoding evaluation: lossless against greedy decoding, and counted as defined."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import tiny
+from draftsmith.errors import EvaluationError
+from draftsmith.evaluate import (
+    Drafter,
+    DrafterSpec,
+    Eagle3Drafter,
+    EvalSettings,
+    Generation,
+    HFBackend,
+    HFTarget,
+    Prompt,
+    ScriptedDrafter,
+    acceptance_stats,
+    check_lossless,
+    evaluate_draft,
+    run_evaluation,
+)
+from draftsmith.regenerate import load_target_model
+from draftsmith.targets.inspect import inspect_target, write_target_json
+
+PROMPTS = [Prompt("p0", [12, 40, 7, 99, 3, 250, 17]), Prompt("p1", [5, 6, 7, 8, 9, 10]),
+           Prompt("p2", [300, 301, 2, 2, 2, 44, 45, 46, 47, 48, 49])]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: synchronising threads costs more than the math, and this machine is shared.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.build_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return inspect_target(model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_target_model(model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def backend(model, target):
+    # No stop token: every run goes to max_new_tokens, so counts are exact.
+    backend = HFBackend(model, [], 24, layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def references(backend):
+    return {p.id: backend.greedy(p) for p in PROMPTS}
+
+
+def test_greedy_loop_equals_model_generate(backend, model, references):
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt.ids])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert references[prompt.id].tokens == out[0, ids.shape[1]:].tolist()
+
+
+def test_random_drafts_reproduce_greedy(backend, references):
+    rng = random.Random(0)
+    oracle = {tuple(p.ids): references[p.id].tokens for p in PROMPTS}
+
+    def noisy(context, k):
+        # Mostly the right tokens, each wrong with probability 0.4: every acceptance length occurs.
+        for prompt_ids, tokens in oracle.items():
+            if tuple(context[:len(prompt_ids)]) == prompt_ids:
+                done = len(context) - len(prompt_ids)
+                right = tokens[done:done + k] + [0] * k
+                return [t if rng.random() > 0.4 else rng.randrange(384) for t in right[:k]]
+        raise AssertionError("unknown prompt")
+
+    def uniform(context, k):
+        return [rng.randrange(384) for _ in range(rng.randint(0, k))]
+
+    for script in (noisy, uniform):
+        for k in (1, 3, 5):
+            runs = [backend.speculate(p, ScriptedDrafter(script), k) for p in PROMPTS]
+            for prompt, run in zip(PROMPTS, runs):
+                assert run.tokens == references[prompt.id].tokens, (script.__name__, k, prompt.id)
+    assert len(set(a for r in runs for a in r.accepted)) >= 1
+
+
+def test_perfect_draft_accepts_everything(backend, references):
+    for k in (1, 2, 4):
+        runs = [backend.speculate(p, DrafterSpec("target"), k) for p in PROMPTS]
+        assert [r.tokens for r in runs] == [references[p.id].tokens for p in PROMPTS]
+        stats = acceptance_stats(runs, k)
+        assert stats["tau"] == k + 1
+        assert stats["acceptance_rate_by_position"] == [1.0] * k
+        # 24 tokens: the first from the prefill, then steps of k + 1 (the last one cut at the limit).
+        assert stats["num_steps"] == len(PROMPTS) * -(-23 // (k + 1))
+
+
+def test_perfect_draft_with_a_stop_token(model, target, model_dir):
+    backend = HFBackend(model, [], 24)
+    reference = backend.greedy(PROMPTS[0])
+    stop = reference.tokens[9]
+    first = reference.tokens.index(stop)
+    backend = HFBackend(model, [stop], 24)
+    run = backend.speculate(PROMPTS[0], DrafterSpec("target"), 3)
+    assert run.tokens == reference.tokens[:first + 1] == backend.greedy(PROMPTS[0]).tokens
+    assert acceptance_stats([run], 3)["tau"] == 4.0
+
+
+def test_hand_computed_acceptance(backend, references):
+    truth = references["p0"].tokens
+    # Per verification step: c = the target's own next token, x = a wrong one, fewer letters = fewer proposals.
+    patterns = ["ccx", "xcc", "ccc", "cx", "", "c"]
+    step = iter(patterns)
+
+    def script(context, k):
+        done = len(context) - len(PROMPTS[0].ids)
+        return [truth[done + j] if c == "c" else (truth[done + j] + 1) % 384 for j, c in enumerate(next(step))]
+
+    # Accepted per step: 2, 0, 3, 1, 0, 1 -> tokens per step 3, 1, 4, 2, 1, 2 = 13, plus the prefill's.
+    run = backend.speculate(PROMPTS[0], ScriptedDrafter(script), 3, max_new_tokens=14)
+    assert run.accepted == [2, 0, 3, 1, 0, 1]
+    assert run.proposed == [3, 3, 3, 2, 0, 1]
+    assert run.tokens == truth[:14]
+    stats = acceptance_stats([run], 3)
+    assert stats["num_steps"] == 6 and stats["num_tokens"] == 14
+    assert stats["tau"] == pytest.approx(13 / 6)
+    assert stats["accepted_by_position"] == [4, 2, 1]
+    assert stats["acceptance_rate_by_position"] == pytest.approx([4 / 6, 2 / 6, 1 / 6])
+    assert stats["proposal_rate_by_position"] == pytest.approx([5 / 6, 4 / 6, 3 / 6])
+
+
+def _cycle_model(vocab: int = 32, cycle=(1, 2, 3, 4, 5)) -> LlamaForCausalLM:
+    """A bigram target: it predicts the next token of ``cycle`` after each of its tokens (and the
+    same token after any other), with attention and MLP outputs zeroed so each layer passes the
+    token embedding through."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny.llama_config(vocab_size=vocab, num_layers=2)).eval()
+    successor = list(range(vocab))
+    for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+        successor[a] = b
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, model.config.hidden_size))
+        head = torch.zeros_like(model.lm_head.weight)
+        for a, b in enumerate(successor):
+            head[b, a] = 1.0
+        model.lm_head.weight.copy_(head)
+    return model
+
+
+def test_ngram_baseline_accepts_on_a_repetitive_prompt():
+    backend = HFBackend(_cycle_model(), [], 20)
+    prompt = Prompt("cycle", [1, 2, 3, 4, 5] * 3)
+    reference = backend.greedy(prompt)
+    assert reference.tokens[:6] == [1, 2, 3, 4, 5, 1]
+    run = backend.speculate(prompt, DrafterSpec("ngram", ngram_max=3), 3)
+    assert run.tokens == reference.tokens
+    stats = acceptance_stats([run], 3)
+    assert stats["tau"] > 1
+    assert stats["tau"] == 4.0  # the prompt's cycle predicts every token
+
+
+def test_ngram_without_a_match_proposes_nothing():
+    backend = HFBackend(_cycle_model(cycle=(9, 20)), [], 6)
+    prompt = Prompt("distinct", [7, 8, 9])
+    run = backend.speculate(prompt, DrafterSpec("ngram", ngram_max=2), 3)
+    assert run.tokens == backend.greedy(prompt).tokens == [20, 9, 20, 9, 20, 9]
+    # [7, 8, 9, 20]: 20 occurred nowhere before, so nothing is proposed and the target adds 9;
+    # then [.., 9, 20, 9] continues the earlier 9 with [20, 9], which is right.
+    assert run.proposed[:2] == [0, 2] and run.accepted[:2] == [0, 2]
+
+
+def test_drafter_gets_the_aux_states_of_accepted_positions(backend, model, target, references):
+    """Captured with pre-hooks during verification, only accepted positions, in context order: the
+    same numbers as output_hidden_states[i] (layer id i = input of decoder layer i)."""
+    rng = random.Random(1)
+    truth = references["p2"].tokens
+    prompt = PROMPTS[2]
+
+    class Recorder(ScriptedDrafter):
+        needs_aux_states = True
+
+        def begin(self, prompt_ids, first_token, aux_states):
+            super().begin(prompt_ids, first_token, aux_states)
+            self.states = [aux_states]
+
+        def commit(self, new_tokens, aux_states):
+            super().commit(new_tokens, aux_states)
+            assert aux_states.shape[0] == len(new_tokens)
+            self.states.append(aux_states)
+
+    def noisy(context, k):
+        done = len(context) - len(prompt.ids)
+        return [t if rng.random() > 0.3 else 0 for t in truth[done:done + k]]
+
+    recorder = Recorder(noisy)
+    run = backend.speculate(prompt, recorder, 3)
+    assert run.tokens == truth and max(run.accepted) == 3 and min(run.accepted) == 0
+    states = torch.cat(recorder.states)
+    with torch.no_grad():
+        full = model(torch.tensor([prompt.ids + truth]), output_hidden_states=True).hidden_states
+    expected = torch.cat([full[i][0, :states.shape[0]] for i in target["aux_layer_ids"]], dim=-1)
+    assert states.shape == expected.shape
+    torch.testing.assert_close(states, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_broken_verifier_is_caught(backend, monkeypatch):
+    forward = HFTarget.forward
+
+    def broken(self, ids, cache, *, last_only, capture=False):
+        start = cache.get_seq_length()
+        logits, aux = forward(self, ids, cache, last_only=last_only, capture=capture)
+        if not last_only and start == len(PROMPTS[0].ids) + 6:
+            # The verification step after generated token 6 prefers a token the target would not.
+            logits = logits.clone()
+            logits[0, (int(logits[0].argmax()) + 1) % logits.shape[-1]] += 1e4
+        return logits, aux
+
+    monkeypatch.setattr(HFTarget, "forward", broken)
+    settings = EvalSettings(k=2, k_sweep=(2,), max_new_tokens=12)
+    with pytest.raises(EvaluationError) as error:
+        run_evaluation(backend, PROMPTS[:1], DrafterSpec("target"), DrafterSpec("ngram"), settings)
+    message = str(error.value)
+    assert "'p0'" in message and "not lossless" in message
+    assert "generated position 7" in message  # prefill token + 2 steps of 3, then the broken step's
+
+
+def test_lossless_check_tolerates_only_near_ties():
+    reference = Generation("p", [5, 6, 7], 0.0, margins=[(3.0, 1), (2e-4, 9), (4.0, 2)])
+    assert check_lossless(reference, Generation("p", [5, 6, 7], 0.0), label="draft", tolerance=1e-3) is None
+    tie = check_lossless(reference, Generation("p", [5, 9, 1], 0.0), label="draft", tolerance=1e-3)
+    assert tie["position"] == 1
+    with pytest.raises(EvaluationError, match="generated position 1"):
+        check_lossless(reference, Generation("p", [5, 8, 1], 0.0), label="draft", tolerance=1e-3)
+    with pytest.raises(EvaluationError, match="generated position 0"):
+        check_lossless(reference, Generation("p", [1, 6, 7], 0.0), label="draft", tolerance=1e-3)
+    with pytest.raises(EvaluationError, match="speculative decoding stopped"):
+        check_lossless(reference, Generation("p", [5, 6], 0.0), label="draft", tolerance=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The EAGLE-3 draft
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, target):
+    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
+
+    config = Eagle3DraftConfig.from_target(target, draft_vocab_size=128)
+    torch.manual_seed(1)
+    draft = Eagle3Draft(config)
+    d2t = torch.arange(128) * 2 - torch.arange(128)  # draft id i -> target id 2i
+    t2d = torch.zeros(target["vocab_size"], dtype=torch.bool)
+    t2d[torch.arange(128) * 2] = True
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        for p in draft.parameters():
+            if p.dim() >= 2 and p.requires_grad:
+                p.normal_(0.0, 0.2)
+    return save_speculators(draft, tmp_path_factory.mktemp("draft"), dtype="float32")
+
+
+class _Recomputing(Drafter):
+    """The EAGLE-3 draft rerun from scratch every step (no cache reuse): the incremental drafter
+    must propose exactly what this proposes."""
+
+    needs_aux_states = True
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def begin(self, prompt_ids, first_token, aux_states):
+        self.ids, self.states = [*prompt_ids[1:], first_token], aux_states
+
+    def propose(self, k):
+        fresh = Eagle3Drafter(self.draft)
+        fresh.begin([0, *self.ids[:-1]], self.ids[-1], self.states)
+        return fresh.propose(k)
+
+    def commit(self, new_tokens, aux_states):
+        self.ids += new_tokens
+        self.states = torch.cat([self.states, aux_states])
+
+
+def test_eagle3_draft_is_lossless_and_incremental(backend, references, draft_dir):
+    from draftsmith.draft import load_speculators
+
+    draft = load_speculators(draft_dir)
+    proposals = {"incremental": [], "recomputed": []}
+
+    def recording(drafter, name):
+        propose = drafter.propose
+
+        def wrapped(k):
+            out = propose(k)
+            proposals[name].append(out)
+            assert all(t % 2 == 0 for t in out)  # mapped through d2t
+            return out
+
+        drafter.propose = wrapped
+        return drafter
+
+    for prompt in PROMPTS:
+        incremental = backend.speculate(prompt, recording(Eagle3Drafter(draft), "incremental"), 3)
+        recomputed = backend.speculate(prompt, recording(_Recomputing(draft), "recomputed"), 3)
+        assert incremental.tokens == recomputed.tokens == references[prompt.id].tokens
+    assert len(proposals["incremental"]) > len(PROMPTS)
+    for a, b in zip(proposals["incremental"], proposals["recomputed"]):
+        assert a == b
+
+
+def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
+    target_json = tmp_path / "target.json"
+    write_target_json(target_json, model_dir)
+    heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
+        {"id": p.id, "messages": [], "prompt_ids": p.ids, "source": {"file": "x.jsonl", "line": i}}
+        for i, p in enumerate(PROMPTS)])
+    out = tmp_path / "eval" / "acceptance.json"
+    settings = EvalSettings(k=2, k_sweep=(1, 2, 3), max_prompts=3, max_new_tokens=10, sweep_max_prompts=2)
+    result = evaluate_draft(draft_dir, target_json, heldout, out, settings, dtype="float32", device="cpu")
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result))
+    for key in ("tau", "acceptance_rate_by_position", "num_prompts", "num_tokens", "num_steps", "settings",
+                "baseline", "tau_by_k", "speedup", "device"):
+        assert key in written, key
+    assert written["num_prompts"] == 3 and len(written["acceptance_rate_by_position"]) == 2
+    assert written["draft"] == {"kind": "eagle3", "path": str(draft_dir)}
+    assert written["baseline"]["kind"] == "ngram" and written["baseline"]["num_prompts"] == 3
+    assert written["tau_by_k"]["k"] == [1, 2, 3] and written["tau_by_k"]["num_prompts"] == 2
+    assert all(t >= 1 for t in written["tau_by_k"]["draft"] + written["tau_by_k"]["baseline"])
+    assert written["speedup"]["draft"] > 0 and written["device"]["type"] == "cpu"
+    assert written["lossless"]["numerical_ties"] == []
+
+
+def test_eagle3_through_a_multimodal_wrapper(tmp_path):
+    """The aux states come from the decoder layers found through the wrapper's layers_path."""
+    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig
+
+    llava_dir = tiny.build_llava(tmp_path / "llava")
+    info = inspect_target(llava_dir)
+    assert "language_model" in info["layers_path"]
+    model = load_target_model(llava_dir, dtype="float32", device="cpu")
+    backend = HFBackend(model, [], 12, layers_path=info["layers_path"], aux_layer_ids=info["aux_layer_ids"])
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Draft(Eagle3DraftConfig.from_target(info, draft_vocab_size=info["vocab_size"])))
+    run = backend.speculate(PROMPTS[1], drafter, 3)
+    assert run.tokens == backend.greedy(PROMPTS[1]).tokens

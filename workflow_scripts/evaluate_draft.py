@@ -1,0 +1,17 @@
+"""Snakemake entry: speculative decoding of the held-out prompts with the trained draft and a baseline."""
+
+from pathlib import Path
+
+from draftsmith.evaluate import EvalSettings, evaluate_draft
+from draftsmith.logs import setup_logging
+
+setup_logging(snakemake.log[0])
+evaluate_draft(
+    Path(snakemake.input.draft).parent,
+    snakemake.input.target,
+    snakemake.input.heldout,
+    snakemake.output.acceptance,
+    EvalSettings(**snakemake.params.settings),
+    dtype=snakemake.params.dtype,
+    device=snakemake.params.device,
+)
