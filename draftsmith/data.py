@@ -338,6 +338,12 @@ def _score(seed: int, salt: str, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
+def _prompt_key(messages: list[dict]) -> bytes:
+    """Identifies a conversation's prompt: its turns before the first assistant turn."""
+    first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return hashlib.sha256(json.dumps(messages[:first_answer], sort_keys=True).encode("utf-8")).digest()[:16]
+
+
 def split_heldout(ids: Sequence[str], settings: DataSettings) -> set[str]:
     """The ids held out for evaluation: round(heldout_fraction * len(ids)), at least 1, at most
     max_heldout, chosen by a hash of seed and id, so the choice depends on neither row order
@@ -591,6 +597,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     # Pass 1: read and normalize every row; collect the kept ids, made unique in row order.
     ids: list[str] = []
     chat_ids: list[str] = []
+    prompt_keys: dict[str, bytes] = {}
     seen: set[str] = set()
     duplicates = 0
     for row in _progress(load_conversations(sources, settings.format), "reading rows"):
@@ -604,6 +611,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
         ids.append(row_id)
         if row.is_chat:
             chat_ids.append(row_id)
+            prompt_keys[row_id] = _prompt_key(row.messages)
     del seen
     tally.check()  # fail before tokenizing anything
     if not ids:
@@ -620,8 +628,12 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
         raise DataError(f"only {len(ids)} usable row in {names}: nothing is left to train on once a "
                         "prompt is held out for evaluation", where=names,
                         fix="give at least two usable rows")
-    sampled = _sample_train((i for i in ids if i not in heldout_ids), settings)
-    del chat_ids
+    # A train row that shares its prompt with a held-out one would leak the evaluation prompt
+    # (and, after regeneration, the very answer) into training.
+    heldout_prompts = {prompt_keys[i] for i in heldout_ids}
+    leaked = {i for i, key in prompt_keys.items() if key in heldout_prompts and i not in heldout_ids}
+    del chat_ids, prompt_keys
+    sampled = _sample_train((i for i in ids if i not in heldout_ids and i not in leaked), settings)
 
     # Pass 2: tokenize the rows kept and stream them out.
     counts = Counter()
@@ -634,6 +646,9 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
             if row_id is None or not (row_id == row.id or row_id.startswith(row.id + "#")):
                 raise DataError(f"{row.where} changed while it was being read", where=row.where,
                                 fix="do not modify the data sources while the workflow runs")
+            if row_id in leaked:
+                counts["same_prompt_as_heldout"] += 1
+                continue
             if row_id not in heldout_ids and sampled is not None and row_id not in sampled:
                 counts["over_max_samples"] += 1
                 continue
@@ -690,6 +705,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
         "rows_kept": counts["train_rows"] + counts["heldout_rows"],
         "rows_dropped": {reason: tally.dropped[reason] for reason in REASONS},
         "rows_over_max_samples": counts["over_max_samples"],
+        "rows_same_prompt_as_heldout": counts["same_prompt_as_heldout"],
         "train_rows": counts["train_rows"],
         "heldout_rows": counts["heldout_rows"],
         "tokens": counts["tokens"],

@@ -46,7 +46,7 @@ EOS_AT_END_TEMPLATE = tiny.CHATML_TEMPLATE + "{% if not add_generation_prompt %}
 def conversation(i: int = 0, turns: int = 2, system: bool = True) -> list[dict]:
     messages = [{"role": "system", "content": SYSTEM}] if system else []
     for t in range(turns):
-        messages.append({"role": "user", "content": QUESTIONS[(i + t) % 3]})
+        messages.append({"role": "user", "content": f"{QUESTIONS[(i + t) % 3]} (#{i})"})
         messages.append({"role": "assistant", "content": ANSWERS[(i + t) % 3]})
     return messages
 
@@ -356,9 +356,10 @@ def test_heldout_split_is_deterministic_and_disjoint_from_train(tmp_path, chatml
 
 
 def test_duplicate_ids_are_made_unique_and_counted(tmp_path, chatml_tokenizer):
-    rows = message_rows(3) + message_rows(2)  # row0, row1 twice
-    a = tiny.write_jsonl(tmp_path / "a.jsonl", rows)
-    b = tiny.write_jsonl(tmp_path / "b.jsonl", message_rows(1))  # row0 a third time
+    # Same ids, different conversations (identical prompts would be kept apart from held-out ones).
+    rows = message_rows(3) + [{"id": f"row{i}", "messages": conversation(10 + i)} for i in range(2)]
+    a = tiny.write_jsonl(tmp_path / "a.jsonl", rows)  # row0, row1 twice
+    b = tiny.write_jsonl(tmp_path / "b.jsonl", [{"id": "row0", "messages": conversation(20)}])  # row0 a third time
     stats, train, held = run(tmp_path, [a, b], chatml_tokenizer)
     ids = sorted(r["id"] for r in train + held)
     assert ids == ["row0", "row0#2", "row0#3", "row1", "row1#2", "row2"]
@@ -371,7 +372,7 @@ def test_stats_totals_agree_with_the_files(tmp_path, chatml_tokenizer):
     stats, train, held = run(tmp_path, [source], chatml_tokenizer, max_seq_len=64, max_bad_fraction=0.5,
                              max_samples=10)
     assert stats["rows_read"] == stats["rows_kept"] + sum(stats["rows_dropped"].values()) \
-        + stats["rows_over_max_samples"]
+        + stats["rows_over_max_samples"] + stats["rows_same_prompt_as_heldout"]
     # 21 rows survive reading, 1 is held out, 10 of the other 20 are sampled; a sampled row that
     # then fails (too long, template) is not replaced.
     assert stats["rows_over_max_samples"] == 10
@@ -380,3 +381,23 @@ def test_stats_totals_agree_with_the_files(tmp_path, chatml_tokenizer):
     assert stats["loss_tokens"] == sum(sum(r["loss_mask"]) for r in train)
     assert stats["heldout_prompt_tokens"] == sum(len(r["prompt_ids"]) for r in held)
     assert stats["max_seq_len"] == 64
+
+
+def test_a_held_out_prompt_never_appears_in_training(tmp_path, chatml_tokenizer):
+    # The same question with different answers (common in chat corpora): once one is held out,
+    # the others must not train the draft on the evaluation prompt.
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": "What is your name?"},
+                                         {"role": "assistant", "content": f"Answer number {i}."}]}
+            for i in range(5)]
+    rows += [{"id": f"other{i}", "messages": [{"role": "user", "content": f"Hello there {i}"},
+                                              {"role": "assistant", "content": "Hi."}]} for i in range(15)]
+    source = tiny.write_jsonl(tmp_path / "dupes.jsonl", rows)
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer, heldout_fraction=0.3)
+    held_prompts = {json.dumps(r["messages"][:1]) for r in held}
+    assert held_prompts
+    train_ids = {r["id"] for r in train}
+    for row in rows:
+        if json.dumps(row["messages"][:1]) in held_prompts:
+            assert row["id"] not in train_ids
+    assert stats["rows_same_prompt_as_heldout"] == sum(
+        json.dumps(r["messages"][:1]) in held_prompts for r in rows) - len(held)
