@@ -16,7 +16,7 @@ if not workflow.overwrite_configfiles:
 
 
 # Short messages naming each bad key first; then Snakemake fills in the schema's defaults.
-check_config(config, workflow.source_path("config/schema.yaml"), workflow.configfiles)
+check_config(config, f"{workflow.basedir}/config/schema.yaml", workflow.configfiles)
 validate(config, "config/schema.yaml")
 check_semantics(config, workflow.configfiles)
 

@@ -65,9 +65,48 @@ def semantic_errors(config: dict) -> list[str]:
     return lines
 
 
+def _types(schema: dict) -> set[str]:
+    kind = schema.get("type", [])
+    return {kind} if isinstance(kind, str) else set(kind)
+
+
+def coerce_command_line_values(config: dict, schema: dict) -> None:
+    """Give nested values from ``snakemake --config key={a: 1}`` their YAML types.
+
+    Snakemake parses nested --config values with YAML's base loader, so ``1`` arrives as the
+    string ``"1"``; where the schema does not allow a string, read it as YAML instead.
+    """
+    properties = schema.get("properties", {})
+    for key, value in config.items():
+        sub = properties.get(key)
+        if sub is None:
+            continue
+        if isinstance(value, dict):
+            coerce_command_line_values(value, sub)
+        elif isinstance(value, list) and "items" in sub:
+            config[key] = [_coerce(v, sub["items"]) for v in value]
+        else:
+            config[key] = _coerce(value, sub)
+
+
+def _coerce(value, schema: dict):
+    if not isinstance(value, str) or "string" in _types(schema) or "enum" in schema:
+        return value
+    for number in (int, float):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            return number(value)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
 def check_config(config: dict, schema_path: str | Path, config_files: list[str] | None = None) -> None:
-    """Raise ConfigError listing every problem, or return with ``config`` unchanged."""
+    """Raise ConfigError listing every problem, or return (command-line strings given their types)."""
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
+    coerce_command_line_values(config, schema)
     problems = schema_errors(config, schema)
     where = ", ".join(map(str, config_files or [])) or None
     if problems:

@@ -91,3 +91,15 @@ def test_semantic_checks(schema, tmp_path):
     config["data"]["sources"] = [str(tmp_path / "nope.jsonl")]
     with pytest.raises(ConfigError, match="does not exist"):
         check_semantics(config)
+
+
+def test_nested_command_line_values_get_their_types(demo_config):
+    # `snakemake --config 'train={ttt_steps: 2}'` hands the nested 2 over as the string "2".
+    demo_config["train"] = {"ttt_steps": "2", "lr": "1e-4", "max_steps": "null"}
+    demo_config["target"]["aux_layer_ids"] = ["1", "3"]
+    check_config(demo_config, SCHEMA)
+    assert demo_config["train"] == {"ttt_steps": 2, "lr": 1e-4, "max_steps": None}
+    assert demo_config["target"]["aux_layer_ids"] == [1, 3]
+    demo_config["run"] = "123"  # a string field stays a string
+    check_config(demo_config, SCHEMA)
+    assert demo_config["run"] == "123"

@@ -42,7 +42,7 @@ def snakemake(workdir: Path, *args: str, configfile: Path | None = None, check: 
     env = {**os.environ, "PYTHONPATH": str(workdir), "PYTHONUNBUFFERED": "1"}
     cmd = [SNAKEMAKE, "--cores", "2", "--resources", "gpu=0"]
     if configfile is not None:
-        cmd += ["--configfile", str(configfile)]
+        cmd.append(f"--configfile={configfile}")  # "=": the option takes several values
     result = subprocess.run([*cmd, *args], cwd=workdir, env=env, capture_output=True, text=True,
                             timeout=timeout)
     if check and result.returncode != 0:
