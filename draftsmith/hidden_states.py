@@ -17,17 +17,18 @@ outputs are the small manifests: Snakemake deletes a failed job's outputs, never
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from draftsmith.errors import ExtractionError
 from draftsmith.io import atomic_write_json, fsync_dir, read_json, sha256_file
@@ -195,16 +196,14 @@ class PartStore:
         tmp = self.dir / f".{shard_dir_name(shard)}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            files = {TOKENS_FILE: _tokens_bytes(input_ids, loss_masks, lengths)}
+            files = {TOKENS_FILE: _tokens_tensors(input_ids, loss_masks, lengths)}
             for layer_id in self.layer_ids:
-                files[_layer_file(layer_id)] = _states_bytes(states[layer_id], self.meta["dtype"])
-            checksums = {}
-            for name, data in files.items():
-                with open(tmp / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                checksums[name] = sha256_file(tmp / name)
+                files[_layer_file(layer_id)] = _states_tensors(states[layer_id], self.meta["dtype"])
+            # One thread per file: writing, hashing and fsync release the GIL, so the files of a
+            # large shard reach the disk side by side rather than one after the other.
+            with ThreadPoolExecutor(max_workers=min(8, len(files)), thread_name_prefix="shard-file") as pool:
+                digests = pool.map(lambda item: write_safetensors(tmp / item[0], item[1]), files.items())
+                checksums = dict(zip(files, digests))
             info = ShardInfo(
                 part=self.part, shard=shard, path=f"{self.dir.name}/{shard_dir_name(shard)}",
                 num_samples=len(sample_ids), num_tokens=num_tokens,
@@ -322,23 +321,62 @@ def _check_files(shard_dir: Path, checksums: dict[str, str]) -> str | None:
     return None
 
 
-def _tokens_bytes(input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
-                  lengths: list[int]) -> bytes:
+def _tokens_tensors(input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
+                    lengths: list[int]) -> dict[str, torch.Tensor]:
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     flat_ids = [t for ids in input_ids for t in ids]
     flat_mask = [m for mask in loss_masks for m in mask]
-    return save_safetensors({
+    return {
         "input_ids": torch.tensor(flat_ids, dtype=torch.int64),
         "loss_mask": torch.tensor(flat_mask, dtype=torch.uint8),
         "offsets": offsets,
-    })
+    }
 
 
-def _states_bytes(states: torch.Tensor, dtype: str) -> bytes:
+def _states_tensors(states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     states = states.detach().cpu()
     if dtype == "fp8":
         values, scales = quantize_fp8(states)
-        return save_safetensors({"hidden_states": values.contiguous(), "scales": scales.contiguous()})
-    return save_safetensors({"hidden_states": states.to(STORAGE_DTYPES[dtype]).contiguous()})
+        return {"hidden_states": values.contiguous(), "scales": scales.contiguous()}
+    return {"hidden_states": states.to(STORAGE_DTYPES[dtype]).contiguous()}
+
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+}
+_WRITE_CHUNK = 1 << 24
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` as a safetensors file, fsync it, and return its sha256.
+
+    The bytes equal ``safetensors.torch.save``'s, but are written and hashed straight from the
+    tensors' memory: no copy of a multi-GB shard, and the GIL is released throughout, so a
+    background writer does not stall the thread that keeps the GPU busy.
+    """
+    # safetensors' own order: larger elements first, then by name; header padded to 8 bytes.
+    items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header, offset, buffers = {}, 0, []
+    for name, tensor in items:
+        data = tensor.detach().cpu().contiguous()
+        size = data.numel() * data.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+        if size:
+            buffers.append(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for buffer in [memoryview(len(text).to_bytes(8, "little") + text), *buffers]:
+            for start in range(0, len(buffer), _WRITE_CHUNK):
+                chunk = buffer[start:start + _WRITE_CHUNK]
+                f.write(chunk)
+                digest.update(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
 

@@ -1,0 +1,549 @@
+"""The extraction driver: plan a part's shards, capture them with a backend, store them resumably.
+
+A part's samples are sorted by length (so batches carry little padding) and cut into shards of
+about ``shard_tokens`` tokens; a shard is cut into batches of at most ``batch_tokens`` padded
+tokens. The plan depends only on train.jsonl and the settings, so a restarted part recomputes
+the same shards in the same batches and writes the same bytes. Complete shards are checked
+against their checksums and skipped; the target loads only when some shard is missing.
+
+While the backend computes shard N+1, a writer thread serialises, checksums and fsyncs shard N.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import shutil
+import threading
+import time
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import ConfigError, ExtractionError
+from draftsmith.hidden_states import (
+    STORAGE_DTYPES,
+    HiddenStateIndex,
+    PartStore,
+    ShardInfo,
+    bytes_per_token,
+    merge_parts,
+    shard_dir_name,
+)
+from draftsmith.io import read_json, sha256_file
+from draftsmith.targets.backends import CaptureBackend
+
+log = logging.getLogger(__name__)
+
+# Bump when a change to capture alters the numbers stored, so old shards are not resumed.
+CAPTURE_VERSION = 1
+
+BACKENDS = ("hf", "vllm")
+MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ExtractionSettings:
+    """How to extract; the workflow fills it from the config's ``extraction`` section."""
+
+    backend: str = "hf"
+    parts: int = 1
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"  # storage dtype of the states
+    model_dtype: str = "auto"  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
+    device: str = "auto"
+    device_map: str | None = None  # "auto" spreads the hf backend's model over all visible GPUs
+    batch_tokens: int = 16384  # padded tokens per forward pass
+    shard_tokens: int = 262144  # tokens per shard, the unit of resume
+    max_samples: int | None = None
+    min_free_bytes: int = 1 << 30  # disk space to leave free beyond the estimate
+    max_model_len: int | None = None  # vLLM context; None = the longest sample of the part
+
+    def __post_init__(self) -> None:
+        choices = {"backend": BACKENDS, "dtype": tuple(STORAGE_DTYPES), "model_dtype": MODEL_DTYPES,
+                   "device": DEVICES, "device_map": (None, "auto")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"extraction.{key} is {getattr(self, key)!r}", where=f"extraction.{key}",
+                                  fix=f"use one of {', '.join(map(repr, allowed))}")
+        for key in ("parts", "tensor_parallel_size", "batch_tokens", "shard_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"extraction.{key} is {value!r}", where=f"extraction.{key}",
+                                  fix="use a positive integer")
+        for key in ("max_samples", "max_model_len"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"extraction.{key} is {value!r}", where=f"extraction.{key}",
+                                  fix="use a positive integer, or null")
+        if self.min_free_bytes < 0:
+            raise ConfigError("extraction.min_free_bytes is negative", where="extraction.min_free_bytes")
+
+    @classmethod
+    def from_config(cls, extraction: dict, **overrides) -> ExtractionSettings:
+        """Settings from the config's ``extraction`` section plus keys found elsewhere (model dtype, device)."""
+        known = {f.name for f in fields(cls)}
+        values = {**extraction, **overrides}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown extraction settings {unknown}", where="extraction",
+                              fix=f"use only {sorted(known)}")
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(frozen=True)
+class _Entry:
+    line: int
+    id: str
+    length: int
+
+
+def _iter_rows(train_jsonl: Path) -> Iterator[tuple[int, dict]]:
+    with open(train_jsonl, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ExtractionError(f"not valid JSON: {e}", where=f"{train_jsonl}:{line_no}",
+                                      fix="rerun the prepare_dataset rule") from e
+
+
+def _check_row(row: dict, where: str) -> None:
+    ids, mask = row.get("input_ids"), row.get("loss_mask")
+    if "id" not in row or not isinstance(ids, list) or not isinstance(mask, list):
+        raise ExtractionError("a row lacks id, input_ids or loss_mask", where=where,
+                              fix="rerun the prepare_dataset rule")
+    if not ids or len(ids) != len(mask):
+        raise ExtractionError(f"sample {row['id']!r} has {len(ids)} tokens and {len(mask)} loss-mask values",
+                              where=where, fix="rerun the prepare_dataset rule")
+
+
+def _scan(train_jsonl: Path, max_samples: int | None) -> list[_Entry]:
+    """Every sample's line, id and length (the tokens stay on disk)."""
+    entries, seen = [], {}
+    for line_no, row in _iter_rows(train_jsonl):
+        if max_samples is not None and len(entries) >= max_samples:
+            break
+        where = f"{train_jsonl}:{line_no}"
+        _check_row(row, where)
+        sample_id = str(row["id"])
+        if sample_id in seen:
+            raise ExtractionError(f"sample id {sample_id!r} appears twice (lines {seen[sample_id]} and {line_no})",
+                                  where=str(train_jsonl), fix="give every sample its own id")
+        seen[sample_id] = line_no
+        entries.append(_Entry(line_no, sample_id, len(row["input_ids"])))
+    return entries
+
+
+def plan_part(train_jsonl: str | Path, part: int, parts: int, settings: ExtractionSettings) -> list[list[dict]]:
+    """The part's shards, each a list of sample rows ({id, input_ids, loss_mask}), longest first.
+
+    All samples are sorted by length (ties by line) and dealt to the parts in turn, which gives
+    every part nearly the same number of tokens; the part's run is then cut into shards of
+    about ``shard_tokens`` tokens. Deterministic: the same file and settings give the same plan.
+    """
+    if not 0 <= part < parts:
+        raise ExtractionError(f"part {part} does not exist: parts run 0..{parts - 1}", where="extraction.parts")
+    train_jsonl = Path(train_jsonl)
+    entries = sorted(_scan(train_jsonl, settings.max_samples), key=lambda e: (-e.length, e.line))
+    mine = entries[part::parts]
+    wanted = {e.line: e for e in mine}
+    rows = {}
+    for line_no, row in _iter_rows(train_jsonl):
+        if line_no in wanted:
+            rows[line_no] = {"id": wanted[line_no].id, "input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}
+    shards, current, tokens = [], [], 0
+    for entry in mine:
+        if current and tokens + entry.length > settings.shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+        current.append(rows[entry.line])
+        tokens += entry.length
+    if current:
+        shards.append(current)
+    return shards
+
+
+def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
+    """Consecutive runs of the shard's samples, each at most ``batch_tokens`` padded tokens
+    (a sample longer than that forms a batch of its own)."""
+    batches, current, longest = [], [], 0
+    for sample in shard:
+        length = len(sample["input_ids"])
+        if current and (len(current) + 1) * max(longest, length) > batch_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(sample)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _model_fingerprint(model_path: Path) -> dict:
+    """What identifies the weights without reading them: the config's bytes, the weight files' sizes."""
+    config = model_path / "config.json"
+    files = sorted(p for p in model_path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")) \
+        if model_path.is_dir() else []
+    return {
+        "path": str(model_path),
+        "config_sha256": sha256_file(config) if config.is_file() else None,
+        "weights": [[p.name, p.stat().st_size] for p in files],
+    }
+
+
+def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settings: ExtractionSettings) -> str:
+    """Hash of everything the part's shards are made from: the model (path, config, weight files),
+    the samples of each shard (ids, tokens, loss masks), the layers, the storage and model dtypes."""
+    digest = hashlib.sha256()
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    head = {
+        "capture_version": CAPTURE_VERSION,
+        "model": _model_fingerprint(Path(target_info["model_path"])),
+        "layers_path": target_info["layers_path"],
+        "layer_ids": target_info["captured_layer_ids"],
+        "hidden_size": target_info["hidden_size"],
+        "dtype": settings.dtype,
+        "model_dtype": _model_dtype_name(settings.model_dtype, device),
+    }
+    digest.update(json.dumps(head, sort_keys=True).encode())
+    for number, shard in enumerate(shards):
+        digest.update(f"\nshard {number} {len(shard)}\n".encode())
+        for sample in shard:
+            digest.update(json.dumps(sample["id"]).encode())
+            digest.update(array("q", sample["input_ids"]).tobytes())
+            digest.update(array("b", sample["loss_mask"]).tobytes())
+    return digest.hexdigest()
+
+
+def _model_dtype_name(model_dtype: str, device: str) -> str:
+    if model_dtype != "auto":
+        return model_dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+
+
+def make_backend(name: str, target_info: dict, settings: ExtractionSettings) -> CaptureBackend:
+    """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers."""
+    from draftsmith.targets.hf_backend import resolve_device
+
+    layer_ids = target_info["captured_layer_ids"]
+    trust = bool(target_info.get("trust_remote_code", False))
+    device = resolve_device(settings.device)
+    if name == "hf":
+        from draftsmith.targets.hf_backend import HfBackend
+
+        return HfBackend.load(
+            target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
+            final_layer_id=target_info["final_layer_id"], lm_head_path=target_info.get("lm_head_path"),
+            dtype=settings.model_dtype, device=device, device_map=settings.device_map, trust_remote_code=trust)
+    if name == "vllm":
+        support = (target_info.get("backends") or {}).get("vllm") or {}
+        if support and not support.get("supported"):
+            raise ExtractionError(f"the vLLM backend cannot capture this target: {support.get('reason')}",
+                                  where="target.json backends.vllm",
+                                  fix=support.get("fix") or "use extraction.backend: hf")
+        from draftsmith.targets.vllm_backend import VllmBackend
+
+        return VllmBackend(
+            target_info["model_path"], layer_ids, tensor_parallel_size=settings.tensor_parallel_size,
+            dtype=_model_dtype_name(settings.model_dtype, device), max_model_len=settings.max_model_len,
+            trust_remote_code=trust, layers_path=target_info["layers_path"])
+    raise ExtractionError(f"unknown extraction backend {name!r}", where="extraction.backend",
+                          fix=f"use one of {', '.join(BACKENDS)}")
+
+
+def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
+                    ) -> Iterator[list[dict[int, torch.Tensor]]]:
+    """The backend's results batch by batch; pipelined where the backend can keep one batch in flight."""
+    stream = getattr(backend, "capture_stream", None)
+    if stream is not None:
+        yield from stream(batches)
+    else:
+        for batch in batches:
+            yield backend.capture(batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def check_states(sample_ids: Sequence[str], offsets: Sequence[int], states: dict[int, torch.Tensor],
+                 where: str) -> None:
+    """Stop on NaN/Inf anywhere, or on a sample whose states at a layer are all zero."""
+    for layer_id, tensor in sorted(states.items()):
+        low, high = torch.aminmax(tensor)  # NaN propagates; cheap even on CPU
+        whole_finite = bool(torch.isfinite(low) and torch.isfinite(high))
+        for i, sample_id in enumerate(sample_ids):
+            rows = tensor[offsets[i]:offsets[i + 1]]
+            low, high = torch.aminmax(rows)
+            if not whole_finite and not (torch.isfinite(low) and torch.isfinite(high)):
+                bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()[0].item()
+                raise ExtractionError(
+                    f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf (first at token {bad})",
+                    where=where, fix="run the target in bfloat16 or float32 (target.dtype), "
+                                     "or check that the weights load correctly")
+            if low == 0 and high == 0:
+                raise ExtractionError(
+                    f"sample {sample_id!r}: layer {layer_id} states are all zero", where=where,
+                    fix="the capture hook took the wrong tensor or the weights did not load; "
+                        "check target.json layers_path and the model folder")
+
+
+@dataclass
+class _ShardJob:
+    number: int
+    samples: list[dict]
+    states: dict[int, torch.Tensor]  # layer id -> [tokens, hidden], in storage dtype (fp8: as captured)
+
+
+class _ShardWriter:
+    """A background thread that checks and writes complete shards; at most ``max_pending`` wait."""
+
+    def __init__(self, store: PartStore, max_pending: int = 1) -> None:
+        self.store = store
+        self.written: list[ShardInfo] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._abort = False
+        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _ShardJob) -> None:
+        while True:
+            self._raise_error()
+            try:
+                self._queue.put(job, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is not None or self._abort:
+                continue
+            try:
+                self._write(job)
+            except BaseException as e:  # handed to the main thread, which raises it
+                self._error = e
+
+    def _write(self, job: _ShardJob) -> None:
+        ids = [s["id"] for s in job.samples]
+        offsets = [0]
+        for sample in job.samples:
+            offsets.append(offsets[-1] + len(sample["input_ids"]))
+        check_states(ids, offsets, job.states, where=f"part {self.store.part} shard {job.number}")
+        info = self.store.write_shard(job.number, ids, [s["input_ids"] for s in job.samples],
+                                      [s["loss_mask"] for s in job.samples], job.states)
+        self.written.append(info)
+        log.debug("part %d shard %d written: %d samples, %d tokens", info.part, info.shard, info.num_samples,
+                  info.num_tokens)
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the queued shards to be written (or drop them with ``abort``) and stop."""
+        self._abort = self._abort or abort
+        self._queue.put(None)
+        self._thread.join()
+        if not abort:
+            self._raise_error()
+
+
+def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tuple[int, list[dict]]],
+                   *, batch_tokens: int, max_pending: int = 1, progress=None) -> list[ShardInfo]:
+    """Capture and store the listed (shard number, samples) shards; returns their infos in order.
+
+    Each shard's states are assembled into one [tokens, hidden] tensor per layer as batches come
+    back, then handed to the writer thread, while the backend goes on with the next shard.
+    """
+    storage = store.meta["dtype"]
+    hidden = store.meta["hidden_size"]
+    jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
+    shard_of = dict(todo)
+    writer = _ShardWriter(store, max_pending=max_pending)
+    ok = False
+    try:
+        current, buffers, filled = None, {}, 0
+        results = capture_batches(backend, ([s["input_ids"] for s in batch] for _, batch in jobs))
+        for (number, batch), captured in zip(jobs, results, strict=True):
+            if len(captured) != len(batch):
+                raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
+                                      f"of {len(batch)} samples", where=f"part {store.part} shard {number}")
+            if number != current:
+                current, buffers, filled = number, {}, 0
+                total = sum(len(s["input_ids"]) for s in shard_of[number])
+            for sample, states in zip(batch, captured):
+                length = len(sample["input_ids"])
+                if sorted(states) != store.layer_ids:
+                    raise ExtractionError(
+                        f"the {backend.name} backend returned layers {sorted(states)} for sample {sample['id']!r}, "
+                        f"expected {store.layer_ids}", where=f"part {store.part} shard {number}")
+                for layer_id in store.layer_ids:
+                    tensor = states[layer_id]
+                    if tensor.shape != (length, hidden):
+                        raise ExtractionError(
+                            f"the {backend.name} backend returned layer {layer_id} states of shape "
+                            f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
+                            f"(expected ({length}, {hidden}))", where=f"part {store.part} shard {number}")
+                    if layer_id not in buffers:
+                        dtype = tensor.dtype if storage == "fp8" else STORAGE_DTYPES[storage]
+                        buffers[layer_id] = torch.empty(total, hidden, dtype=dtype)
+                    buffers[layer_id][filled:filled + length].copy_(tensor)
+                filled += length
+            if progress is not None:
+                progress(len(batch), sum(len(s["input_ids"]) for s in batch))
+            if filled == total:
+                writer.submit(_ShardJob(number, shard_of[number], buffers))
+                buffers = {}
+        ok = True
+    finally:
+        writer.close(abort=not ok)
+    return sorted(writer.written, key=lambda s: s.shard)
+
+
+# ---------------------------------------------------------------------------------------------
+# The part and the merge
+
+
+def _gib(n: float) -> str:
+    """Bytes for people: 1.23 GiB, 456.0 MiB, 7.8 KiB."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _check_disk(folder: Path, needed: int, alternative: tuple[str, int], settings: ExtractionSettings) -> None:
+    free = shutil.disk_usage(folder).free
+    if needed and free < needed + settings.min_free_bytes:
+        other, other_bytes = alternative
+        raise ExtractionError(
+            f"not enough disk space: the remaining shards need {_gib(needed)} as {settings.dtype} "
+            f"(+ {_gib(settings.min_free_bytes)} kept free), the disk has {_gib(free)} free",
+            where=str(folder),
+            fix=f"free space or move the results folder to a larger disk; extraction.dtype: {other} would "
+                f"need {_gib(other_bytes)}; fewer samples (extraction.max_samples) need less")
+
+
+def _verify_shards(store: PartStore, count: int) -> dict[int, ShardInfo]:
+    """The complete, intact shards among 0..count-1 (checksums read in parallel; damaged ones removed)."""
+    present = [n for n in range(count) if (store.dir / shard_dir_name(n)).is_dir()]
+    if not present:
+        return {}
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(8, len(present))) as pool:
+        infos = dict(zip(present, pool.map(store.shard_info, present)))
+    done = {n: info for n, info in infos.items() if info is not None}
+    log.info("part %d: %d of %d shards already complete (checked in %.1f s)", store.part, len(done), count,
+             time.perf_counter() - started)
+    return done
+
+
+def extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, settings: ExtractionSettings,
+                 store_root: str | Path, manifest_path: str | Path) -> dict:
+    """Extract one part's shards (resuming any already complete) and write its manifest."""
+    from tqdm import tqdm
+
+    from draftsmith.targets.inspect import read_target_json
+
+    target_info = read_target_json(target_json)
+    shards = plan_part(train_jsonl, part, settings.parts, settings)
+    layer_ids = target_info["captured_layer_ids"]
+    hidden = target_info["hidden_size"]
+
+    def tokens(samples: Iterable[dict]) -> int:
+        return sum(len(s["input_ids"]) for s in samples)
+
+    part_tokens = sum(tokens(s) for s in shards)
+    log.info("part %d of %d: %d samples, %d tokens in %d shards; layers %s, hidden %d",
+             part, settings.parts, sum(map(len, shards)), part_tokens, len(shards), layer_ids, hidden)
+    store = PartStore(store_root, part, fingerprint=part_fingerprint(target_info, shards, settings),
+                      dtype=settings.dtype, hidden_size=hidden, layer_ids=layer_ids)
+    done = _verify_shards(store, len(shards))
+    todo = [(n, shard) for n, shard in enumerate(shards) if n not in done]
+    todo_tokens = sum(tokens(s) for _, s in todo)
+    other = "fp8" if settings.dtype != "fp8" else "bfloat16"
+    per_token = bytes_per_token(hidden, len(layer_ids), settings.dtype)
+    per_token_other = bytes_per_token(hidden, len(layer_ids), other)
+    log.info("part %d stores %s as %s (%s as %s); %d shards (%s) still to write",
+             part, _gib(part_tokens * per_token), settings.dtype, _gib(part_tokens * per_token_other), other,
+             len(todo), _gib(todo_tokens * per_token))
+    _check_disk(store.dir, todo_tokens * per_token, (other, todo_tokens * per_token_other), settings)
+
+    if todo:
+        longest = max(len(s["input_ids"]) for _, shard in todo for s in shard)
+        if longest > settings.batch_tokens:
+            log.warning("part %d: samples of up to %d tokens exceed extraction.batch_tokens (%d); each such "
+                        "sample runs as a batch of its own", part, longest, settings.batch_tokens)
+        run_settings = replace(settings, max_model_len=settings.max_model_len or longest)
+        started = time.perf_counter()
+        bar = tqdm(total=part_tokens, initial=part_tokens - todo_tokens, unit="tok", unit_scale=True,
+                   desc=f"part {part}", dynamic_ncols=True)
+        samples_total, samples_done = sum(map(len, shards)), sum(len(shards[n]) for n in done)
+
+        def progress(num_samples: int, num_tokens: int) -> None:
+            nonlocal samples_done
+            samples_done += num_samples
+            bar.set_postfix_str(f"{samples_done}/{samples_total} samples", refresh=False)
+            bar.update(num_tokens)
+
+        try:
+            with make_backend(settings.backend, target_info, run_settings) as backend:
+                compute_started = time.perf_counter()
+                written = extract_shards(backend, store, todo, batch_tokens=settings.batch_tokens, progress=progress)
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - compute_started
+        log.info("part %d: %d shards, %d tokens in %.1f s (%.0f tokens/s; %.1f s with the model load)",
+                 part, len(written), todo_tokens, seconds, todo_tokens / max(seconds, 1e-9),
+                 time.perf_counter() - started)
+        done.update({info.shard: info for info in written})
+    return store.finish([done[n] for n in range(len(shards))], manifest_path)
+
+
+def merge(manifests: Sequence[str | Path], index_path: str | Path) -> HiddenStateIndex:
+    """Combine the parts' manifests into ``index.json``, checking that no sample appears twice."""
+    raws = [read_json(m) for m in manifests]
+    numbers = sorted(r["part"] for r in raws)
+    if numbers != list(range(len(raws))):
+        raise ExtractionError(f"the part manifests hold parts {numbers}, expected 0..{len(raws) - 1} once each",
+                              where=", ".join(map(str, manifests)), fix="rerun extraction for the missing parts")
+    root = Path(index_path).parent
+    seen: dict[str, int] = {}
+    for raw in raws:
+        for shard in raw["shards"]:
+            for sample_id in read_json(root / shard["path"] / "manifest.json")["sample_ids"]:
+                if sample_id in seen:
+                    raise ExtractionError(f"sample {sample_id!r} was extracted by parts {seen[sample_id]} and "
+                                          f"{raw['part']}", where=str(root),
+                                          fix="rerun every part with the same extraction.parts")
+                seen[sample_id] = raw["part"]
+    index = merge_parts(manifests, index_path)
+    log.info("hidden-state index: %d parts, %d shards, %d samples, %d tokens (%d in the loss), %s",
+             len(raws), len(index.shards), index.num_samples, index.num_tokens, index.num_loss_tokens,
+             Path(index_path))
+    return index

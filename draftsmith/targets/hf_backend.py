@@ -1,0 +1,243 @@
+"""Capture hidden states with Hugging Face transformers, through the layer path preflight resolved.
+
+Hooks, not ``output_hidden_states``: a forward pre-hook on decoder layer ``i`` takes layer id ``i``
+(the layer's input), and a pre-hook on the ``lm_head`` takes the final id ``L`` (what the head
+consumes). The last hook that fires stops the forward, so the head never runs (its logits over a
+large vocabulary would cost time and memory) and, when the final state is not asked for, no layer
+after the last needed one runs either. Only the asked layers are ever kept.
+
+On CUDA, each batch's states are copied to pinned host memory on a side stream while the next
+batch computes (``capture_stream`` keeps one batch in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.errors import ExtractionError, TargetError
+from draftsmith.targets.backends import CaptureBackend
+
+log = logging.getLogger(__name__)
+
+MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _StopForward(Exception):
+    """Raised by the last hook that is needed, to end the forward pass early."""
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` = cuda when a GPU is visible, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ExtractionError(f"device {device!r} was asked for, but torch sees no CUDA GPU",
+                              where="device", fix="set device: cpu, or run on a machine with a GPU")
+    return device
+
+
+def resolve_model_dtype(dtype: str, device: str) -> torch.dtype:
+    """``auto`` = bfloat16 on GPU; float32 on CPU, where bf16 matmuls are slow."""
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in MODEL_DTYPES:
+        raise ExtractionError(f"unknown model dtype {dtype!r}", where="target.dtype",
+                              fix=f"use auto or one of {sorted(MODEL_DTYPES)}")
+    return MODEL_DTYPES[dtype]
+
+
+def load_hf_model(model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
+                  device_map: str | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """Load the target with the architecture class its config names (as preflight builds it)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from draftsmith.targets.inspect import load_config
+
+    config = load_config(model_path, trust_remote_code)
+    device = resolve_device(device)
+    kwargs = {"config": config, "dtype": resolve_model_dtype(dtype, device),
+              "device_map": device_map or device, "trust_remote_code": trust_remote_code}
+    classes = [getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)]
+    if classes:
+        return classes[0].from_pretrained(model_path, **kwargs).eval()
+    errors = []
+    for auto_cls in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            return auto_cls.from_pretrained(model_path, **kwargs).eval()
+        except ValueError as e:  # this auto class does not know the config; try the next one
+            errors.append(f"{auto_cls.__name__}: {e}")
+    raise TargetError(f"transformers cannot load architecture {config.architectures}: " + "; ".join(errors),
+                      where=str(model_path), fix="use extraction.backend: vllm, or a transformers release "
+                                                 "that knows this architecture")
+
+
+@dataclass
+class _InFlight:
+    """One launched batch: its states (on the model's devices, or pinned copies being filled)."""
+
+    lengths: list[int]
+    states: dict[int, torch.Tensor]  # layer id -> [batch, padded_len, hidden]
+    events: list  # CUDA events that mark the copies done; empty on CPU
+
+
+class HfBackend(CaptureBackend):
+    """Runs the target under transformers and captures layers by hooks (see the module docstring)."""
+
+    name = "hf"
+
+    def __init__(self, model: nn.Module, *, layers_path: str, capture_layer_ids: Sequence[int],
+                 final_layer_id: int, lm_head_path: str | None = None, pad_token_id: int = 0) -> None:
+        self.model = model.eval()
+        try:
+            layers = model.get_submodule(layers_path)
+        except AttributeError as e:
+            raise ExtractionError(f"the loaded model has no module {layers_path!r}", where="target.json layers_path",
+                                  fix="rerun the inspect_target rule against this model") from e
+        if len(layers) != final_layer_id:
+            raise ExtractionError(f"{layers_path} holds {len(layers)} layers, target.json says {final_layer_id}",
+                                  where="target.json", fix="rerun the inspect_target rule against this model")
+        self.layer_ids = sorted(set(capture_layer_ids))
+        bad = [i for i in self.layer_ids if not 0 <= i <= final_layer_id]
+        if bad:
+            raise ExtractionError(f"layer ids {bad} are out of range 0..{final_layer_id}", where="target.json")
+        self.final_layer_id = final_layer_id
+        self.pad_token_id = pad_token_id
+        self._captured: dict[int, torch.Tensor] | None = None
+        self._stop_at = self.layer_ids[-1]
+        self._hooks = []
+        for layer_id in self.layer_ids:
+            if layer_id < final_layer_id:
+                module = layers[layer_id]
+            else:
+                module = model.get_submodule(lm_head_path) if lm_head_path else model.get_output_embeddings()
+                if module is None:
+                    raise ExtractionError("the model has no lm_head module to take the final state from",
+                                          where="target.json lm_head_path",
+                                          fix="rerun the inspect_target rule, or use extraction.backend: vllm")
+            self._hooks.append(module.register_forward_pre_hook(self._hook(layer_id), with_kwargs=True))
+        embed = model.get_input_embeddings()
+        self.input_device = embed.weight.device if embed is not None else next(model.parameters()).device
+        self.cuda = self.input_device.type == "cuda"
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @classmethod
+    def load(cls, model_path: str | Path, *, layers_path: str, capture_layer_ids: Sequence[int],
+             final_layer_id: int, lm_head_path: str | None = None, dtype: str = "auto", device: str = "auto",
+             device_map: str | None = None, trust_remote_code: bool = False) -> HfBackend:
+        """Load the target from its folder and hook the captured layers."""
+        model = load_hf_model(model_path, dtype=dtype, device=device, device_map=device_map,
+                              trust_remote_code=trust_remote_code)
+        log.info("hf backend: %s loaded (%s, first layer on %s); capturing layers %s",
+                 type(model).__name__, next(model.parameters()).dtype,
+                 model.get_input_embeddings().weight.device, capture_layer_ids)
+        return cls(model, layers_path=layers_path, capture_layer_ids=capture_layer_ids,
+                   final_layer_id=final_layer_id, lm_head_path=lm_head_path)
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, kwargs):
+            if self._captured is None:  # the model called outside capture: stay out of the way
+                return None
+            if args:
+                states = args[0]
+            else:
+                states = kwargs.get("hidden_states", kwargs.get("input"))
+            self._captured[layer_id] = states
+            if layer_id == self._stop_at:
+                raise _StopForward
+            return None
+        return hook
+
+    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+        return next(self.capture_stream([batch]))
+
+    def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, torch.Tensor]]]:
+        """``capture`` for a stream of batches, in order; on CUDA the next batch computes while the
+        previous one's states travel to host memory."""
+        pending = None
+        for batch in batches:
+            launched = self._launch(batch)
+            if pending is not None:
+                yield self._collect(pending)
+            pending = launched
+        if pending is not None:
+            yield self._collect(pending)
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[list[int]]) -> _InFlight:
+        lengths = [len(ids) for ids in batch]
+        if not batch or min(lengths) == 0:
+            raise ExtractionError("a batch is empty or holds an empty sequence", fix="drop empty samples from train.jsonl")
+        # Right padding: with a causal mask, real tokens never see the pads after them.
+        input_ids = torch.full((len(batch), max(lengths)), self.pad_token_id, dtype=torch.int64)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(batch):
+            input_ids[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+            attention_mask[row, :len(ids)] = 1
+        if self.cuda:
+            input_ids = input_ids.pin_memory().to(self.input_device, non_blocking=True)
+            attention_mask = attention_mask.pin_memory().to(self.input_device, non_blocking=True)
+        self._captured = {}
+        try:
+            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            captured, self._captured = self._captured, None
+        missing = [i for i in self.layer_ids if i not in captured]
+        if missing:
+            what = "the lm_head was never called as a module" if self.final_layer_id in missing else \
+                "their decoder layers were never called"
+            raise ExtractionError(f"layers {missing} were not captured: {what}", where=type(self.model).__name__,
+                                  fix="use extraction.backend: vllm for this architecture")
+        for layer_id, states in captured.items():
+            if states.shape[:2] != input_ids.shape:
+                raise ExtractionError(
+                    f"layer {layer_id} states have shape {tuple(states.shape)} for a batch of {tuple(input_ids.shape)}"
+                    " tokens (the model keeps only some positions before its head?)",
+                    where=type(self.model).__name__, fix="use extraction.backend: vllm for this architecture")
+        if not self.cuda:
+            return _InFlight(lengths, captured, [])
+        return self._copy_to_host(lengths, captured)
+
+    def _copy_to_host(self, lengths: list[int], captured: dict[int, torch.Tensor]) -> _InFlight:
+        """Start the device-to-host copies on a side stream; they overlap the next batch's compute."""
+        host, events = {}, []
+        for layer_id, states in captured.items():
+            device = states.device
+            if device.type != "cuda":
+                host[layer_id] = states
+                continue
+            stream = self._copy_streams.get(device)
+            if stream is None:
+                stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            buffer = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                buffer.copy_(states, non_blocking=True)
+                states.record_stream(stream)  # the allocator must not reuse it before the copy ran
+                event = torch.cuda.Event()
+                event.record(stream)
+            host[layer_id] = buffer
+            events.append(event)
+        return _InFlight(lengths, host, events)
+
+    def _collect(self, launched: _InFlight) -> list[dict[int, torch.Tensor]]:
+        for event in launched.events:
+            event.synchronize()
+        return [{layer_id: states[row, :length] for layer_id, states in launched.states.items()}
+                for row, length in enumerate(launched.lengths)]
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,387 @@
+"""The extraction driver: its plan, what it stores, resume after a kill, parts, and its stops."""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save as save_safetensors
+
+import tiny
+from draftsmith import extract
+from draftsmith.errors import ConfigError, ExtractionError
+from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_batches, plan_part
+from draftsmith.hidden_states import HiddenStateIndex, quantize_fp8, read_shard, write_safetensors
+from draftsmith.targets.backends import CaptureBackend
+from draftsmith.targets.hf_backend import HfBackend
+from draftsmith.targets.inspect import write_target_json
+
+TESTS = Path(__file__).resolve().parent
+SMALL = dict(device="cpu", batch_tokens=96, shard_tokens=120)  # many small shards and batches
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """Tiny matmuls: one thread is fastest, and stays fast when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("target")
+    model = tiny.build_llama(folder / "model")
+    info = write_target_json(folder / "target.json", model)
+    return folder / "target.json", info
+
+
+def _rows(count, seed=0, max_len=40):
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        n = rng.randint(2, max_len)
+        rows.append({"id": f"sample-{i}", "input_ids": [rng.randrange(1, 384) for _ in range(n)],
+                     "loss_mask": [rng.randint(0, 1) for _ in range(n)], "source": {"row": i}})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory):
+    return tiny.write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", _rows(36))
+
+
+def _run(train, target_json, root, settings, parts=None):
+    """Extract every part into ``root`` and merge; returns the index."""
+    manifests = []
+    for part in range(settings.parts if parts is None else parts):
+        manifest = root / f"part-{part}.json"
+        extract_part(train, target_json, part, settings, root, manifest)
+        manifests.append(manifest)
+    return merge(manifests, root / "index.json")
+
+
+def _tree(root):
+    """Every file under ``root`` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class _Counting(CaptureBackend):
+    """Wraps a backend and records which samples' tokens it was asked to capture."""
+
+    name = "counting"
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def capture(self, batch):
+        self.batches.append(batch)
+        return self.inner.capture(batch)
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def test_plan_splits_sorts_and_cuts_deterministically(train):
+    settings = ExtractionSettings(parts=3, **SMALL)
+    plans = [plan_part(train, p, 3, settings) for p in range(3)]
+    assert plans == [plan_part(train, p, 3, settings) for p in range(3)]
+    ids = [s["id"] for plan in plans for shard in plan for s in shard]
+    assert sorted(ids) == sorted(r["id"] for r in _rows(36))  # every sample once
+    tokens = [sum(len(s["input_ids"]) for shard in plan for s in shard) for plan in plans]
+    assert max(tokens) - min(tokens) <= 40  # dealt by length: parts get about the same work
+    for plan in plans:
+        lengths = [len(s["input_ids"]) for shard in plan for s in shard]
+        assert lengths == sorted(lengths, reverse=True)
+        for shard in plan:
+            assert sum(len(s["input_ids"]) for s in shard) <= 120 or len(shard) == 1
+            for batch in plan_batches(shard, 96):
+                assert len(batch) * max(len(s["input_ids"]) for s in batch) <= 96 or len(batch) == 1
+
+
+def test_settings_are_checked():
+    with pytest.raises(ConfigError, match="extraction.dtype"):
+        ExtractionSettings(dtype="int4")
+    with pytest.raises(ConfigError, match="shard_tokens"):
+        ExtractionSettings(shard_tokens=0)
+    with pytest.raises(ConfigError, match="unknown extraction settings"):
+        ExtractionSettings.from_config({"backend": "hf", "batch_size": 4})
+    assert ExtractionSettings.from_config({"parts": 2}, device="cpu").parts == 2
+
+
+# --- what is stored ---------------------------------------------------------------------------
+
+
+def test_stored_states_are_the_targets_states(train, target, tmp_path):
+    target_json, info = target
+    settings = ExtractionSettings(dtype="float32", **SMALL)
+    index = _run(train, target_json, tmp_path / "hs", settings)
+    rows = {r["id"]: r for r in _rows(36)}
+    assert index.num_samples == 36 and len(index.shards) > 5
+    backend = HfBackend.load(info["model_path"], layers_path=info["layers_path"], final_layer_id=8,
+                             capture_layer_ids=info["captured_layer_ids"], lm_head_path="lm_head", device="cpu")
+    for shard in index.shards:
+        data = read_shard(index, shard)
+        for i, sample_id in enumerate(data.sample_ids):
+            a, b = data.offsets[i].item(), data.offsets[i + 1].item()
+            assert data.input_ids[a:b].tolist() == rows[sample_id]["input_ids"]
+            assert data.loss_mask[a:b].tolist() == [bool(m) for m in rows[sample_id]["loss_mask"]]
+            alone = backend.capture([rows[sample_id]["input_ids"]])[0]
+            for layer_id in [2, 4, 5, 8]:
+                torch.testing.assert_close(data.states[layer_id][a:b], alone[layer_id], rtol=1e-5, atol=1e-4)
+
+
+def test_parts_merge_into_one_index_covering_every_sample_once(train, target, tmp_path):
+    target_json, _ = target
+    index = _run(train, target_json, tmp_path / "hs", ExtractionSettings(parts=2, **SMALL))
+    assert sorted({s.part for s in index.shards}) == [0, 1]
+    ids = [i for shard in index.shards for i in read_shard(index, shard, layer_ids=[8]).sample_ids]
+    assert sorted(ids) == sorted(r["id"] for r in _rows(36))
+    assert index.num_tokens == sum(len(r["input_ids"]) for r in _rows(36))
+    assert index.layer_ids == [2, 4, 5, 8] and index.dtype == "bfloat16"
+    with pytest.raises(ExtractionError, match="expected 0..1"):
+        merge([tmp_path / "hs" / "part-1.json"] * 2, tmp_path / "hs" / "index2.json")
+
+
+def test_fp8_storage(train, target, tmp_path):
+    target_json, _ = target
+    index = _run(train, target_json, tmp_path / "hs", ExtractionSettings(dtype="fp8", **SMALL))
+    data = read_shard(index, index.shards[0])
+    assert data.states[8].dtype == torch.bfloat16 and torch.isfinite(data.states[8].float()).all()
+
+
+def test_writer_bytes_equal_safetensors_save(tmp_path):
+    values, scales = quantize_fp8(torch.randn(5, 8))
+    cases = [
+        {"input_ids": torch.arange(7), "loss_mask": torch.ones(7, dtype=torch.uint8), "offsets": torch.tensor([0, 7])},
+        {"hidden_states": values, "scales": scales},
+        {"hidden_states": torch.randn(3, 8).bfloat16()},
+        {"hidden_states": torch.randn(3, 8).half()},
+        {"hidden_states": torch.zeros(0, 8)},
+    ]
+    for tensors in cases:
+        digest = write_safetensors(tmp_path / "x.safetensors", tensors)
+        data = (tmp_path / "x.safetensors").read_bytes()
+        assert data == save_safetensors(tensors)
+        assert digest == hashlib.sha256(data).hexdigest()
+
+
+# --- resume -----------------------------------------------------------------------------------
+
+
+def test_a_finished_part_loads_no_model(train, target, tmp_path, monkeypatch):
+    target_json, _ = target
+    settings = ExtractionSettings(**SMALL)
+    _run(train, target_json, tmp_path / "hs", settings)
+    before = _tree(tmp_path / "hs")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded although every shard is complete")
+
+    monkeypatch.setattr(extract, "make_backend", refuse)
+    _run(train, target_json, tmp_path / "hs", settings)
+    assert _tree(tmp_path / "hs") == before
+
+
+def test_a_corrupted_shard_is_detected_and_redone_alone(train, target, tmp_path, monkeypatch):
+    target_json, _ = target
+    settings = ExtractionSettings(**SMALL)
+    root = tmp_path / "hs"
+    _run(train, target_json, root, settings)
+    before = _tree(root)
+    victim = root / "part-0" / "shard-00003" / "layer-4.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    untouched = {p: p.stat().st_mtime_ns for p in root.glob("part-0/shard-*/*") if "shard-00003" not in str(p)}
+
+    wrappers = []
+    real = extract.make_backend
+
+    def counting(*args):
+        wrappers.append(_Counting(real(*args)))
+        return wrappers[-1]
+
+    monkeypatch.setattr(extract, "make_backend", counting)
+    _run(train, target_json, root, settings)
+    shard3 = plan_part(train, 0, 1, settings)[3]
+    assert [ids for batch in wrappers[0].batches for ids in batch] == [s["input_ids"] for s in shard3]
+    assert {p: p.stat().st_mtime_ns for p in untouched} == untouched
+    assert _tree(root) == before
+
+
+def test_changed_inputs_never_mix_with_old_shards(train, target, tmp_path):
+    target_json, _ = target
+    settings = ExtractionSettings(**SMALL)
+    root = tmp_path / "hs"
+    _run(train, target_json, root, settings)
+    rows = _rows(36)
+    rows[5]["input_ids"][0] = (rows[5]["input_ids"][0] + 1) % 384
+    changed = tiny.write_jsonl(tmp_path / "changed.jsonl", rows)
+    index = _run(changed, target_json, root, settings)
+    fresh = _run(changed, target_json, tmp_path / "fresh", settings)
+    assert _tree(root) == _tree(tmp_path / "fresh")
+    assert index.num_tokens == fresh.num_tokens
+
+
+KILL_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import draftsmith.hidden_states as hs
+import draftsmith.extract as ex
+import draftsmith.targets.hf_backend
+from transformers import LlamaForCausalLM
+from draftsmith.extract import ExtractionSettings, extract_part
+
+# Slow the run down so the test can kill it mid-write and mid-compute.
+write = hs.write_safetensors
+def slow_write(path, tensors):
+    digest = write(path, tensors)
+    time.sleep(0.03)
+    return digest
+hs.write_safetensors = slow_write
+capture = ex.capture_batches
+def slow_capture(backend, batches):
+    for result in capture(backend, batches):
+        time.sleep(0.03)
+        yield result
+ex.capture_batches = slow_capture
+
+sys.stdin.readline()  # imports done; wait for the go
+extract_part({train!r}, {target!r}, 0, ExtractionSettings(**{settings!r}), {root!r}, {manifest!r})
+"""
+
+
+def _start(train, target_json, root, settings):
+    """A child that imports everything, then waits for ``_go`` (so the next child warms up meanwhile)."""
+    script = KILL_SCRIPT.format(tests=str(TESTS), train=str(train), target=str(target_json), settings=settings,
+                                root=str(root), manifest=str(root / "part-0.json"))
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _go(proc):
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+
+
+def _complete(root):
+    return len(list(root.glob("part-0/shard-*")))
+
+
+def _kill_when(proc, condition, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    proc.kill()
+    raise AssertionError("the extraction never reached the point to kill it at")
+
+
+def test_killed_at_any_moment_a_rerun_finishes_byte_identical(train, target, tmp_path):
+    target_json, _ = target
+    settings = dict(SMALL, shard_tokens=60, batch_tokens=64)
+    root = tmp_path / "killed"
+    procs = [_start(train, target_json, root, settings) for _ in range(2)]
+
+    reference = tmp_path / "reference"
+    extract_part(train, target_json, 0, ExtractionSettings(**settings), reference, reference / "part-0.json")
+    merge([reference / "part-0.json"], reference / "index.json")
+    total = _complete(reference)
+    assert total >= 10
+
+    kills = [
+        lambda: _complete(root) >= 2,  # between shards: the next one is being computed
+        lambda: any(root.glob("part-0/.shard-*.tmp-*")) and _complete(root) >= 4,  # mid-write of a shard
+    ]
+    progress = []
+    for i, condition in enumerate(kills):
+        proc = procs.pop(0)
+        _go(proc)
+        if i < len(kills) - 1:
+            procs.append(_start(train, target_json, root, settings))
+        assert _kill_when(proc, condition), proc.stderr.read().decode()[-2000:]
+        progress.append(_complete(root))
+        assert not (root / "part-0.json").exists()
+    assert any(root.glob("part-0/.shard-*.tmp-*"))  # the second kill left a half-written shard
+    assert progress == sorted(progress) and progress[-1] < total
+
+    _go(procs[0])
+    assert procs[0].wait(timeout=120) == 0, procs[0].stderr.read().decode()[-2000:]
+    merge([root / "part-0.json"], root / "index.json")
+    assert not list(root.glob("part-0/.shard-*"))  # the half-written shard was cleared
+    assert _tree(root) == _tree(reference)
+
+
+# --- stops ------------------------------------------------------------------------------------
+
+
+def test_not_enough_disk_space_stops_before_the_model_loads(train, target, tmp_path, monkeypatch):
+    target_json, _ = target
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 1000, 1000))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the disk check")
+
+    monkeypatch.setattr(extract, "make_backend", refuse)
+    settings = ExtractionSettings(min_free_bytes=0, **SMALL)
+    with pytest.raises(ExtractionError) as error:
+        extract_part(train, target_json, 0, settings, tmp_path / "hs", tmp_path / "hs" / "part-0.json")
+    message = str(error.value)
+    assert "not enough disk space" in message and "1000 B free" in message
+    assert str(tmp_path / "hs" / "part-0") in message and "fp8 would need" in message
+
+
+class _Faulty(CaptureBackend):
+    """Random states, except NaN or zeros for one sample."""
+
+    name = "faulty"
+
+    def __init__(self, poison, fault):
+        self.poison, self.fault = poison, fault
+
+    def capture(self, batch):
+        out = []
+        for ids in batch:
+            states = {i: torch.randn(len(ids), 64) for i in [2, 4, 5, 8]}
+            if ids == self.poison:
+                states[5] = torch.zeros(len(ids), 64) if self.fault == "zero" else states[5]
+                if self.fault == "nan":
+                    states[5][len(ids) - 1, 3] = float("nan")
+            out.append(states)
+        return out
+
+
+@pytest.mark.parametrize("fault, words", [("nan", "NaN or Inf"), ("zero", "all zero")])
+def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, monkeypatch, fault, words):
+    target_json, _ = target
+    poison = _rows(36)[11]
+    monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], fault))
+    with pytest.raises(ExtractionError, match=f"sample 'sample-11': layer 5 states (hold|are) {words}"):
+        extract_part(train, target_json, 0, ExtractionSettings(**SMALL), tmp_path / "hs", tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_index_loads(train, target, tmp_path):
+    target_json, _ = target
+    _run(train, target_json, tmp_path / "hs", ExtractionSettings(**SMALL))
+    index = HiddenStateIndex.load(tmp_path / "hs" / "index.json")
+    raw = json.loads((tmp_path / "hs" / "index.json").read_text())
+    assert raw["num_samples"] == 36 and index.final_layer_id == 8

@@ -1,0 +1,18 @@
+"""Snakemake entry: extract one part's hidden states (resuming complete shards) and write its manifest."""
+
+from draftsmith.extract import ExtractionSettings, extract_part
+from draftsmith.logs import setup_logging
+
+setup_logging(snakemake.log[0])
+extract_part(
+    snakemake.input.train,
+    snakemake.input.target,
+    int(snakemake.wildcards.part),
+    ExtractionSettings.from_config(
+        snakemake.params.settings,
+        model_dtype=snakemake.params.model_dtype,
+        device=snakemake.params.device,
+    ),
+    store_root=snakemake.params.store,
+    manifest_path=snakemake.output.manifest,
+)
