@@ -251,11 +251,17 @@ class _ShardRows:
         return values
 
 
+def _padded_length(tokens: int, pad_to: int, fixed: int | None) -> int:
+    if fixed is not None:
+        return fixed
+    return max(tokens, 1) if pad_to <= 1 else -(-tokens // pad_to) * pad_to
+
+
 def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[int], final_id: int,
-                 hidden: int, ttt_steps: int, pad_to: int, dtype: torch.dtype, pin: bool) -> dict:
-    """Pack the samples: aux [T, A*H], final [T, H], per-step token ids/valid masks, positions, docs."""
+                 hidden: int, ttt_steps: int, t_pad: int, dtype: torch.dtype, pin: bool) -> dict:
+    """Pack the samples into ``t_pad`` rows: aux [T, A*H], final [T, H], per-step token ids and
+    valid masks [K, T], positions, document ids (padding rows form one extra document)."""
     total = pack.tokens
-    t_pad = max(total, 1) if pad_to <= 1 else -(-total // pad_to) * pad_to
     aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=dtype)
     final = torch.zeros(t_pad, hidden, dtype=dtype)
     ids = torch.zeros(ttt_steps, t_pad, dtype=torch.long)
@@ -760,7 +766,10 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
             pack = step.packs[ddp.rank * settings.grad_accum_steps + a]
             jobs.append((pack,))
     aux_ids, final_id = list(index.aux_layer_ids), index.final_layer_id
+    # On GPU every batch has the same padded length, so the compiled step, the compiled flex
+    # kernel and its block mask are built once; the best-fit packing keeps the padding small.
     pad_to = PAD_MULTIPLE if attention == "flex" else 1
+    fixed = -(-settings.batch_tokens // PAD_MULTIPLE) * PAD_MULTIPLE if device.type == "cuda" else None
     batch_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     open_rows: dict[int, _ShardRows] = {}
 
@@ -769,7 +778,8 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
             open_rows.clear()  # one shard open at a time
             open_rows[pack.shard] = _ShardRows(index, index.shards[pack.shard], [*aux_ids, final_id])
         return _build_batch(pack, metas[pack.shard], open_rows[pack.shard], aux_ids, final_id, index.hidden_size,
-                            settings.ttt_steps, pad_to, batch_dtype, device.type == "cuda")
+                            settings.ttt_steps, _padded_length(pack.tokens, pad_to, fixed), batch_dtype,
+                            device.type == "cuda")
 
     prefetch = _Prefetcher(jobs, make)
     verifier = None
@@ -811,22 +821,14 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
                 g["lr"] = lr
             # loss = sum_j decay^j * (KL summed over the global batch's step-j positions) / their number;
             # DDP averages gradients over ranks, hence the factor world.
-            weights = (decay / np.maximum(step.counts, 1) * ddp.world).to(torch.float32).to(device)
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=device)
-            for a in range(settings.grad_accum_steps):
-                host = prefetch.get()
-                batch = {k: v.to(device, non_blocking=True) for k, v in host.items() if k != "tokens"}
-                sync = a == settings.grad_accum_steps - 1 or ddp.world == 1
-                ctx = model.no_sync() if (ddp.world > 1 and not sync) else contextlib.nullcontext()
-                with ctx, autocast:
-                    loss, stats = model(batch["aux"], batch["final"], batch["ids"], batch["valid"], batch["pos"],
-                                        batch["doc"], weights)
-                    loss.backward()
-                acc_stats += stats.double()
-                step_loss = step_loss + loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
-            optimizer.step()
+            weights = (decay / torch.from_numpy(np.maximum(step.counts, 1)) * ddp.world).to(torch.float32)
+            weights = weights.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else weights
+            micro = ({k: v.to(device, non_blocking=True) for k, v in prefetch.get().items() if k != "tokens"}
+                     for _ in range(settings.grad_accum_steps))
+            step_loss, stats, grad_norm = train_step(model, optimizer, trainable, micro, settings.grad_accum_steps,
+                                                     weights, max_grad_norm=settings.max_grad_norm,
+                                                     autocast=autocast, world=ddp.world)
+            acc_stats += stats
             bad = ~torch.isfinite(step_loss) | ~torch.isfinite(grad_norm)
             bad_step = torch.where((bad_step < 0) & bad, torch.full_like(bad_step, s + 1), bad_step)
             done = s + 1
@@ -872,6 +874,16 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
                                                      settings.keep_checkpoints))
                 if ddp.world > 1:
                     dist.barrier()
+        if verifier is not None:  # a draft is never written from data that fails its checksums
+            verifier.join()
+            failed = torch.tensor([1.0 if verifier.error is not None else 0.0], device=device)
+            if ddp.world > 1:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if verifier.error is not None:
+                raise verifier.error
+            if failed.item():
+                raise TrainingError("another training process found a corrupt hidden-state shard",
+                                    where=str(index_path), fix="see that process's error in the log")
     finally:
         prefetch.close()
         if progress is not None:
@@ -897,6 +909,27 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
     if ddp.world > 1:
         dist.barrier()
     return result
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter], micro_batches,
+               num_micro: int, weights: torch.Tensor, *, max_grad_norm: float, autocast, world: int = 1):
+    """One optimizer step over ``num_micro`` micro-batches (device dicts); returns device tensors
+    (summed loss, summed stats [K, 4] in float64, gradient norm) without synchronising."""
+    optimizer.zero_grad(set_to_none=True)
+    step_loss, step_stats = None, None
+    for a, batch in enumerate(micro_batches):
+        last = a == num_micro - 1
+        ctx = model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
+        with ctx:
+            with autocast:
+                loss, stats = model(batch["aux"], batch["final"], batch["ids"], batch["valid"], batch["pos"],
+                                    batch["doc"], weights)
+            loss.backward()
+        step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+        step_stats = stats.double() if step_stats is None else step_stats + stats.double()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+    optimizer.step()
+    return step_loss, step_stats, grad_norm
 
 
 def _check_inputs(index: HiddenStateIndex, target: dict, t2d: torch.Tensor, index_path: Path, target_json: Path,

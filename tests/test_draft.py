@@ -13,6 +13,15 @@ from draftsmith.train import TTTObjective
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 384, 100
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run fastest on one thread, and a busy machine's spinning threads slow them 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def make_draft(num_layers: int = 1, norm_before_residual: bool = True, seed: int = 0,
                aux_layer_ids=(1, 2, 3), dtype=torch.float64) -> Eagle3Draft:
     config = Eagle3DraftConfig(

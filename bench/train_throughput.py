@@ -1,0 +1,303 @@
+"""Training throughput: Draftsmith's EAGLE-3 trainer against speculators 0.9's, same draft, same data.
+
+Both train the same draft shape (default: an 8B-class target, hidden 4096, target vocab 128256,
+draft vocab 32000) on the same synthetic packed batches (several documents per batch, ~70% loss
+tokens) with the same TTT steps, bf16 autocast, AdamW and gradient clipping, in one process, one
+after the other. Printed: tokens/s, the ratio, loss at the start and end (both should fall on the
+repeated batches), peak memory, and achieved FLOP/s against the bf16 dense peak.
+
+    python bench/train_throughput.py                 # H200, 8B-class shapes
+    python bench/train_throughput.py --tiny          # CPU smoke test, seconds
+
+speculators runs its own ``Eagle3DraftModel.forward`` (torch.compile'd on CUDA, flex attention)
+with the eager KL loss (``--loss-implementation eager``; its fused loss trips a Dynamo bug on
+torch 2.11). FLOPs count the matmuls both trainers must do (draft forward and backward per TTT
+step, the fc, attention scores within documents, the draft-vocab teacher); Draftsmith's extra
+full-vocabulary argmax (for exact acceptance accuracy) is work speculators skips, so it costs
+Draftsmith throughput but is not counted as useful FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token  # noqa: E402
+from draftsmith.train import PAD_MULTIPLE, TTTObjective, train_step  # noqa: E402
+
+H200_BF16_DENSE = 989.5e12
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="small shapes that run on a CPU in seconds")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per packed batch")
+    p.add_argument("--doc-len", type=int, default=2048, help="mean document length inside a batch")
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation)")
+    p.add_argument("--batches", type=int, default=4, help="distinct synthetic batches, cycled")
+    p.add_argument("--only", choices=["draftsmith", "speculators"], default=None)
+    p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile of the draft step")
+    p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
+    p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate = 64, 2, 1, 32, 128
+        args.vocab, args.draft_vocab, args.seq_len, args.doc_len = 512, 128, 256, 64
+        args.steps, args.warmup, args.batches = 6, 2, 2
+    return args
+
+
+def synthetic(args, device, dtype):
+    """Packed batches shared by both trainers, plus the target's embeddings and lm_head."""
+    g = torch.Generator().manual_seed(0)
+    h, t = args.hidden, args.seq_len
+    embed = (torch.randn(args.vocab, h, generator=g) * 0.02).to(dtype)
+    lm_head = (torch.randn(args.vocab, h, generator=g) * 0.02).to(dtype)
+    rows = torch.sort(torch.randperm(args.vocab, generator=g)[:args.draft_vocab]).values
+    final_norm = 1 + 0.1 * torch.randn(h, generator=g)
+    batches = []
+    for _ in range(args.batches):
+        lengths = []
+        while sum(lengths) < t:
+            lengths.append(min(max(16, int(torch.empty(1).exponential_(1 / args.doc_len, generator=g))),
+                               t - sum(lengths)))
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        pos = torch.cat([torch.arange(1, n + 1) for n in lengths])
+        tokens = torch.randint(0, args.vocab, (t,), generator=g)
+        loss = torch.rand(t, generator=g) < 0.7
+        aux = torch.randn(t, 3 * h, generator=g)
+        prenorm = torch.randn(t, h, generator=g) * 2
+        final = prenorm * torch.rsqrt(prenorm.pow(2).mean(-1, keepdim=True) + 1e-5) * final_norm
+        ids = torch.zeros(args.ttt_steps, t, dtype=torch.long)
+        valid = torch.zeros(args.ttt_steps, t, dtype=torch.bool)
+        starts = torch.cumsum(torch.tensor([0] + lengths), 0)
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+            m = b - a
+            for j in range(min(args.ttt_steps, m)):
+                ids[j, a:a + m - j] = tokens[a + j:b]
+                valid[j, a:a + m - j] = loss[a + j:b]
+        batches.append({
+            "aux": aux.to(device, dtype), "final": final.to(device, dtype), "prenorm": prenorm.to(device, dtype),
+            "ids": ids.to(device), "valid": valid.to(device), "pos": pos.to(device), "doc": doc.to(device, torch.int32),
+            "tokens": tokens.to(device), "loss_mask": loss.to(device), "lengths": lengths,
+        })
+    return embed, lm_head, rows, final_norm, batches
+
+
+def draft_config(args) -> Eagle3DraftConfig:
+    return Eagle3DraftConfig(
+        hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, intermediate_size=args.intermediate, target_vocab_size=args.vocab,
+        draft_vocab_size=args.draft_vocab, aux_layer_ids=[1, 2, 3], rms_norm_eps=1e-5,
+        max_position_embeddings=max(8192, args.seq_len + 16),
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, norm_before_residual=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(run_step, args, device):
+    losses = []
+    for _ in range(args.warmup):
+        losses.append(run_step())
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        losses.append(run_step())
+    sync(device)
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    losses = [float(x) for x in losses]
+    return elapsed, losses, peak
+
+
+def bench_draftsmith(args, device, data):
+    embed, lm_head, rows, _, batches = data
+    cuda = device.type == "cuda"
+    frozen = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    draft = Eagle3Draft(draft_config(args))
+    d2t = rows - torch.arange(len(rows))
+    t2d = torch.zeros(args.vocab, dtype=torch.bool)
+    t2d[rows] = True
+    draft.load_target_weights(embed.to(frozen), lm_head, d2t, t2d)
+    draft.lm_head.weight.requires_grad_(False)
+    draft.lm_head.weight.data = draft.lm_head.weight.data.to(frozen)
+    attention = args.attention if args.attention != "auto" else ("flex" if cuda else "sdpa")
+    flex_fn = None
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex_fn = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
+    objective = TTTObjective(draft, lm_head.to(frozen), rows, ttt_steps=args.ttt_steps, ttt_decay=0.8,
+                             attention=attention, flex_fn=flex_fn)
+    draft.to(device)
+    objective.to_device(device, frozen)
+    if cuda and not args.no_compile:
+        objective.step_fn = torch.compile(draft.step, dynamic=False)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01, fused=cuda)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    decay = torch.tensor([0.8 ** j for j in range(args.ttt_steps)])
+    pad = PAD_MULTIPLE if attention == "flex" else 1
+    prepared = []
+    for b in batches:
+        counts = b["valid"].sum(1).cpu().double()
+        t = b["aux"].shape[0]
+        t_pad = -(-t // pad) * pad
+        extra = t_pad - t
+        padded = {k: torch.nn.functional.pad(b[k], (0, 0, 0, extra)) for k in ("aux", "final")}
+        padded["ids"] = torch.nn.functional.pad(b["ids"], (0, extra))
+        padded["valid"] = torch.nn.functional.pad(b["valid"], (0, extra))
+        padded["pos"] = torch.nn.functional.pad(b["pos"], (0, extra))
+        padded["doc"] = torch.nn.functional.pad(b["doc"], (0, extra), value=int(b["doc"].max()) + 1)
+        prepared.append((padded, (decay / counts).float().to(device)))
+    state = {"i": 0}
+
+    def run_step():
+        batch, weights = prepared[state["i"] % len(prepared)]
+        state["i"] += 1
+        loss, _, _ = train_step(objective, optimizer, trainable, [batch], 1, weights, max_grad_norm=1.0,
+                                autocast=autocast)
+        return loss.detach()
+
+    result = timed(run_step, args, device)
+    del objective, draft, optimizer, prepared
+    return result
+
+
+def bench_speculators(args, device, data):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    embed, lm_head, rows, final_norm, batches = data
+    cuda = device.type == "cuda"
+    layer = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                        num_hidden_layers=1, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                        head_dim=args.head_dim, rms_norm_eps=1e-5, max_position_embeddings=max(8192, args.seq_len + 16),
+                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    layer._attn_implementation = "simple_flex_attention" if cuda else "sdpa"
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=args.draft_vocab, norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=args.ttt_steps)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(config)
+    t2d = torch.zeros(args.vocab, dtype=torch.bool)
+    t2d[rows] = True
+    model.load_vocab_mappings(t2d, rows - torch.arange(len(rows)))
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed.float())
+        model.lm_head.weight.copy_(lm_head[rows].float())
+        model.verifier_lm_head.weight.copy_(lm_head[rows].float())
+        model.verifier_norm.weight.copy_(final_norm)
+    model.to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    loss_config = resolve_loss_config("kl_div", "eager")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    prepared = [{
+        "hidden_states": b["aux"][None], "input_ids": b["tokens"][None],
+        "document_ids": b["doc"].long()[None], "loss_mask": b["loss_mask"][None], "position_ids": b["pos"][None],
+        "verifier_last_hidden_states": b["prenorm"][None],
+    } for b in batches]
+    state = {"i": 0}
+
+    def run_step():  # speculators/train/trainer.py train_epoch, minus logging
+        batch = prepared[state["i"] % len(prepared)]
+        state["i"] += 1
+        with autocast:
+            _, loss, _ = model(**batch, ttt_steps=args.ttt_steps, ttt_step_loss_decay=0.8, loss_config=loss_config)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.detach()
+
+    result = timed(run_step, args, device)
+    del model, optimizer, prepared
+    return result
+
+
+def useful_flops_per_token(args, batches) -> float:
+    config = draft_config(args)
+    dense = num_flops_per_token(config, args.ttt_steps)
+    lengths = [n for b in batches for n in b["lengths"]]
+    mean_context = sum(n * (n + 1) / 2 for n in lengths) / sum(lengths)  # keys a query sees at step 0
+    q = config.num_attention_heads * config.head_dim
+    # QK^T and PV, forward (2 matmuls x 2 flops) + backward (x2), per TTT step
+    attention = 3 * 4 * q * mean_context * args.ttt_steps
+    teacher = 2 * config.hidden_size * config.draft_vocab_size
+    return dense + attention + teacher
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    data = synthetic(args, device, dtype)
+    flops = useful_flops_per_token(args, data[4])
+    tokens = args.seq_len * args.steps
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch "
+          f"{torch.__version__}; hidden {args.hidden}, heads {args.heads}/{args.kv_heads}x{args.head_dim}, "
+          f"intermediate {args.intermediate}, vocab {args.vocab} -> draft {args.draft_vocab}; {args.seq_len} "
+          f"tokens/batch, mean document {args.doc_len}, TTT steps {args.ttt_steps}, {args.steps} timed steps "
+          f"after {args.warmup}")
+    results = {}
+    for name, fn in (("draftsmith", bench_draftsmith), ("speculators", bench_speculators)):
+        if args.only and args.only != name:
+            continue
+        try:
+            results[name] = fn(args, device, data)
+        except Exception as e:  # report the other trainer even if one fails
+            print(f"{name}: failed: {type(e).__name__}: {e}")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print()
+    header = f"{'trainer':<12} {'tokens/s':>12} {'ratio':>7} {'loss first->last':>20} {'peak GiB':>9} " \
+             f"{'TFLOP/s':>9} {'MFU':>6}"
+    print(header)
+    print("-" * len(header))
+    base = results.get("speculators", (None,))[0]
+    for name, (elapsed, losses, peak) in results.items():
+        rate = tokens / elapsed
+        ratio = (base / elapsed) if base else math.nan
+        achieved = rate * flops
+        print(f"{name:<12} {rate:>12,.0f} {ratio:>7.2f} {losses[0]:>9.4f} -> {losses[-1]:<8.4f} {peak:>9.1f} "
+              f"{achieved / 1e12:>9.1f} {achieved / args.peak_flops:>6.1%}")
+    print(f"\nuseful FLOPs/token {flops / 1e9:.2f} GFLOP (draft fwd+bwd x {args.ttt_steps} TTT steps, fc, attention "
+          f"within documents, draft-vocab teacher); ratio = speculators time / Draftsmith time; MFU against "
+          f"{args.peak_flops / 1e12:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

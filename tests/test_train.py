@@ -1,0 +1,347 @@
+"""The trainer: learning, TTT and packing math, DDP equivalence, kill-and-resume, stale checkpoints, NaN stops."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows
+from draftsmith.errors import TrainingError
+from draftsmith.hidden_states import HiddenStateIndex, PartStore, merge_parts
+from draftsmith.io import read_json
+from draftsmith.targets.inspect import write_target_json
+from draftsmith.targets.weights import load_embedding_and_head
+from draftsmith.train import (
+    TrainSettings,
+    TTTObjective,
+    _build_batch,
+    _Pack,
+    _plan_steps,
+    _shard_meta,
+    _ShardRows,
+    run_training,
+    train_draft,
+)
+from draftsmith.vocab import mapping_tensors
+from tests.tiny import build_llama
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = TrainSettings(batch_tokens=96, lr=3e-3, warmup_steps=2, epochs=2, log_every=2, checkpoint_every=4,
+                         progress=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run fastest on one thread, and a busy machine's spinning threads slow them 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures: a tiny random-init target, its real hidden states in the shard store, a vocab mapping
+
+
+def random_samples(n: int, seed: int, vocab: int = 384, min_len: int = 6, max_len: int = 40):
+    """Rows of a prompt (loss 0) then a reply (loss 1) that repeats a short motif, so a draft can
+    learn something within a few steps."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        length = int(rng.integers(min_len, max_len + 1))
+        prompt = int(rng.integers(1, max(2, length // 3)))
+        motif = rng.integers(0, vocab, size=int(rng.integers(2, 5)))
+        ids = np.concatenate([rng.integers(0, vocab, size=prompt), np.resize(motif, length - prompt)])
+        rows.append((f"s{i}", ids.tolist(), [0] * prompt + [1] * (length - prompt)))
+    return rows
+
+
+def build_training_inputs(root: Path, *, num_samples: int = 24, samples_per_shard: int = 8,
+                          draft_vocab_size: int = 200, seed: int = 0, poison_shard: int | None = None) -> dict:
+    """target/, target.json, hidden_states/index.json and vocab/mapping.safetensors, as the stages make them.
+
+    The hidden states are the tiny target's own output_hidden_states; ``poison_shard`` puts an
+    inf into that shard's aux states (a float16 overflow, say)."""
+    from transformers import LlamaForCausalLM
+
+    model_path = build_llama(root / "target", num_layers=4, seed=seed)
+    target = write_target_json(root / "target.json", model_path)
+    model = LlamaForCausalLM.from_pretrained(model_path).eval()
+    layer_ids = [*target["aux_layer_ids"], target["final_layer_id"]]
+    store_root = root / "hidden_states"
+    store = PartStore(store_root, 0, fingerprint="test", dtype="float32", hidden_size=target["hidden_size"],
+                      layer_ids=layer_ids)
+    samples = random_samples(num_samples, seed)
+    infos = []
+    with torch.no_grad():
+        for shard, start in enumerate(range(0, num_samples, samples_per_shard)):
+            chunk = samples[start:start + samples_per_shard]
+            states = {i: [] for i in layer_ids}
+            for _, ids, _ in chunk:
+                out = model(torch.tensor([ids]), output_hidden_states=True)
+                for i in layer_ids:
+                    states[i].append(out.hidden_states[i][0])
+            states = {i: torch.cat(s) for i, s in states.items()}
+            if shard == poison_shard:
+                states[layer_ids[0]][3, 5] = float("inf")
+            infos.append(store.write_shard(shard, [c[0] for c in chunk], [c[1] for c in chunk],
+                                           [c[2] for c in chunk], states))
+    store.finish(infos, store_root / "part-0.json")
+    merge_parts([store_root / "part-0.json"], store_root / "index.json")
+    counts = np.zeros(target["vocab_size"], dtype=np.int64)
+    for _, ids, mask in samples:
+        np.add.at(counts, np.asarray(ids)[np.asarray(mask, dtype=bool)], 1)
+    draft_ids = np.sort(np.lexsort((np.arange(len(counts)), -counts))[:draft_vocab_size])
+    (root / "vocab").mkdir(exist_ok=True)
+    save_file(mapping_tensors(draft_ids, target["vocab_size"]), str(root / "vocab" / "mapping.safetensors"))
+    return {"target": root / "target.json", "index": store_root / "index.json",
+            "mapping": root / "vocab" / "mapping.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    return build_training_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+def train(inputs: dict, tmp: Path, settings: TrainSettings, name: str = "run") -> dict:
+    return train_draft(inputs["index"], inputs["mapping"], inputs["target"], tmp / name / "draft", tmp / name / "work",
+                       settings)
+
+
+def weights(draft_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(draft_dir / "model.safetensors")
+
+
+def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64):
+    """A real draft (target embeddings, draft-vocab lm_head) and packed micro-batches of real states."""
+    index = HiddenStateIndex.load(inputs["index"])
+    target = read_json(inputs["target"])
+    mapping = load_file(inputs["mapping"])
+    config = Eagle3DraftConfig.from_target(target, draft_vocab_size=mapping["d2t"].shape[0],
+                                           aux_layer_ids=index.aux_layer_ids, speculative_tokens=ttt_steps)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config)
+    embed, head = load_embedding_and_head(inputs["target"])
+    draft.load_target_weights(embed, head, mapping["d2t"], mapping["t2d"])
+    rows = draft_rows(mapping["d2t"], mapping["t2d"], config.target_vocab_size)
+    objective = TTTObjective(draft, head, rows, ttt_steps=ttt_steps, ttt_decay=0.8, attention="sdpa")
+    meta = _shard_meta(index, index.shards[0], cap, ttt_steps, verify=True)
+    shard_rows = _ShardRows(index, index.shards[0], [*index.aux_layer_ids, index.final_layer_id])
+
+    def batch(samples):
+        idx = np.asarray(samples)
+        pack = _Pack(0, tuple(samples), int(meta.lengths[idx].sum()), tuple(meta.counts[idx].sum(0)))
+        return _build_batch(pack, meta, shard_rows, index.aux_layer_ids, index.final_layer_id, index.hidden_size,
+                            ttt_steps, pack.tokens, torch.float32, False)
+
+    return objective, meta, batch
+
+
+def run_objective(objective, batch, weights):
+    objective.zero_grad(set_to_none=True)
+    loss, stats = objective(batch["aux"], batch["final"], batch["ids"], batch["valid"], batch["pos"], batch["doc"],
+                            weights)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in objective.named_parameters() if p.grad is not None}
+    return loss.detach(), stats, grads
+
+
+# ----------------------------------------------------------------------------------------------
+# math
+
+
+def test_ttt_with_one_step_is_plain_next_token_training(inputs):
+    """ttt_steps=1 is soft-label next-token training: per sample, causal attention, token x[t+1]
+    with the state at t, KL to the teacher at t+1 over loss positions."""
+    objective, meta, batch = objective_and_batches(inputs, ttt_steps=1)
+    samples = [0, 1, 2, 3]
+    packed = batch(samples)
+    n = float(meta.counts[samples, 0].sum())
+    loss, stats, grads = run_objective(objective, packed, torch.tensor([1 / n]))
+
+    draft = objective.draft
+    draft.zero_grad(set_to_none=True)
+    teacher = objective.teacher
+    plain = 0.0
+    for i in samples:
+        one = batch([i])
+        hidden = draft.fuse(one["aux"])
+        cos, sin = draft.rope(one["pos"])
+
+        def causal(layer, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                enable_gqa=True).transpose(0, 1)
+
+        _, logits = draft.step(hidden, one["ids"][0], cos, sin, causal)
+        p = torch.softmax(one["final"] @ teacher.T, -1)
+        kl = (p * (torch.log(p) - torch.log_softmax(logits, -1))).sum(-1)
+        plain = plain + kl[one["valid"][0]].sum() / n
+    plain.backward()
+    torch.testing.assert_close(loss, plain.detach(), rtol=1e-5, atol=1e-6)
+    assert stats[0, 1] == n
+    for name, g in grads.items():
+        torch.testing.assert_close(g, dict(objective.named_parameters())[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packing_gives_the_loss_and_gradients_of_unpacked_samples(inputs):
+    objective, meta, batch = objective_and_batches(inputs, ttt_steps=3)
+    samples = [0, 2, 3, 5]
+    counts = meta.counts[samples].sum(0)
+    w = torch.tensor([0.8 ** j / counts[j] for j in range(3)], dtype=torch.float32)
+    loss, stats, grads = run_objective(objective, batch(samples), w)
+    parts = [run_objective(objective, batch([i]), w) for i in samples]
+    torch.testing.assert_close(loss, sum(p[0] for p in parts), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats, sum(p[1] for p in parts), rtol=1e-5, atol=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, sum(p[2][name] for p in parts), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs):
+    index = HiddenStateIndex.load(inputs["index"])
+    metas = [_shard_meta(index, s, 50, 3, verify=False) for s in index.shards]
+    steps = _plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)
+    per_epoch = {}
+    for step in steps:
+        assert len(step.packs) == 2
+        for pack in step.packs:
+            assert pack.tokens <= 50
+            if not pack.dummy:
+                per_epoch.setdefault(step.epoch, []).extend((pack.shard, i) for i in pack.samples)
+    everything = sorted((s, i) for s, m in enumerate(metas) for i in range(len(m.lengths)))
+    assert sorted(per_epoch[0]) == everything and sorted(per_epoch[1]) == everything
+    assert per_epoch[0] != per_epoch[1]  # reshuffled
+    assert 0 < len(per_epoch[2]) < len(everything)  # half an epoch
+    assert _plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)[5].packs == \
+        steps[5].packs  # a pure function of data and seed
+
+
+# ----------------------------------------------------------------------------------------------
+# the training run
+
+
+def test_loss_decreases_and_outputs_are_written(inputs, tmp_path):
+    settings = dataclasses.replace(SETTINGS, epochs=4)
+    summary = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "draft",
+                           tmp_path / "work", settings, metrics_out=tmp_path / "metrics.jsonl",
+                           summary_out=tmp_path / "summary.json")
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in lines] == sorted({entry["step"] for entry in lines})
+    first, last = lines[0], lines[-1]
+    assert last["step"] == summary["steps"] and len(last["loss"]) == 3 and len(last["acc"]) == 3
+    assert last["loss"][0] < 0.75 * first["loss"][0]
+    assert summary == read_json(tmp_path / "summary.json")
+    assert summary["final"]["tau"] >= 1.0 and summary["tokens"] > 0
+    config = read_json(tmp_path / "draft" / "config.json")
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == read_json(inputs["target"])["aux_layer_ids"]
+    names = set(weights(tmp_path / "draft"))
+    assert {"fc.weight", "embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= names
+    assert list((tmp_path / "work" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_two_ddp_processes_match_one_process_on_the_same_global_batches(inputs, tmp_path):
+    """torchrun with 2 gloo processes x 1 micro-batch against 1 process x 2 accumulated micro-batches."""
+    settings = dataclasses.replace(SETTINGS, max_steps=6, checkpoint_every=3)
+    one = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "one" / "draft",
+                       tmp_path / "one" / "work", dataclasses.replace(settings, grad_accum_steps=2))
+    two = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "two" / "draft",
+                       tmp_path / "two" / "work", settings, devices=2, log_path=tmp_path / "torchrun.log")
+    assert two["world_size"] == 2 and one["steps"] == two["steps"] == 6 and one["tokens"] == two["tokens"]
+    a, b = weights(tmp_path / "one" / "draft"), weights(tmp_path / "two" / "draft")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert one["final"]["acc"] == pytest.approx(two["final"]["acc"])
+    assert one["final"]["loss"] == pytest.approx(two["final"]["loss"], rel=1e-4)
+
+
+def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_path):
+    settings = dataclasses.replace(SETTINGS, max_steps=12, checkpoint_every=3)
+    reference = train(inputs, tmp_path, settings, "reference")
+    assert reference["resumed_from_step"] == 0
+
+    work = tmp_path / "killed" / "work"
+    script = tmp_path / "slow_train.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        import draftsmith.train as T
+        from draftsmith.train import TrainSettings, train_draft
+        slow = T._lr_at
+        T._lr_at = lambda *a: (time.sleep(0.4), slow(*a))[1]  # a step takes long enough to be killed mid-run
+        train_draft({str(inputs["index"])!r}, {str(inputs["mapping"])!r}, {str(inputs["target"])!r},
+                    {str(tmp_path / "killed" / "draft")!r}, {str(work)!r},
+                    TrainSettings(**{dataclasses.asdict(settings)!r}))
+    """))
+    child = subprocess.Popen([sys.executable, str(script)], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    pointer = work / "checkpoints" / "latest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (pointer.exists() and read_json(pointer)["step"] >= 6):
+        assert child.poll() is None, "training ended before it could be killed"
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert not (tmp_path / "killed" / "draft" / "model.safetensors").exists()
+    killed_at = read_json(pointer)["step"]
+    assert 6 <= killed_at < 12
+
+    resumed = train(inputs, tmp_path, settings, "killed")
+    assert resumed["resumed_from_step"] == killed_at and resumed["steps"] == 12
+    a, b = weights(tmp_path / "reference" / "draft"), weights(tmp_path / "killed" / "draft")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    steps = [json.loads(line)["step"] for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 12
+
+
+def test_checkpoint_from_other_settings_is_not_resumed(inputs, tmp_path):
+    settings = dataclasses.replace(SETTINGS, max_steps=4, checkpoint_every=2)
+    assert train(inputs, tmp_path, settings)["resumed_from_step"] == 0
+    assert train(inputs, tmp_path, settings)["resumed_from_step"] == 4  # finished: only rewrites the draft
+    changed = train(inputs, tmp_path, dataclasses.replace(settings, lr=1e-3))
+    assert changed["resumed_from_step"] == 0
+    # settings that do not change the math keep the checkpoint valid
+    assert train(inputs, tmp_path, dataclasses.replace(settings, lr=1e-3, log_every=1))["resumed_from_step"] == 4
+
+
+def test_non_finite_loss_stops_naming_the_step_and_last_good_checkpoint(tmp_path):
+    inputs = build_training_inputs(tmp_path / "inputs", num_samples=16, samples_per_shard=2, poison_shard=5)
+    settings = dataclasses.replace(SETTINGS, checkpoint_every=1, log_every=1, epochs=1)
+    with pytest.raises(TrainingError) as err:
+        train(inputs, tmp_path, settings)
+    message = str(err.value)
+    step = int(message.split("at step ")[1].split()[0])
+    if step > 1:
+        assert f"step-{step - 1:08d}" in err.value.where
+    assert not (tmp_path / "run" / "work" / "checkpoints" / f"step-{step:08d}").exists()
+    assert not (tmp_path / "run" / "draft").exists()
+
+
+def test_corrupt_shard_is_caught_before_a_draft_is_written(inputs, tmp_path):
+    import shutil
+
+    copy = tmp_path / "inputs"
+    shutil.copytree(Path(inputs["index"]).parents[1], copy)
+    index = HiddenStateIndex.load(copy / "hidden_states" / "index.json")
+    layer_file = index.root / index.shards[1].path / f"layer-{index.final_layer_id}.safetensors"
+    data = bytearray(layer_file.read_bytes())
+    data[-5] ^= 0x40
+    layer_file.write_bytes(bytes(data))
+    moved = {k: copy / Path(v).relative_to(Path(inputs["index"]).parents[1]) for k, v in inputs.items()}
+    write_target_json(moved["target"], copy / "target")
+    with pytest.raises(TrainingError, match="checksum mismatch"):
+        train(moved, tmp_path, dataclasses.replace(SETTINGS, max_steps=3))
+    assert not (tmp_path / "run" / "draft").exists()
