@@ -16,6 +16,7 @@ import json
 import logging
 import queue
 import shutil
+import sys
 import threading
 import time
 from array import array
@@ -313,6 +314,7 @@ class _ShardJob:
     number: int
     samples: list[dict]
     states: dict[int, torch.Tensor]  # layer id -> [tokens, hidden], in storage dtype (fp8: as captured)
+    buffers: dict[int, torch.Tensor]  # the full-capacity buffers ``states`` are views of, for reuse
 
 
 class _ShardWriter:
@@ -321,6 +323,7 @@ class _ShardWriter:
     def __init__(self, store: PartStore, max_pending: int = 1) -> None:
         self.store = store
         self.written: list[ShardInfo] = []
+        self.free_buffers: queue.SimpleQueue = queue.SimpleQueue()  # written shards' buffers, for reuse
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._abort = False
@@ -358,9 +361,15 @@ class _ShardWriter:
         for sample in job.samples:
             offsets.append(offsets[-1] + len(sample["input_ids"]))
         check_states(ids, offsets, job.states, where=f"part {self.store.part} shard {job.number}")
-        info = self.store.write_shard(job.number, ids, [s["input_ids"] for s in job.samples],
-                                      [s["loss_mask"] for s in job.samples], job.states)
+        try:
+            info = self.store.write_shard(job.number, ids, [s["input_ids"] for s in job.samples],
+                                          [s["loss_mask"] for s in job.samples], job.states)
+        except OSError as e:
+            raise ExtractionError(f"writing shard {job.number} failed: {e}", where=str(self.store.dir),
+                                  fix="free disk space (or fix the folder's permissions) and rerun: "
+                                      "complete shards are kept") from e
         self.written.append(info)
+        self.free_buffers.put(job.buffers)
         log.debug("part %d shard %d written: %d samples, %d tokens", info.part, info.shard, info.num_samples,
                   info.num_tokens)
 
@@ -378,23 +387,36 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
     """Capture and store the listed (shard number, samples) shards; returns their infos in order.
 
     Each shard's states are assembled into one [tokens, hidden] tensor per layer as batches come
-    back, then handed to the writer thread, while the backend goes on with the next shard.
+    back, then handed to the writer thread, while the backend goes on with the next shard. The
+    assembly buffers are reused once written (fresh multi-GB allocations would page-fault on every
+    shard, on the thread that keeps the accelerator fed).
     """
     storage = store.meta["dtype"]
     hidden = store.meta["hidden_size"]
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
     shard_of = dict(todo)
+    capacity = max((sum(len(s["input_ids"]) for s in samples) for _, samples in todo), default=0)
     writer = _ShardWriter(store, max_pending=max_pending)
+
+    def assembly_buffers(dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        try:
+            full = writer.free_buffers.get_nowait()
+        except queue.Empty:
+            full = {}
+        if sorted(full) != store.layer_ids or any(t.dtype != dtype for t in full.values()):
+            full = {i: torch.empty(capacity, hidden, dtype=dtype) for i in store.layer_ids}
+        return full
+
     ok = False
     try:
-        current, buffers, filled = None, {}, 0
+        current, buffers, full, filled = None, {}, {}, 0
         results = capture_batches(backend, ([s["input_ids"] for s in batch] for _, batch in jobs))
         for (number, batch), captured in zip(jobs, results, strict=True):
             if len(captured) != len(batch):
                 raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
                                       f"of {len(batch)} samples", where=f"part {store.part} shard {number}")
             if number != current:
-                current, buffers, filled = number, {}, 0
+                current, buffers, full, filled = number, {}, {}, 0
                 total = sum(len(s["input_ids"]) for s in shard_of[number])
             for sample, states in zip(batch, captured):
                 length = len(sample["input_ids"])
@@ -409,16 +431,16 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
                             f"the {backend.name} backend returned layer {layer_id} states of shape "
                             f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
                             f"(expected ({length}, {hidden}))", where=f"part {store.part} shard {number}")
-                    if layer_id not in buffers:
-                        dtype = tensor.dtype if storage == "fp8" else STORAGE_DTYPES[storage]
-                        buffers[layer_id] = torch.empty(total, hidden, dtype=dtype)
+                    if not buffers:
+                        full = assembly_buffers(tensor.dtype if storage == "fp8" else STORAGE_DTYPES[storage])
+                        buffers = {i: t[:total] for i, t in full.items()}
                     buffers[layer_id][filled:filled + length].copy_(tensor)
                 filled += length
             if progress is not None:
                 progress(len(batch), sum(len(s["input_ids"]) for s in batch))
             if filled == total:
-                writer.submit(_ShardJob(number, shard_of[number], buffers))
-                buffers = {}
+                writer.submit(_ShardJob(number, shard_of[number], buffers, full))
+                buffers, full = {}, {}
         ok = True
     finally:
         writer.close(abort=not ok)
@@ -463,11 +485,51 @@ def _verify_shards(store: PartStore, count: int) -> dict[int, ShardInfo]:
     return done
 
 
+class _Progress:
+    """A progress bar (tokens/s, ETA, samples) on the terminal, and a line in the log every few minutes."""
+
+    LOG_EVERY = 300.0  # seconds
+
+    def __init__(self, part: int, shards: Sequence[list[dict]], done: dict, todo_tokens: int) -> None:
+        from tqdm import tqdm
+
+        self.part = part
+        self.samples_total = sum(map(len, shards))
+        self.samples = sum(len(shards[n]) for n in done)
+        self.tokens_total = sum(len(s["input_ids"]) for shard in shards for s in shard)
+        self.todo_tokens, self.tokens = todo_tokens, 0
+        # On a terminal the bar redraws each second; into a cluster job's log file, twice a minute.
+        self.bar = tqdm(total=self.tokens_total, initial=self.tokens_total - todo_tokens, unit="tok",
+                        unit_scale=True, desc=f"part {part}", dynamic_ncols=True,
+                        mininterval=1 if sys.stderr.isatty() else 30)
+        self.started = self.logged = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def update(self, num_samples: int, num_tokens: int) -> None:
+        self.samples += num_samples
+        self.tokens += num_tokens
+        self.bar.set_postfix_str(f"{self.samples}/{self.samples_total} samples", refresh=False)
+        self.bar.update(num_tokens)
+        now = time.perf_counter()
+        if now - self.logged >= self.LOG_EVERY:
+            self.logged = now
+            rate = self.tokens / max(now - self.started, 1e-9)
+            log.info("part %d: %d/%d samples, %.0f tokens/s, about %.0f min left", self.part, self.samples,
+                     self.samples_total, rate, (self.todo_tokens - self.tokens) / max(rate, 1e-9) / 60)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
 def extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, settings: ExtractionSettings,
                  store_root: str | Path, manifest_path: str | Path) -> dict:
     """Extract one part's shards (resuming any already complete) and write its manifest."""
-    from tqdm import tqdm
-
     from draftsmith.targets.inspect import read_target_json
 
     target_info = read_target_json(target_json)
@@ -501,25 +563,13 @@ def extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, se
                         "sample runs as a batch of its own", part, longest, settings.batch_tokens)
         run_settings = replace(settings, max_model_len=settings.max_model_len or longest)
         started = time.perf_counter()
-        bar = tqdm(total=part_tokens, initial=part_tokens - todo_tokens, unit="tok", unit_scale=True,
-                   desc=f"part {part}", dynamic_ncols=True)
-        samples_total, samples_done = sum(map(len, shards)), sum(len(shards[n]) for n in done)
-
-        def progress(num_samples: int, num_tokens: int) -> None:
-            nonlocal samples_done
-            samples_done += num_samples
-            bar.set_postfix_str(f"{samples_done}/{samples_total} samples", refresh=False)
-            bar.update(num_tokens)
-
-        try:
-            with make_backend(settings.backend, target_info, run_settings) as backend:
-                compute_started = time.perf_counter()
-                written = extract_shards(backend, store, todo, batch_tokens=settings.batch_tokens, progress=progress)
-        finally:
-            bar.close()
-        seconds = time.perf_counter() - compute_started
+        with make_backend(settings.backend, target_info, run_settings) as backend:
+            log.info("part %d: %s backend ready in %.1f s", part, backend.name, time.perf_counter() - started)
+            with _Progress(part, shards, done, todo_tokens) as progress:
+                written = extract_shards(backend, store, todo, batch_tokens=settings.batch_tokens,
+                                         progress=progress.update)
         log.info("part %d: %d shards, %d tokens in %.1f s (%.0f tokens/s; %.1f s with the model load)",
-                 part, len(written), todo_tokens, seconds, todo_tokens / max(seconds, 1e-9),
+                 part, len(written), todo_tokens, progress.seconds, todo_tokens / max(progress.seconds, 1e-9),
                  time.perf_counter() - started)
         done.update({info.shard: info for info in written})
     return store.finish([done[n] for n in range(len(shards))], manifest_path)
