@@ -345,3 +345,33 @@ def test_corrupt_shard_is_caught_before_a_draft_is_written(inputs, tmp_path):
     with pytest.raises(TrainingError, match="checksum mismatch"):
         train(moved, tmp_path, dataclasses.replace(SETTINGS, max_steps=3))
     assert not (tmp_path / "run" / "draft").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_trained_draft_is_served_by_vllm_eagle3(inputs, tmp_path):
+    """vLLM's eagle3 loader takes the draft as written (weight names, fc width for 2 aux layers,
+    d2t) and its proposer drafts with it."""
+    pytest.importorskip("vllm")
+    train(inputs, tmp_path, dataclasses.replace(SETTINGS, max_steps=4))
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os
+        def main():
+            from vllm import LLM, SamplingParams
+            llm = LLM(model={str(Path(inputs["target"]).parent / "target")!r}, max_model_len=128, enforce_eager=True,
+                      dtype="float32", max_num_seqs=2, disable_log_stats=False,
+                      speculative_config={{"model": {str(tmp_path / "run" / "draft")!r}, "method": "eagle3",
+                                          "num_speculative_tokens": 3}})
+            llm.generate(["Hello there, how are you"], SamplingParams(max_tokens=16, temperature=0))
+            metrics = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()}}
+            print("METRICS", json.dumps({{k: v for k, v in metrics.items() if "spec_decode" in k}}))
+        if __name__ == "__main__":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            main()
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = json.loads(out.stdout.split("METRICS", 1)[1].splitlines()[0])
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
