@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model dtype (bfloat16; float32 with --tiny)")
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"])
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per forward (16384; 2048 with --tiny)")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (65536; 8192 with --tiny)")
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (65536; 2048 with --tiny)")
     p.add_argument("--tokens", type=int, default=None, help="total real tokens (524288; 16384 with --tiny)")
     p.add_argument("--min-len", type=int, default=None, help="shortest sample (256; 16 with --tiny)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (4096; 512 with --tiny)")
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     tiny = args.tiny
     defaults = dict(shape="tiny" if tiny else "8b", device="cpu" if tiny else "cuda",
                     dtype="float32" if tiny else "bfloat16", batch_tokens=2048 if tiny else 16384,
-                    shard_tokens=8192 if tiny else 65536, tokens=16384 if tiny else 524288,
+                    shard_tokens=2048 if tiny else 65536, tokens=16384 if tiny else 524288,
                     min_len=16 if tiny else 256, max_len=512 if tiny else 4096, threads=1 if tiny else None)
     for key, value in defaults.items():
         if getattr(args, key) is None:
