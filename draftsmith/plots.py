@@ -96,7 +96,9 @@ def plot_training(metrics_jsonl: str | Path, out_path: str | Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(title="TTT step", fontsize=8)
-    axes[0].set_yscale("log" if all(v > 0 for r in rows for v in r["loss"] if v is not None) else "linear")
+    losses = [v for r in rows for v in r["loss"] if v is not None]
+    if losses and min(losses) > 0 and max(losses) / min(losses) > 10:  # a log axis only where it spreads things
+        axes[0].set_yscale("log")
     axes[1].set_ylim(0, 1)
     tau = _nan([r.get("tau") for r in rows])
     ax = axes[2]
@@ -108,7 +110,7 @@ def plot_training(metrics_jsonl: str | Path, out_path: str | Path) -> Path:
                     color="C3", va="center")
     ax.set_title("Acceptance length τ expected from training")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("1 + Σ_j P(TTT steps 0..j all right)")
+    ax.set_ylabel(r"$1 + \sum_j\, P$(TTT steps 0..j all right)")
     ax.set_ylim(1, ttt + 1.2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
