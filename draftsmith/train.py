@@ -428,6 +428,38 @@ class TTTAttention:
 # The objective
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of draft logits [T, V] against teacher probabilities ``p[at]``.
+
+    Saves only the logits (in their compute dtype) and recomputes the softmax in the backward, in
+    row chunks: autograd through log_softmax would keep a float32 [T, V] log-softmax and the
+    gathered teacher rows alive per TTT step (about 4 GB per step at T=16k, V=32k).
+    """
+
+    CHUNK = 4096
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+        lse = torch.empty_like(out)
+        for i in range(0, logits.shape[0], SoftCrossEntropy.CHUNK):
+            z = logits[i:i + SoftCrossEntropy.CHUNK].float()
+            lse[i:i + z.shape[0]] = torch.logsumexp(z, dim=-1)
+            out[i:i + z.shape[0]] = lse[i:i + z.shape[0]] - (p[at[i:i + z.shape[0]]] * z).sum(-1)
+        ctx.save_for_backward(logits, p, at, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, p, at, lse = ctx.saved_tensors
+        result = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], SoftCrossEntropy.CHUNK):
+            rows = slice(i, i + SoftCrossEntropy.CHUNK)
+            softmax = torch.exp(logits[rows].float() - lse[rows, None])
+            result[rows] = (grad[rows, None] * (softmax - p[at[rows]])).to(logits.dtype)
+        return result, None, None
+
+
 class TTTObjective(nn.Module):
     """Loss and accuracy counts of the draft unrolled for ``ttt_steps`` on one packed micro-batch.
 
@@ -492,8 +524,7 @@ class TTTObjective(nn.Module):
         stats = []
         for j, logits in enumerate(self.unroll(aux, ids, pos, doc)):
             at = (arange + j).clamp(max=t - 1)  # the teacher row of step j's prediction
-            logq = torch.log_softmax(logits.float(), dim=-1)
-            kl = neg_entropy[at] - (p[at] * logq).sum(-1)
+            kl = neg_entropy[at] + SoftCrossEntropy.apply(logits, p, at)
             v = valid[j]
             kl_sum = torch.where(v, kl, 0.0).sum()
             loss = loss + weights[j] * kl_sum
