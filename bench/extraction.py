@@ -123,6 +123,20 @@ def padded(batch: list[dict], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), mask.to(device)
 
 
+def filesystem(path: Path) -> str:
+    """The mount point and type holding ``path`` (tmpfs would make the write path look free)."""
+    path = path.resolve()
+    best = ("?", "?")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mount, kind, *_ = line.split()
+            if (path == Path(mount) or Path(mount) in path.parents) and len(mount) >= len(best[0]):
+                best = (mount, kind)
+    except OSError:
+        pass
+    return f"{best[0]} ({best[1]})"
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -209,7 +223,7 @@ def main(argv=None) -> None:
     ratio = forward / extraction
     print()
     print(f"extraction wrote {written / 2**20:.1f} MiB per run ({written / extraction / 2**20:.1f} MiB/s) "
-          f"to {root}")
+          f"to {root} on {filesystem(root)}")
     print(f"extraction / plain forward = {ratio:.3f}x (goal >= 0.95x): {'OK' if ratio >= 0.95 else 'BELOW GOAL'}")
     print(f"extraction / decoder only  = {decoder / extraction:.3f}x")
 

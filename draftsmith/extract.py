@@ -300,8 +300,9 @@ def check_states(sample_ids: Sequence[str], offsets: Sequence[int], states: dict
                 bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()[0].item()
                 raise ExtractionError(
                     f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf (first at token {bad})",
-                    where=where, fix="run the target in bfloat16 or float32 (target.dtype), "
-                                     "or check that the weights load correctly")
+                    where=where, fix="with extraction.dtype: float16, large states overflow: use bfloat16; "
+                                     "otherwise run the target in bfloat16 or float32 (target.dtype) and check "
+                                     "that its weights load correctly")
             if low == 0 and high == 0:
                 raise ExtractionError(
                     f"sample {sample_id!r}: layer {layer_id} states are all zero", where=where,
