@@ -173,7 +173,8 @@ class HfBackend(CaptureBackend):
     def _launch(self, batch: list[list[int]]) -> _InFlight:
         lengths = [len(ids) for ids in batch]
         if not batch or min(lengths) == 0:
-            raise ExtractionError("a batch is empty or holds an empty sequence", fix="drop empty samples from train.jsonl")
+            raise ExtractionError("a batch is empty or holds an empty sequence",
+                                  fix="drop empty samples from train.jsonl")
         # Right padding: with a causal mask, real tokens never see the pads after them.
         input_ids = torch.full((len(batch), max(lengths)), self.pad_token_id, dtype=torch.int64)
         attention_mask = torch.zeros_like(input_ids)
