@@ -45,7 +45,9 @@ def test_chatterbot_rows_all_prepare_cleanly(chatterbot, chatml_tokenizer, tmp_p
     path, counts = chatterbot
     assert all(isinstance(row, Conversation) for row in load_conversations([path]))
     stats = prepare_dataset([path], chatml_tokenizer, tmp_path, DataSettings(max_seq_len=512, max_heldout=48))
-    assert stats["rows_read"] == stats["rows_kept"] == counts["conversations"]
+    assert sum(stats["rows_dropped"].values()) == 0
+    # Questions asked more than once (with other answers) stay on the held-out side only.
+    assert stats["rows_read"] == stats["rows_kept"] + stats["rows_same_prompt_as_heldout"] == counts["conversations"]
     assert stats["heldout_rows"] == min(48, round(0.05 * counts["conversations"])) and stats["duplicate_ids"] == 0
 
 
