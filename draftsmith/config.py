@@ -53,9 +53,10 @@ def semantic_errors(config: dict) -> list[str]:
         lines.append("target.path: set, but target.source is 'demo'; set target.source: path to use it")
     if target["path"] and not Path(target["path"]).is_dir():
         lines.append(f"target.path: {target['path']!r} is not a folder")
-    if config["extraction"]["backend"] == "hf" and config["extraction"]["tensor_parallel_size"] > 1:
-        lines.append("extraction.tensor_parallel_size: > 1 needs extraction.backend: vllm "
-                     "(the hf backend spreads a large model with device_map instead)")
+    extraction = config["extraction"]
+    if extraction["backend"] == "hf" and extraction["tensor_parallel_size"] > 1 and not extraction["device_map"]:
+        lines.append("extraction.tensor_parallel_size: > 1 with the hf backend needs extraction.device_map: auto "
+                     "(layers spread over the GPUs), or use extraction.backend: vllm")
     aux = target["aux_layer_ids"]
     if aux is not None and len(set(aux)) != len(aux):
         lines.append(f"target.aux_layer_ids: {aux} repeats a layer; list each layer once")
