@@ -409,8 +409,9 @@ class TTTAttention:
             out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                                  attn_mask=mask, scale=scale, enable_gqa=gqa)
             return out.transpose(0, 1)
-        out, lse = _flex_with_lse(self.flex, q.transpose(0, 1)[None], k0.transpose(0, 1)[None],
-                                  v0.transpose(0, 1)[None], self.block_mask, scale)
+        out, lse = _flex_with_lse(self.flex, q.transpose(0, 1)[None].contiguous(),
+                                  k0.transpose(0, 1)[None].contiguous(), v0.transpose(0, 1)[None].contiguous(),
+                                  self.block_mask, scale)
         out, lse = out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [T, Hq, D], [T, Hq]
         if not extra:
             return out
@@ -763,7 +764,7 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
     start = 0
     if ckpt_path is not None:
         tensors = load_file(str(ckpt_path / "model.safetensors"))
-        missing, unexpected = draft.load_state_dict(tensors, strict=False)
+        draft.load_state_dict(tensors, strict=False)
         expected = {n for n, p in draft.named_parameters() if p.requires_grad}
         if set(tensors) != expected:
             raise TrainingError(f"checkpoint weights do not match the draft ({sorted(set(tensors) ^ expected)})",
@@ -775,7 +776,9 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
             torch.cuda.set_rng_state(rng["cuda"])
         start = int(ckpt_state["step"])
         log.info("resuming from %s (step %d of %d)", ckpt_path, start, total)
-    elif ddp.main:
+    if ddp.world > 1:
+        dist.barrier()  # every rank has read the checkpoint pointer before rank 0 clears stale state
+    if ckpt_path is None and ddp.main:
         for stale in ("checkpoints", "tensorboard", "metrics.jsonl"):
             p = work_dir / stale
             if p.is_dir():

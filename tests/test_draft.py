@@ -199,6 +199,43 @@ def test_flex_attention_path_matches_sdpa_path():
         torch.testing.assert_close(grads["flex"][1][name], g, rtol=1e-9, atol=1e-9, msg=name)
 
 
+def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
+    """The GPU configuration (torch.compile'd draft step calling compiled flex attention with its
+    LSE) through Dynamo and AOTAutograd (backend aot_eager: no Triton here): no graph breaks, one
+    graph per TTT step and none per batch, and forward and backward equal to the SDPA path. Only
+    flex's CPU guard against backward is lifted: its dense math is what runs here."""
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    draft = make_draft(1).float()
+    flex = torch.compile(fa.flex_attention, dynamic=False, backend="aot_eager")
+    step = torch.compile(draft.step, dynamic=False, backend="aot_eager")
+    for seed, lengths in enumerate(([40, 30, 58], [100, 28])):
+        aux, ids, pos, doc, _ = packed_batch(lengths, dtype=torch.float32, seed=seed)
+        results = []
+        for impl in ("sdpa", "flex"):
+            objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
+                                     ttt_decay=1.0, attention=impl, flex_fn=flex)
+            if impl == "flex":
+                objective.step_fn = step
+            draft.zero_grad(set_to_none=True)
+            logits = list(objective.unroll(aux, ids, pos, doc))
+            sum((lg * torch.linspace(-1, 1, lg.shape[-1])).sum() for lg in logits).backward()
+            results.append((logits, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+        (ref, ref_grads), (out, grads) = results
+        for a, b in zip(ref, out):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-4)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 3 + 1  # the draft step per TTT step, flex itself
+    torch._dynamo.reset()
+
+
 def test_incremental_drafting_reproduces_every_ttt_step():
     """draft_step with a KV cache (what speculative decoding runs) gives training's logits at
     every TTT step, when the cache holds the verified prefix plus this chain's draft positions."""
