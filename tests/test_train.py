@@ -375,3 +375,34 @@ def test_trained_draft_is_served_by_vllm_eagle3(inputs, tmp_path):
     metrics = json.loads(out.stdout.split("METRICS", 1)[1].splitlines()[0])
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
+
+
+def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
+    """workflow_scripts/train_draft.py with the rule's input/output/params/log names."""
+    import runpy
+    from types import SimpleNamespace
+
+    class Params(SimpleNamespace):
+        def get(self, key, default=None):
+            return getattr(self, key, default)
+
+    results = tmp_path / "results"
+    (results / "train").mkdir(parents=True)
+    log = tmp_path / "train_draft.log"
+    log.touch()
+    rule = SimpleNamespace(
+        input=SimpleNamespace(index=str(inputs["index"]), mapping=str(inputs["mapping"]), target=str(inputs["target"])),
+        output=SimpleNamespace(config=str(results / "draft" / "config.json"),
+                               weights=str(results / "draft" / "model.safetensors"),
+                               metrics=str(results / "train" / "metrics.jsonl"),
+                               summary=str(results / "train" / "summary.json")),
+        params=Params(work_dir=str(results / "train" / "state"), device="cpu", code="x",
+                      settings={"ttt_steps": 2, "epochs": 1, "max_steps": 3, "batch_tokens": 96, "lr": 1e-3,
+                                "warmup_steps": 1, "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8,
+                                "checkpoint_every": 2, "log_every": 1, "devices": 1, "seed": 0}),
+        log=[str(log)])
+    runpy.run_path(str(REPO / "workflow_scripts" / "train_draft.py"), init_globals={"snakemake": rule})
+    for path in vars(rule.output).values():
+        assert Path(path).exists(), path
+    assert read_json(results / "train" / "summary.json")["steps"] == 3
+    assert (results / "train" / "state" / "checkpoints" / "latest.json").exists()
