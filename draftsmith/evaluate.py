@@ -23,7 +23,7 @@ import platform
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -120,8 +120,6 @@ class Generation:
     seconds: float
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
-    # greedy runs: per generated token, (best logit - second best logit, the second-best token)
-    margins: list[tuple[float, int]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +259,12 @@ class DecodingBackend(ABC):
 
     @abstractmethod
     def greedy(self, prompt: Prompt, max_new_tokens: int | None = None) -> Generation:
-        """Plain greedy decoding, with the margin of the best logit at each generated token."""
+        """Plain greedy decoding."""
+
+    @abstractmethod
+    def logit_margin(self, prompt: Prompt, generated: list[int]) -> tuple[float, int]:
+        """After ``prompt`` + ``generated``: the target's best logit minus its second best, and the
+        second-best token (to tell a rounding near-tie from a bug)."""
 
     @abstractmethod
     def speculate(self, prompt: Prompt, drafter: DrafterSpec | Drafter, k: int,
@@ -418,19 +421,19 @@ class HFBackend(DecodingBackend):
         cache = self.target.new_cache()
         logits, _ = self.target.forward(prompt.ids, cache, last_only=True)
         tokens: list[int] = []
-        margins: list[tuple[float, int]] = []
         while True:
-            row = logits[-1]
-            token = int(row.argmax())
-            top = row.float().topk(2)
-            runner_up = int(top.indices[1] if int(top.indices[0]) == token else top.indices[0])
-            margins.append((float(top.values[0] - top.values[1]), runner_up))
+            token = int(logits[-1].argmax())
             tokens.append(token)
             if token in self._stop or len(tokens) >= limit:
                 break
             logits, _ = self.target.forward([token], cache, last_only=True)
         self._sync()
-        return Generation(prompt.id, tokens, time.perf_counter() - started, margins=margins)
+        return Generation(prompt.id, tokens, time.perf_counter() - started)
+
+    def logit_margin(self, prompt: Prompt, generated: list[int]) -> tuple[float, int]:
+        logits, _ = self.target.forward([*prompt.ids, *generated], self.target.new_cache(), last_only=True)
+        top = logits[-1].float().topk(2)
+        return float(top.values[0] - top.values[1]), int(top.indices[1])
 
     def speculate(self, prompt: Prompt, drafter: DrafterSpec | Drafter, k: int,
                   max_new_tokens: int | None = None) -> Generation:
@@ -499,20 +502,23 @@ def _cpu_name() -> str:
 # Checks and metrics
 
 
-def check_lossless(reference: Generation, candidate: Generation, *, label: str, tolerance: float) -> dict | None:
+def check_lossless(reference: Generation, candidate: Generation, *, label: str, tolerance: float,
+                   margin: Callable[[int], tuple[float, int]]) -> dict | None:
     """None when ``candidate`` generated exactly the greedy ``reference``; a record of the position
-    when they part at a numerical near-tie of the target's two best logits; else EvaluationError."""
+    when they part at a numerical near-tie of the target's two best logits (``margin(p)``: best
+    minus second-best logit before generated token p, and the second-best token); else
+    EvaluationError."""
     ref, got = reference.tokens, candidate.tokens
     if ref == got:
         return None
     p = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    if p < len(ref) and p < len(got) and p < len(reference.margins):
-        margin, runner_up = reference.margins[p]
-        if got[p] == runner_up and margin <= tolerance:
+    if p < len(ref) and p < len(got):
+        gap, runner_up = margin(p)
+        if got[p] == runner_up and gap <= tolerance:
             log.warning("prompt %s, %s: speculative and greedy decoding part at generated token %d, where the "
                         "target's two best logits differ by only %.2g (rounding); the rest of this prompt "
-                        "is not compared", reference.prompt_id, label, p, margin)
-            return {"prompt": reference.prompt_id, "drafter": label, "position": p, "margin": margin}
+                        "is not compared", reference.prompt_id, label, p, gap)
+            return {"prompt": reference.prompt_id, "drafter": label, "position": p, "margin": gap}
     want = ref[p] if p < len(ref) else "the end (greedy decoding stopped)"
     have = got[p] if p < len(got) else "the end (speculative decoding stopped)"
     raise EvaluationError(
@@ -582,7 +588,8 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
             reference = backend.greedy(prompt)
         greedy.append(reference)
         for (name, k), generation in generations.items():
-            tie = check_lossless(reference, generation, label=f"{name} (k={k})", tolerance=tolerance)
+            tie = check_lossless(reference, generation, label=f"{name} (k={k})", tolerance=tolerance,
+                                 margin=lambda p: backend.logit_margin(prompt, reference.tokens[:p]))
             if tie:
                 ties.append({**tie, "k": k})
             runs[name, k].append(generation)

@@ -246,16 +246,26 @@ def test_broken_verifier_is_caught(backend, monkeypatch):
 
 
 def test_lossless_check_tolerates_only_near_ties():
-    reference = Generation("p", [5, 6, 7], 0.0, margins=[(3.0, 1), (2e-4, 9), (4.0, 2)])
-    assert check_lossless(reference, Generation("p", [5, 6, 7], 0.0), label="draft", tolerance=1e-3) is None
-    tie = check_lossless(reference, Generation("p", [5, 9, 1], 0.0), label="draft", tolerance=1e-3)
-    assert tie["position"] == 1
+    reference = Generation("p", [5, 6, 7], 0.0)
+    margins = {0: (3.0, 1), 1: (2e-4, 9), 2: (4.0, 2)}  # before each generated token: gap, runner-up
+
+    def check(tokens):
+        return check_lossless(reference, Generation("p", tokens, 0.0), label="draft", tolerance=1e-3,
+                              margin=margins.__getitem__)
+
+    assert check([5, 6, 7]) is None
+    assert check([5, 9, 1])["position"] == 1  # the target's runner-up, 2e-4 behind: rounding
     with pytest.raises(EvaluationError, match="generated position 1"):
-        check_lossless(reference, Generation("p", [5, 8, 1], 0.0), label="draft", tolerance=1e-3)
+        check([5, 8, 1])  # not the runner-up
     with pytest.raises(EvaluationError, match="generated position 0"):
-        check_lossless(reference, Generation("p", [1, 6, 7], 0.0), label="draft", tolerance=1e-3)
+        check([1, 6, 7])  # the runner-up, but 3.0 behind
     with pytest.raises(EvaluationError, match="speculative decoding stopped"):
-        check_lossless(reference, Generation("p", [5, 6], 0.0), label="draft", tolerance=1e-3)
+        check([5, 6])
+
+
+def test_logit_margin(backend, references):
+    gap, runner_up = backend.logit_margin(PROMPTS[0], references["p0"].tokens[:5])
+    assert gap > 0 and runner_up != references["p0"].tokens[5]
 
 
 # ---------------------------------------------------------------------------------------------
