@@ -16,15 +16,15 @@ The module layout and weight names are speculators 0.9's ``Eagle3DraftModel``
 
 Layer numbering: ``eagle_aux_hidden_state_layer_ids`` is written as our ``aux_layer_ids``
 unchanged. Ours are Hugging Face ``output_hidden_states`` indices (id i = input of decoder layer
-i). vLLM 0.32 uses the config's ids as ``aux_hidden_state_layers`` as they are
-(vllm/v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``) and captures id i
-where the stream enters layer i: llama.py ``_maybe_add_hidden_state(aux, idx + 1, ...)`` after
-layer idx (and id 0 = embeddings before the first layer), deepseek_v2.py ``if idx in
-self.aux_hidden_state_layers`` before layer idx runs; the captured value is
-``hidden_states + residual``, i.e. the un-normed residual stream = HF ``hidden_states[i]``. So the
-two numberings are the same and no +1/-1 applies (DFlash's ``target_layer_ids`` are the ones vLLM
-shifts by +1). vLLM concatenates the aux states in ascending layer order (interfaces.py sorts
-them), so ``fc`` sees them in ascending order too.
+i). vLLM 0.32 takes the config's ids as ``aux_hidden_state_layers`` as they are
+(vllm/v1/worker/gpu_model_runner.py:5251 ``_get_eagle3_aux_layers_from_config``) and captures id i
+where the residual stream enters layer i: llama.py:429/439 call ``_maybe_add_hidden_state`` with
+``start_layer`` before the first layer and with ``idx + 1`` after layer idx; deepseek_v2.py:1561
+(DeepSeek-V3, Kimi-K2) tests ``idx in self.aux_hidden_state_layers`` before layer idx runs; the
+value is ``hidden_states + residual`` (interfaces.py:1601), the un-normed stream = HF
+``hidden_states[i]``. So the two numberings agree and no +1/-1 applies (DFlash's
+``target_layer_ids`` are the ones vLLM shifts by +1). vLLM sorts the ids (interfaces.py:1578) and
+concatenates the aux states in that order, so ``fc`` takes them in ascending order too.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ class MLP(nn.Module):
 
 
 class Eagle3FirstLayer(nn.Module):
-    """speculators' ``Eagle3FirstLayerMixin.forward`` (model_definitions.py:53-110): attention
+    """speculators' ``Eagle3FirstLayerMixin.forward`` (model_definitions.py:54-110): attention
     over cat([input_layernorm(embeds), hidden_norm(hidden)]), residual from the hidden part
     (the normed one when ``norm_before_residual``)."""
 
