@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
-DEFAULT_CHUNK_SIZE = 256  # conversations per resumable chunk
+DEFAULT_CHUNK_SIZE = 128  # conversations per resumable chunk (and per progress update)
 
 
 # ---------------------------------------------------------------------------------------------
