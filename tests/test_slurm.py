@@ -38,14 +38,21 @@ TARGETS = ["results/t/target.json", "results/t/vocab/mapping.safetensors",
 # What the test profile asks for, scaled to the test node (2 CPUs, ~24 GB), and what sacct must show.
 ACCOUNT, PARTITION = "draftsmith", "debug"
 CPU_JOB = {"mem_mb": 1500, "runtime": 10}
-GPU_JOB = {"mem_mb": 3000, "runtime": 15, "cpus_per_gpu": 1, "gpu": 2}
-EXPECTED = {  # rule: (CPUs, mem_mb, GPUs, time limit in minutes)
-    "inspect_target": (1, CPU_JOB["mem_mb"], 0, CPU_JOB["runtime"]),
-    "prepare_dataset": (1, CPU_JOB["mem_mb"], 0, CPU_JOB["runtime"]),
-    "build_vocab_mapping": (1, CPU_JOB["mem_mb"], 0, CPU_JOB["runtime"]),
-    "extract_hidden_states": (GPU_JOB["gpu"] * GPU_JOB["cpus_per_gpu"], GPU_JOB["mem_mb"],
-                              GPU_JOB["gpu"], GPU_JOB["runtime"]),
-}
+GPU_JOB = {"mem_mb": 3000, "runtime": 15, "cpus_per_gpu": 1}
+# GPUs booked for the GPU rules (device: cpu makes them declare gpu=0; a GPU run declares these).
+GPUS = {"extract_hidden_states": 2, "train_draft": 2, "evaluate_draft": 1}
+
+
+def expected(rule: str) -> tuple[int, int, int, int]:
+    """(CPUs, mem_mb, GPUs, time limit in minutes) that sacct must show for the rule's job."""
+    if rule in GPUS:
+        return GPUS[rule] * GPU_JOB["cpus_per_gpu"], GPU_JOB["mem_mb"], GPUS[rule], GPU_JOB["runtime"]
+    return 1, CPU_JOB["mem_mb"], 0, CPU_JOB["runtime"]
+
+
+PREFLIGHT_RULES = {"inspect_target", "prepare_dataset", "build_vocab_mapping", "extract_hidden_states"}
+ALL_RULES = PREFLIGHT_RULES | {"merge_hidden_states", "train_draft", "plot_training", "evaluate_draft",
+                               "plot_evaluation"}
 SACCT_FIELDS = ["JobID", "JobName", "Comment", "State", "ExitCode", "Account", "Partition",
                 "NTasks", "AllocCPUS", "ReqMem", "TimelimitRaw", "ReqTRES", "AllocTRES"]
 
@@ -105,21 +112,26 @@ def tiny_run(tmp_path):
     data = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
     config = {"run": "t", "device": "cpu",
               "target": {"source": "path", "path": str(model)},
-              "data": {"sources": [str(data)], "max_seq_len": 64, "heldout_fraction": 0.1},
-              "vocab": {"draft_vocab_size": 64}}
+              "data": {"sources": [str(data)], "max_seq_len": 64, "heldout_fraction": 0.1,
+                       "max_heldout": 4},
+              "vocab": {"draft_vocab_size": 64},
+              "train": {"epochs": 1, "max_steps": 5, "batch_tokens": 512, "warmup_steps": 1},
+              "eval": {"max_prompts": 2, "max_new_tokens": 8, "k_sweep": [1, 2]}}
     return workdir, write_config(workdir, config)
 
 
-def test_profiles_parse_and_plan_the_workflow(tiny_run):
-    """Both profiles are valid option sets for this Snakemake and plugin (a dry run reads them)."""
+@pytest.mark.parametrize("profile", [LOCAL_PROFILE, SLURM_PROFILE], ids=["local", "slurm"])
+def test_profile_parses_and_plans_the_workflow(profile, tiny_run):
+    """Each profile is a valid option set for this Snakemake and plugin (a dry run reads it)."""
+    if profile == SLURM_PROFILE and importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
+        pytest.skip("snakemake-executor-plugin-slurm is not installed (run `make setup`)")
     workdir, config = tiny_run
-    env = {**os.environ, "PYTHONPATH": str(workdir)}
-    for profile in (LOCAL_PROFILE, SLURM_PROFILE):
-        result = subprocess.run([SNAKEMAKE, "-n", *TARGETS, "--profile", str(profile.parent),
-                                 "--configfile", str(config)], cwd=workdir, env=env,
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{profile}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        assert planned_rules(result) == set(EXPECTED), result.stdout
+    result = subprocess.run([SNAKEMAKE, "-n", *TARGETS, "--profile", str(profile.parent),
+                             "--configfile", str(config)], cwd=workdir,
+                            env={**os.environ, "PYTHONPATH": str(workdir)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{profile}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert planned_rules(result) == PREFLIGHT_RULES, result.stdout
 
 
 def _test_profile(dest: Path) -> Path:
@@ -132,10 +144,9 @@ def _test_profile(dest: Path) -> Path:
     gpu_rules = profile["set-resources"]
     assert {"extract_hidden_states", "train_draft"} <= set(gpu_rules)
     for resources in gpu_rules.values():
-        resources.update(slurm_partition=PARTITION,
-                         **{k: v for k, v in GPU_JOB.items() if k != "gpu"})
-    # device: cpu makes the rule declare gpu=0; book GPUs anyway, as a GPU run would.
-    gpu_rules["extract_hidden_states"]["gpu"] = GPU_JOB["gpu"]
+        resources.update(slurm_partition=PARTITION, **GPU_JOB)
+    for rule, gpus in GPUS.items():
+        gpu_rules[rule]["gpu"] = gpus
     dest.mkdir(parents=True)
     (dest / "config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
     return dest
@@ -153,35 +164,33 @@ def _tres(text: str) -> dict:
     return dict(item.split("=", 1) for item in text.split(",") if item)
 
 
-def test_workflow_runs_as_slurm_jobs_with_the_declared_resources(slurm_env, tiny_run, tmp_path):
-    workdir, config = tiny_run
-    profile = _test_profile(tmp_path / "profile")
+def run_through_slurm(env: dict, workdir: Path, config: Path, profile: Path, targets: list[str],
+                      rules: set[str]) -> None:
+    """Run snakemake with the SLURM profile; check that each rule ran as one SLURM job that asked
+    for, and got, what the rule and the profile declare."""
     since = datetime.now() - timedelta(minutes=5)
     started = time.monotonic()
     result = subprocess.run(
-        [SNAKEMAKE, *TARGETS, "--profile", str(profile), "--configfile", str(config)],
-        cwd=workdir, env={**slurm_env, "PYTHONPATH": str(workdir), "PYTHONUNBUFFERED": "1"},
-        capture_output=True, text=True, timeout=900)
+        [SNAKEMAKE, *targets, "--profile", str(profile), "--configfile", str(config)],
+        cwd=workdir, env={**env, "PYTHONPATH": str(workdir), "PYTHONUNBUFFERED": "1"},
+        capture_output=True, text=True, timeout=1800)
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"snakemake --executor slurm failed:\n{log[-8000:]}"
     print(f"\nworkflow through SLURM: {time.monotonic() - started:.0f} s", file=sys.stderr)
-    for target in TARGETS:
-        assert (workdir / target).is_file(), target
 
     run_id = next(line.split()[-1] for line in log.splitlines() if "SLURM run ID:" in line)
-    rows = _sacct(slurm_env, run_id, since)
+    rows = _sacct(env, run_id, since)
     print("\n".join("|".join(row.values()) for row in rows), file=sys.stderr)
-    jobs = {row["JobID"]: row for row in rows if "." not in row["JobID"]}
-    by_rule = {}
-    for job in jobs.values():
-        rule = next(r for r in EXPECTED
+    by_rule: dict[str, dict] = {}
+    for job in (row for row in rows if "." not in row["JobID"]):
+        rule = next(r for r in rules
                     if job["Comment"] == f"rule_{r}" or job["Comment"].startswith(f"rule_{r}_wildcards_"))
         assert rule not in by_rule, f"{rule} was submitted twice"
         by_rule[rule] = job
-    assert set(by_rule) == set(EXPECTED), f"SLURM jobs seen: {sorted(by_rule)}"
+    assert set(by_rule) == rules, f"SLURM jobs seen: {sorted(by_rule)}"
 
-    for rule, (cpus, mem_mb, gpus, minutes) in EXPECTED.items():
-        job = by_rule[rule]
+    for rule, job in by_rule.items():
+        cpus, mem_mb, gpus, minutes = expected(rule)
         where = f"{rule} (SLURM job {job['JobID']})"
         assert (job["State"], job["ExitCode"]) == ("COMPLETED", "0:0"), where
         assert (job["Account"], job["Partition"]) == (ACCOUNT, PARTITION), where
@@ -191,8 +200,25 @@ def test_workflow_runs_as_slurm_jobs_with_the_declared_resources(slurm_env, tiny
         assert requested["mem"] == f"{mem_mb}M", f"{where}: {job['ReqTRES']}"
         assert int(requested.get("gres/gpu", 0)) == gpus, f"{where}: {job['ReqTRES']}"
         assert _tres(job["AllocTRES"]).get("gres/gpu") == requested.get("gres/gpu"), where
-        # Each rule ran once: no step of its job started more than one task (a GPU job whose
+        # The rule ran once: no step of its job started more than one task (a GPU job whose
         # rule srun started once per GPU would show a step with NTasks = GPUs).
         steps = [row for row in rows if row["JobID"].startswith(job["JobID"] + ".")]
         assert steps, where
         assert all(int(step["NTasks"] or 1) == 1 for step in steps), f"{where}: {steps}"
+
+
+def test_preflight_and_extraction_run_as_slurm_jobs_with_the_declared_resources(slurm_env, tiny_run,
+                                                                                 tmp_path):
+    workdir, config = tiny_run
+    run_through_slurm(slurm_env, workdir, config, _test_profile(tmp_path / "profile"), TARGETS,
+                      PREFLIGHT_RULES)
+    for target in TARGETS:
+        assert (workdir / target).is_file(), target
+
+
+@pytest.mark.skipif(not os.environ.get("DRAFTSMITH_SLURM_FULL"),
+                    reason="the whole workflow through SLURM takes ~6 min; set DRAFTSMITH_SLURM_FULL=1")
+def test_whole_workflow_runs_as_slurm_jobs(slurm_env, tiny_run, tmp_path):
+    workdir, config = tiny_run
+    run_through_slurm(slurm_env, workdir, config, _test_profile(tmp_path / "profile"), [], ALL_RULES)
+    assert (workdir / "results/t/eval/acceptance.json").is_file()

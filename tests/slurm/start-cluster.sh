@@ -74,6 +74,8 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   runuser -u munge -- munged || die "munged did not start (see /var/log/munge/munged.log)"
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   munge -n | unmunge >/dev/null || die "munge credentials do not round-trip"
+  # Started here, so stopped with the cluster.
+  cp /run/munge/munged.pid "$state/run/munged.pid" 2>/dev/null || pgrep -x -n munged >"$state/run/munged.pid" || true
 fi
 
 # --- MariaDB for slurmdbd: a private instance on 127.0.0.1 ------------------------------------
