@@ -246,26 +246,39 @@ def test_broken_verifier_is_caught(backend, monkeypatch):
 
 
 def test_lossless_check_tolerates_only_near_ties():
-    reference = Generation("p", [5, 6, 7], 0.0)
-    margins = {0: (3.0, 1), 1: (2e-4, 9), 2: (4.0, 2)}  # before each generated token: gap, runner-up
+    reference = Generation("p", [5, 6, 7, 8], 0.0)
+    # After each prefix: the best logit, and how far below it each token's logit is (default 3).
+    below = {(5,): {9: 2e-4}, (5, 9): {3: 1e-4}}
+    # Greedy decoding restarted after a prefix, up to 4 tokens in all.
+    after = {(5, 9): [1, 2], (5, 9, 3): [2]}
 
     def check(tokens):
-        return check_lossless(reference, Generation("p", tokens, 0.0), label="draft", tolerance=1e-3,
-                              margin=margins.__getitem__)
+        return check_lossless(reference, Generation("p", tokens, 0.0), label="draft", tolerance=1e-4,
+                              gap=lambda prefix, token: (10.0, below.get(tuple(prefix), {}).get(token, 3.0)),
+                              greedy_after=lambda prefix: after[tuple(prefix)])
 
-    assert check([5, 6, 7]) is None
-    assert check([5, 9, 1])["position"] == 1  # the target's runner-up, 2e-4 behind: rounding
+    assert check([5, 6, 7, 8]) == []
+    # Position 1: 2e-4 below a best logit of 10 (within 1e-4 * 10): rounding; checked on against
+    # greedy decoding after [5, 9].
+    ties = check([5, 9, 1, 2])
+    assert [t["position"] for t in ties] == [1]
+    with pytest.raises(EvaluationError, match="generated position 2"):
+        check([5, 9, 4, 2])  # after the tie, a token greedy decoding of [5, 9] does not choose
+    assert [t["position"] for t in check([5, 9, 3, 2])] == [1, 2]  # two ties in a row
     with pytest.raises(EvaluationError, match="generated position 1"):
-        check([5, 8, 1])  # not the runner-up
-    with pytest.raises(EvaluationError, match="generated position 0"):
-        check([1, 6, 7])  # the runner-up, but 3.0 behind
+        check([5, 8, 1, 2])  # 3.0 below the best
     with pytest.raises(EvaluationError, match="speculative decoding stopped"):
         check([5, 6])
 
 
-def test_logit_margin(backend, references):
-    gap, runner_up = backend.logit_margin(PROMPTS[0], references["p0"].tokens[:5])
-    assert gap > 0 and runner_up != references["p0"].tokens[5]
+def test_logit_gap(backend, model, references):
+    generated = references["p0"].tokens[:5]
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0].ids + generated])).logits[0, -1]
+    best, below = backend.logit_gap(PROMPTS[0], generated, 17)
+    assert best == pytest.approx(float(logits.max()), abs=1e-4)
+    assert below == pytest.approx(float(logits.max() - logits[17]), abs=1e-4)
+    assert backend.logit_gap(PROMPTS[0], generated, references["p0"].tokens[5])[1] == pytest.approx(0, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
