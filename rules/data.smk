@@ -9,6 +9,8 @@ rule demo_dataset:
     log:
         f"{LOGS}/demo_dataset.log",
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/demo_dataset.py"
 
@@ -33,6 +35,8 @@ rule regenerate_responses:
     threads: workflow.cores
     resources:
         gpu=target_gpus(),
+    conda:
+        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/regenerate_responses.py"
 
@@ -61,6 +65,8 @@ rule prepare_dataset:
     benchmark:
         f"{BENCH}/prepare_dataset.tsv"
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/prepare_dataset.py"
 
@@ -82,5 +88,7 @@ rule build_vocab_mapping:
     log:
         f"{LOGS}/build_vocab_mapping.log",
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/build_vocab_mapping.py"

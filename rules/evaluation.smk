@@ -25,6 +25,8 @@ rule evaluate_draft:
     threads: workflow.cores
     resources:
         gpu=min(target_gpus(), 1),
+    conda:
+        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/evaluate_draft.py"
 
@@ -48,5 +50,7 @@ rule plot_evaluation:
     log:
         f"{LOGS}/plot_evaluation.log",
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/plot_evaluation.py"

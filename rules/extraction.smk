@@ -22,6 +22,8 @@ rule extract_hidden_states:
     threads: workflow.cores
     resources:
         gpu=target_gpus(),
+    conda:
+        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/extract_hidden_states.py"
 
@@ -38,5 +40,7 @@ rule merge_hidden_states:
     log:
         f"{LOGS}/merge_hidden_states.log",
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/merge_hidden_states.py"

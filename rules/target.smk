@@ -13,6 +13,8 @@ rule demo_target:
     benchmark:
         f"{BENCH}/demo_target.tsv"
     threads: 2
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/demo_target.py"
 
@@ -35,5 +37,7 @@ rule inspect_target:
     log:
         f"{LOGS}/inspect_target.log",
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/inspect_target.py"

@@ -28,6 +28,8 @@ rule train_draft:
     threads: workflow.cores
     resources:
         gpu=train_gpus(),
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/train_draft.py"
 
@@ -46,5 +48,7 @@ rule plot_training:
     log:
         f"{LOGS}/plot_training.log",
     threads: 1
+    conda:
+        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/plot_training.py"
