@@ -32,6 +32,7 @@ from tqdm import tqdm
 from draftsmith.data import BadRow, load_conversations
 from draftsmith.errors import DataError, TargetError
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+from draftsmith.targets.hf_backend import load_hf_model, resolve_device, resolve_model_dtype
 
 log = logging.getLogger(__name__)
 
@@ -44,63 +45,25 @@ DEFAULT_CHUNK_SIZE = 128  # conversations per resumable chunk (and per progress 
 # Loading the target (shared with draftsmith.evaluate)
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` = cuda when torch sees a GPU, else cpu."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise TargetError("device is cuda but torch sees no GPU", where="config key device",
-                          fix="set device: cpu (or auto), or run on a machine with a CUDA GPU")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bfloat16 on GPU, float32 on CPU (bf16 matmuls are slow on most CPUs)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if dtype not in names:
-        raise TargetError(f"unknown dtype {dtype!r}", where="config key target.dtype",
-                          fix="use one of auto, " + ", ".join(names))
-    return names[dtype]
-
-
 def load_target_model(model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
                       trust_remote_code: bool = False) -> torch.nn.Module:
-    """The target with its weights, in eval mode, built by the class its config names (so a
+    """The target as extraction loads it (``load_hf_model``: the class its config names, so a
     multimodal wrapper loads as itself), with a neutral generation config.
 
     The model folder's generation_config.json (repetition penalty, top_k, min_length, ...) is
     replaced so that "greedy" means argmax and "temperature t" means only that: what the draft
     learns and what evaluation measures must be the same distribution.
     """
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    model_path = Path(model_path)
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as e:
-        raise TargetError(f"cannot read the target's config: {e}", where=str(model_path),
-                          fix="rerun inspect_target, which says what is wrong with the folder") from e
-    classes = [getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)]
-    cls = classes[0] if classes else AutoModelForCausalLM
-    try:
-        model = cls.from_pretrained(model_path, dtype=torch_dtype, device_map={"": str(torch_device)},
-                                    trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise TargetError(f"cannot load the target's weights with {getattr(cls, '__name__', cls)}: {e}",
-                          where=str(model_path),
-                          fix="check the folder holds the model's safetensors files and enough memory is free") from e
+    model = load_hf_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     text_config = model.config.get_text_config()
     model.generation_config = GenerationConfig(
         bos_token_id=getattr(text_config, "bos_token_id", None),
         eos_token_id=model.generation_config.eos_token_id,
         pad_token_id=getattr(text_config, "pad_token_id", None),
     )
-    return model.eval()
+    return model
 
 
 def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -439,10 +402,10 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
 
     model_path = Path(model_path)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_model_dtype(dtype, torch_device)
     fingerprint = regeneration_fingerprint(
         settings, model=_model_identity(model_path), sources=sources, seed=seed,
-        dtype=str(torch_dtype).replace("torch.", ""), device=torch_device.type, chunk_size=chunk_size)
+        dtype=str(torch_dtype).replace("torch.", ""), device=torch_device.split(":")[0], chunk_size=chunk_size)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype,

@@ -42,6 +42,15 @@ class Killed(Exception):
     """Stands in for the job being killed mid-run."""
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: synchronising threads costs more than the math, and this machine is shared.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny.build_llama(tmp_path_factory.mktemp("llama"))
