@@ -42,6 +42,7 @@ ACCEPTANCE_FORMAT = "draftsmith.acceptance/1"
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
 BACKENDS = ("hf", "vllm")
 DRAFTER_KINDS = ("eagle3", "ngram", "target")
+MAX_LISTED_TIES = 100  # acceptance.json lists this many near-ties and counts them all
 
 # The target scores a token one position at a time in greedy decoding and k+1 positions at a time
 # when verifying; different matmul shapes round differently, so where its two best logits are
@@ -643,7 +644,9 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
         },
         "lossless": {
             "checked_generations": sum(len(v) for v in runs.values()),
-            "numerical_ties": ties,
+            "checked_tokens": sum(len(g.tokens) for v in runs.values() for g in v),
+            "numerical_tie_count": len(ties),
+            "numerical_ties": ties[:MAX_LISTED_TIES],
         },
         "device": backend.describe_device(),
         "settings": {**asdict(settings), "k_sweep": list(settings.k_sweep), "stop_token_ids": backend.stop_ids},
@@ -655,7 +658,7 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
              result["speedup"]["draft"] or 0, result["speedup"]["baseline"] or 0)
     if ties:
         log.warning("%d near-tie(s) of the target's two best logits resolved differently by greedy and "
-                    "speculative decoding (listed in lossless.numerical_ties); every token was checked",
+                    "speculative decoding (in lossless.numerical_ties); every token was checked",
                     len(ties))
     return result
 
