@@ -46,6 +46,14 @@ def conversations_for_training():
     return dataset_sources()
 
 
+def data_settings():
+    """prepare_dataset's settings; regenerated conversations are always in messages format."""
+    settings = {k: v for k, v in config["data"].items() if k != "sources"}
+    if config["regenerate"]["enabled"]:
+        settings["format"] = "auto"
+    return {**settings, "seed": config["seed"]}
+
+
 def cuda_present():
     # Decided without importing torch; on a cluster set the device to cuda explicitly.
     return os.path.exists("/dev/nvidiactl")

@@ -55,10 +55,7 @@ rule prepare_dataset:
         ),
     params:
         tokenizer=target_dir(),
-        settings={
-            **{k: v for k, v in config["data"].items() if k != "sources"},
-            "seed": config["seed"],
-        },
+        settings=data_settings(),
         code=code("draftsmith.data"),
     log:
         f"{LOGS}/prepare_dataset.log",
