@@ -11,10 +11,13 @@ repeated batches), peak memory, and achieved FLOP/s against the bf16 dense peak.
 
 speculators runs its own ``Eagle3DraftModel.forward`` (torch.compile'd on CUDA, flex attention)
 with the eager KL loss (``--loss-implementation eager``; its fused loss trips a Dynamo bug on
-torch 2.11). FLOPs count the matmuls both trainers must do (draft forward and backward per TTT
-step, the fc, attention scores within documents, the draft-vocab teacher); Draftsmith's extra
-full-vocabulary argmax (for exact acceptance accuracy) is work speculators skips, so it costs
-Draftsmith throughput but is not counted as useful FLOPs.
+torch 2.11). Draftsmith runs its production ``train_step`` as ``train_draft`` sets it up (compiled
+draft step and loss kernels, fused AdamW), with the exact acceptance statistics on every
+``--log-every``-th step, as ``train.log_every`` does. FLOPs count the matmuls both trainers must do
+(draft forward and backward per TTT step, the fc, attention scores within documents, the
+draft-vocab teacher), over all positions; Draftsmith's full-vocabulary argmax on logging steps is
+work speculators skips, not counted as useful FLOPs. Batches sit on the GPU for both trainers
+(training copies the next batch on a side stream while a step computes).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token  # noqa: E402
-from draftsmith.train import PAD_MULTIPLE, TTTObjective, train_step  # noqa: E402
+from draftsmith.train import PAD_MULTIPLE, TTTObjective, scored_positions, train_step  # noqa: E402
 
 H200_BF16_DENSE = 989.5e12
 
@@ -53,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation)")
     p.add_argument("--batches", type=int, default=4, help="distinct synthetic batches, cycled")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="Draftsmith computes the exact acceptance statistics every this many steps (train.log_every)")
     p.add_argument("--only", choices=["draftsmith", "speculators"], default=None)
     p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile of the draft step")
     p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
@@ -156,7 +161,7 @@ def bench_draftsmith(args, device, data):
     draft.to(device)
     objective.to_device(device, frozen)
     if cuda and not args.no_compile:
-        objective.step_fn = torch.compile(draft.step, dynamic=False)
+        objective.compile_steps()
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01, fused=cuda)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
@@ -173,14 +178,18 @@ def bench_draftsmith(args, device, data):
         padded["valid"] = torch.nn.functional.pad(b["valid"], (0, extra))
         padded["pos"] = torch.nn.functional.pad(b["pos"], (0, extra))
         padded["doc"] = torch.nn.functional.pad(b["doc"], (0, extra), value=int(b["doc"].max()) + 1)
+        padded.update({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                       for k, v in scored_positions(padded["valid"]).items()})
         prepared.append((padded, (decay / counts).float().to(device)))
     state = {"i": 0}
 
     def run_step():
-        batch, weights = prepared[state["i"] % len(prepared)]
+        i = state["i"]
+        batch, weights = prepared[i % len(prepared)]
         state["i"] += 1
+        exact = i == 0 or (i + 1) % args.log_every == 0  # the first warms the exact path up
         loss, _, _ = train_step(objective, optimizer, trainable, [batch], 1, weights, max_grad_norm=1.0,
-                                autocast=autocast)
+                                autocast=autocast, exact=exact)
         return loss.detach()
 
     result = timed(run_step, args, device)

@@ -372,7 +372,7 @@ class DraftKVCache:
 class Eagle3Draft(nn.Module):
     """EAGLE-3 draft: fc over the concatenated aux states, one Eagle-3 layer (+ plain layers), norm, lm_head.
 
-    Training unrolls it with ``step`` (see draftsmith.train); inference uses ``draft_step`` with a
+    Training unrolls it with ``advance`` (see draftsmith.train); inference uses ``draft_step`` with a
     ``DraftKVCache``. Both run the same layers: only the attention pattern is supplied from outside.
     """
 
@@ -430,14 +430,22 @@ class Eagle3Draft(nn.Module):
         """[T, A*H] captured states (ascending layer ids, concatenated) -> [T, H]."""
         return self.fc(aux_states)
 
-    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft pass: (output hidden [T, H] fed to the next step, draft-vocab logits [T, Vd])."""
+    def advance(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass up to the lm_head: (output hidden [T, H] fed to the next step, the
+        final-normed state [T, H] that the lm_head reads). Training applies the lm_head only to the
+        positions it scores."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             hidden = layer(embeds, hidden, cos, sin, attend, i)
-        return hidden, self.lm_head(self.norm(hidden))
+        return hidden, self.norm(hidden)
+
+    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass: (output hidden [T, H] fed to the next step, draft-vocab logits [T, Vd])."""
+        hidden, normed = self.advance(hidden, input_ids, cos, sin, attend)
+        return hidden, self.lm_head(normed)
 
     # -- inference -------------------------------------------------------------------------------
 

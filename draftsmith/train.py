@@ -20,9 +20,11 @@ runs across document boundaries), positions whose step-j target lies outside the
 excluded here, so packing never changes the loss.
 
 The teacher is the captured final state (post-norm, what the target's lm_head consumes) times
-the lm_head rows of the draft vocabulary; the rest of the vocabulary is touched once per batch,
-chunked, only to learn whether the target's true argmax lies in the draft vocabulary, so that the
-reported accuracy is the probability that vLLM accepts the draft token.
+the lm_head rows of the draft vocabulary. The lm_head, the teacher and the loss touch only the
+positions that carry a loss (gather indices built with the batch, on the host). The rest of the
+target's vocabulary is touched only on logging steps, chunked, to learn whether the target's true
+argmax lies in the draft vocabulary, so that the reported accuracy is the probability that vLLM
+accepts the draft token; every step also counts agreement within the draft vocabulary.
 """
 
 from __future__ import annotations
@@ -260,7 +262,8 @@ def _padded_length(tokens: int, pad_to: int, fixed: int | None) -> int:
 def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[int], final_id: int,
                  hidden: int, ttt_steps: int, t_pad: int, dtype: torch.dtype, pin: bool) -> dict:
     """Pack the samples into ``t_pad`` rows: aux [T, A*H], final [T, H], per-step token ids and
-    valid masks [K, T], positions, document ids (padding rows form one extra document)."""
+    valid masks [K, T], positions, document ids (padding rows form one extra document), and the
+    gather indices of ``scored_positions``."""
     total = pack.tokens
     aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=dtype)
     final = torch.zeros(t_pad, hidden, dtype=dtype)
@@ -284,9 +287,9 @@ def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[
         pos[o:o + m] = torch.arange(1, m + 1)
         doc[o:o + m] = d
         o += m
-    batch = {"aux": aux, "final": final, "ids": ids, "valid": valid, "pos": pos, "doc": doc}
+    batch = {"aux": aux, "final": final, "ids": ids, "valid": valid, "pos": pos, "doc": doc, **scored_positions(valid)}
     if pin:
-        batch = {k: v.pin_memory() for k, v in batch.items()}
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     batch["tokens"] = total
     return batch
 
@@ -320,6 +323,28 @@ class _Prefetcher:
         with contextlib.suppress(queue.Empty):
             while True:
                 self._queue.get_nowait()
+
+
+def _to_device(batches: list[dict], device: torch.device, stream) -> list[dict]:
+    """Start copying micro-batches to the device; on GPU on a side stream (``stream``), so the copy
+    of the next step's inputs (about 0.3 GB for 8k tokens of an 8B target's states, some 5 ms over
+    PCIe) overlaps this step's compute instead of stalling it."""
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        return [{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                for b in batches]
+
+
+def _ready(batches: list[dict], stream) -> list[dict]:
+    """Make the compute stream wait for ``_to_device``'s copies, and keep the allocator from
+    handing their memory to the side stream while the compute stream still reads it."""
+    if stream is not None:
+        current = torch.cuda.current_stream(stream.device)
+        current.wait_stream(stream)
+        for b in batches:
+            for v in b.values():
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(current)
+    return batches
 
 
 class _Verifier(threading.Thread):
@@ -429,36 +454,115 @@ class TTTAttention:
 # The objective
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy of draft logits [T, V] against teacher probabilities ``p[at]``.
+def scored_positions(valid: torch.Tensor) -> dict:
+    """Gather indices of the positions each TTT step scores, from ``valid`` [K, T] on the host, so
+    that the lm_head, the teacher and the loss touch only those and the step never syncs.
 
-    Saves only the logits (in their compute dtype) and recomputes the softmax in the backward, in
-    row chunks: autograd through log_softmax would keep a float32 [T, V] log-softmax and the
-    gathered teacher rows alive per TTT step (about 4 GB per step at T=16k, V=32k).
+    ``teach_rows`` [N0]: the teacher's rows, the step-0 loss positions (step j at t is scored
+    against the teacher at t+j, itself a step-0 loss position of the same sample); ``rows``: the
+    positions of steps 0..K-1, concatenated, ``splits`` their counts; ``teach``: each position's
+    teacher as an index into ``teach_rows``.
+    """
+    valid = valid.cpu()
+    t = valid.shape[1]
+    teach_rows = valid[0].nonzero().squeeze(1)
+    compact = valid[0].long().cumsum(0) - 1
+    rows, teach = [], []
+    for j in range(valid.shape[0]):
+        r = valid[j].nonzero().squeeze(1)
+        if bool((r + j >= t).any()) or not bool(valid[0][r + j].all()):
+            raise TrainingError(f"TTT step {j}'s loss positions are not step 0's shifted by {j} within samples",
+                                where="training batch", fix="build batches with draftsmith.train._build_batch")
+        rows.append(r)
+        teach.append(compact[r + j])
+    return {"teach_rows": teach_rows, "rows": torch.cat(rows), "teach": torch.cat(teach),
+            "splits": tuple(len(r) for r in rows)}
+
+
+def _teacher_rows(tz: torch.Tensor):
+    """Per row of teacher logits: logsumexp, negative entropy (sum p log p), argmax and max."""
+    tf = tz.float()
+    tlse = torch.logsumexp(tf, -1)
+    logp = tf - tlse[:, None]
+    top, arg = tf.max(-1)
+    return tlse, (logp.exp() * logp).sum(-1), arg, top
+
+
+def _kl_rows(z: torch.Tensor, tz: torch.Tensor, tlse: torch.Tensor, negent: torch.Tensor, teach: torch.Tensor):
+    """KL(teacher || draft) of each draft row z against teacher row ``teach``, with the draft's
+    logsumexp (for the backward) and argmax; the teacher's probabilities are recomputed from its
+    logits, never stored."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, -1)
+    p = torch.exp(tz[teach].float() - tlse[teach, None])
+    return lse - (p * zf).sum(-1) + negent[teach], lse, zf.argmax(-1)
+
+
+def _kl_rows_grad(z: torch.Tensor, lse: torch.Tensor, tz: torch.Tensor, tlse: torch.Tensor, teach: torch.Tensor,
+                  grad: torch.Tensor) -> torch.Tensor:
+    """d KL / d z = softmax(z) - p, times each row's incoming gradient, in z's dtype."""
+    p = torch.exp(tz[teach].float() - tlse[teach, None])
+    return (grad[:, None] * (torch.exp(z.float() - lse[:, None]) - p)).to(z.dtype)
+
+
+@dataclass(frozen=True)
+class LossKernels:
+    """The row-wise parts of the loss. Eager, they run in row chunks (bounding the float32
+    temporaries); compiled, Inductor fuses each into kernels that read the logits once or twice and
+    write only per-row results (the backward: the gradient), so they take all rows at once. Row
+    counts differ per batch: compiled with automatic dynamic shapes."""
+
+    teacher: Any = _teacher_rows
+    kl: Any = _kl_rows
+    kl_grad: Any = _kl_rows_grad
+    chunk: int | None = 4096
+
+    @classmethod
+    def compiled(cls, backend: str = "inductor") -> LossKernels:
+        return cls(*(torch.compile(f, backend=backend) for f in (_teacher_rows, _kl_rows, _kl_rows_grad)), chunk=None)
+
+    def slices(self, n: int) -> list[slice]:
+        if self.chunk is None or n <= self.chunk:
+            return [slice(None)]
+        return [slice(i, i + self.chunk) for i in range(0, n, self.chunk)]
+
+    def rows(self, fn, n: int, *args, rowwise: tuple[int, ...] = (0,)) -> tuple[torch.Tensor, ...]:
+        """fn over row chunks of the arguments at positions ``rowwise``, outputs concatenated."""
+        parts = [fn(*(a[s] if i in rowwise else a for i, a in enumerate(args))) for s in self.slices(n)]
+        if len(parts) == 1:
+            return parts[0]
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+
+class DraftKL(torch.autograd.Function):
+    """Per scored row, KL(teacher || draft) over the draft vocabulary, and the draft's argmax.
+
+    Inputs: draft logits z [N, Vd] (the lm_head's output, in its compute dtype), the teacher's
+    logits tz [N0, Vd] with their logsumexp and negative entropy [N0], and each draft row's teacher
+    row ``teach`` [N]. Saves z and per-row floats only: the float32 softmaxes are recomputed in the
+    backward instead of kept per TTT step (autograd through log_softmax would hold several float32
+    [N, Vd] tensors per step).
     """
 
-    CHUNK = 4096
+    @staticmethod
+    def forward(ctx, z, tz, tlse, negent, teach, kernels: LossKernels):
+        with torch.autocast(z.device.type, enabled=False):
+            kl, lse, arg = kernels.rows(kernels.kl, z.shape[0], z, tz, tlse, negent, teach, rowwise=(0, 4))
+        ctx.save_for_backward(z, lse, tz, tlse, teach)
+        ctx.kernels = kernels
+        ctx.mark_non_differentiable(arg)
+        return kl, arg
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
-        lse = torch.empty_like(out)
-        for i in range(0, logits.shape[0], SoftCrossEntropy.CHUNK):
-            z = logits[i:i + SoftCrossEntropy.CHUNK].float()
-            lse[i:i + z.shape[0]] = torch.logsumexp(z, dim=-1)
-            out[i:i + z.shape[0]] = lse[i:i + z.shape[0]] - (p[at[i:i + z.shape[0]]] * z).sum(-1)
-        ctx.save_for_backward(logits, p, at, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, p, at, lse = ctx.saved_tensors
-        result = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], SoftCrossEntropy.CHUNK):
-            rows = slice(i, i + SoftCrossEntropy.CHUNK)
-            softmax = torch.exp(logits[rows].float() - lse[rows, None])
-            result[rows] = (grad[rows, None] * (softmax - p[at[rows]])).to(logits.dtype)
-        return result, None, None
+    def backward(ctx, grad_kl, grad_arg):
+        z, lse, tz, tlse, teach = ctx.saved_tensors
+        kernels = ctx.kernels
+        with torch.autocast(z.device.type, enabled=False):
+            grad = kernels.rows(kernels.kl_grad, z.shape[0], z, lse, tz, tlse, teach, grad_kl.contiguous(),
+                                rowwise=(0, 1, 4, 5))
+        return grad, None, None, None, None, None
 
 
 class TTTObjective(nn.Module):
@@ -478,63 +582,82 @@ class TTTObjective(nn.Module):
         self.rest = lm_head[outside]  # [V - Vd, H]: only for "is the true argmax in the draft vocab?"
         self.ttt_steps, self.ttt_decay = ttt_steps, ttt_decay
         self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
-        self.step_fn = draft.step
+        self.step_fn = draft.advance
+        self.kernels = LossKernels()
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> TTTObjective:
         self.teacher = self.teacher.to(device=device, dtype=dtype)
         self.rest = self.rest.to(device=device, dtype=dtype)
         return self
 
+    def compile_steps(self, backend: str = "inductor") -> TTTObjective:
+        """torch.compile the draft step (one fixed shape per TTT step on GPU batches) and the loss's row kernels."""
+        self.step_fn = torch.compile(self.draft.advance, dynamic=False, backend=backend)
+        self.kernels = LossKernels.compiled(backend)
+        return self
+
     def unroll(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor):
-        """Yield the draft-vocab logits [T, Vd] of TTT steps 0..K-1 (see the module docstring)."""
+        """Yield the final-normed states [T, H] (what the lm_head reads) of TTT steps 0..K-1 (see the module docstring)."""
         hidden = self.draft.fuse(aux)
         attend = TTTAttention(doc, self.attention, self.flex_fn)
-        for j in range(ids.shape[0]):
-            cos, sin = self.draft.rope(pos + j)
-            hidden, logits = self.step_fn(hidden, ids[j], cos, sin, attend)
+        k, t = ids.shape
+        cos, sin = self.draft.rope((pos[None] + torch.arange(k, device=pos.device)[:, None]).flatten())
+        for j in range(k):
+            hidden, normed = self.step_fn(hidden, ids[j], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t], attend)
             attend.next_step()
-            yield logits
+            yield normed
 
     @torch.no_grad()
-    def _teacher(self, final: torch.Tensor):
-        logits = final @ self.teacher.to(final.dtype).T
-        max_in, arg = logits.max(-1)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        p = logp.exp()
-        neg_entropy = (p * logp).sum(-1)
-        if self.rest.shape[0]:
-            rest = self.rest.to(final.dtype)
-            max_out = torch.cat([(c @ rest.T).max(-1).values for c in final.split(self.argmax_chunk)])
-            in_vocab = max_in >= max_out
-        else:
+    def _teacher(self, final: torch.Tensor, teach_rows: torch.Tensor, exact: bool):
+        """The teacher at its rows: logits [N0, Vd], logsumexp, negative entropy, argmax, and (``exact``)
+        whether the target's argmax over its whole vocabulary lies in the draft vocabulary."""
+        x = final[teach_rows]
+        tz = x @ self.teacher.to(x.dtype).T
+        tlse, negent, arg, top = self.kernels.rows(self.kernels.teacher, tz.shape[0], tz)
+        in_vocab = None
+        if exact:
             in_vocab = torch.ones_like(arg, dtype=torch.bool)
-        return p, neg_entropy, arg, in_vocab
+            if self.rest.shape[0]:
+                rest = self.rest.to(x.dtype)
+                max_out = torch.cat([(c @ rest.T).max(-1).values for c in x.split(self.argmax_chunk)])
+                in_vocab = top >= max_out.float()
+        return tz, tlse, negent, arg, in_vocab
 
-    def forward(self, aux: torch.Tensor, final: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
-                pos: torch.Tensor, doc: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (sum_j weights[j] * sum of step-j KL over valid positions, stats [K, 4]).
+    def forward(self, batch: dict, weights: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (sum_j weights[j] * sum of step-j KL over its scored positions, stats [K, 6]).
 
-        stats rows: KL sum, valid positions, correct positions, positions whose steps 0..j were
-        all correct (the accepted-prefix events behind the simulated acceptance length).
+        ``batch``: aux, final, ids, valid, pos, doc as ``_build_batch`` makes them, plus
+        ``scored_positions(valid)``. stats columns: KL sum, scored positions, positions where the
+        draft's argmax is the teacher's within the draft vocabulary; with ``exact`` (logging steps:
+        it costs a pass over the target's whole lm_head) also positions checked, positions where the
+        draft's token is the target's argmax over its whole vocabulary (what vLLM accepts), and
+        positions whose steps 0..j all were (the accepted-prefix events behind the acceptance length).
         """
-        t = aux.shape[0]
-        p, neg_entropy, target_arg, in_vocab = self._teacher(final)
-        arange = torch.arange(t, device=aux.device)
+        aux, final, ids, valid, pos, doc = (batch[k] for k in ("aux", "final", "ids", "valid", "pos", "doc"))
+        splits = batch["splits"]
+        stats = aux.new_zeros((ids.shape[0], 6), dtype=torch.float32)
+        if not splits[0]:  # a filler micro-batch: zero gradients for every parameter, so DDP still reduces
+            return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0, stats
+        tz, tlse, negent, target_arg, in_vocab = self._teacher(final, batch["teach_rows"], exact)
+        rows, teach = batch["rows"].split(splits), batch["teach"].split(splits)
         chain = valid[0]
         loss = aux.new_zeros((), dtype=torch.float32)
-        stats = []
-        for j, logits in enumerate(self.unroll(aux, ids, pos, doc)):
-            at = (arange + j).clamp(max=t - 1)  # the teacher row of step j's prediction
-            kl = neg_entropy[at] + SoftCrossEntropy.apply(logits, p, at)
-            v = valid[j]
-            kl_sum = torch.where(v, kl, 0.0).sum()
+        for j, normed in enumerate(self.unroll(aux, ids, pos, doc)):
+            if not splits[j]:  # a sample's scored positions only shrink with j: nothing later either
+                break
+            kl, arg = DraftKL.apply(self.draft.lm_head(normed[rows[j]]), tz, tlse, negent, teach[j], self.kernels)
+            kl_sum = kl.sum()
             loss = loss + weights[j] * kl_sum
             with torch.no_grad():
-                correct = v & in_vocab[at] & (logits.argmax(-1) == target_arg[at])
-                chain = chain & correct
-                stats.append(torch.stack([kl_sum.detach(), v.sum().float(), correct.sum().float(),
-                                          chain.sum().float()]))
-        return loss, torch.stack(stats)
+                n = kl_sum.new_full((), splits[j])
+                hit = arg == target_arg[teach[j]]
+                row = [kl_sum.detach(), n, hit.sum().float()]
+                if in_vocab is not None:
+                    hit = hit & in_vocab[teach[j]]
+                    chain = chain & torch.zeros_like(chain).index_put_((rows[j],), hit)
+                    row += [n, hit.sum().float(), chain.sum().float()]
+                stats[j, :len(row)] = torch.stack(row)
+        return loss, stats
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,20 +796,28 @@ def _resolve(settings: TrainSettings, device: torch.device) -> tuple[torch.dtype
 
 
 def summarize(stats: list[list[float]]) -> dict:
-    """Per-step loss/accuracy and simulated acceptance length from summed [K, 4] stats."""
-    out: dict[str, Any] = {"loss": [], "acc": [], "cond_acc": [], "joint_acc": []}
-    starts = stats[0][1] if stats else 0.0
+    """Per-step metrics from summed [K, 6] stats (``TTTObjective.forward``).
+
+    ``loss`` and ``draft_vocab_acc`` (top-1 agreement with the teacher within the draft
+    vocabulary, an upper bound of acc) cover every step since the last log; ``acc``, ``cond_acc``,
+    ``joint_acc`` and ``tau`` (the acceptance vLLM would see: the target's argmax over its whole
+    vocabulary) cover the logging step's batch, ``tokens_scored_exact`` positions.
+    """
+    out: dict[str, Any] = {"loss": [], "acc": [], "cond_acc": [], "joint_acc": [], "draft_vocab_acc": []}
+    starts = stats[0][3] if stats else 0.0
     prev_chain = starts
-    for kl, n, correct, chain in stats:  # None where a ratio has no positions to count
+    for kl, n, agree, checked, correct, chain in stats:  # None where a ratio has no positions to count
         out["loss"].append(kl / n if n else None)
-        out["acc"].append(correct / n if n else None)
+        out["draft_vocab_acc"].append(agree / n if n else None)
+        out["acc"].append(correct / checked if checked else None)
         out["cond_acc"].append(chain / prev_chain if prev_chain else None)
         out["joint_acc"].append(chain / starts if starts else None)
         prev_chain = chain
     # tau = 1 + E[accepted prefix length]; the accepted prefix has length >= j+1 exactly when
     # steps 0..j are all correct (chain), so E = sum_j P(chain_j), per start position.
     out["tau"] = 1.0 + sum(out["joint_acc"]) if starts else None
-    out["tokens_scored"] = starts
+    out["tokens_scored"] = stats[0][1] if stats else 0.0
+    out["tokens_scored_exact"] = starts
     return out
 
 
@@ -743,7 +874,7 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
     draft.to(device)
     objective.to_device(device, frozen_dtype)
     if compile_:
-        objective.step_fn = torch.compile(draft.step, dynamic=False)
+        objective.compile_steps()
 
     # plan the run from shard metadata alone (cheap), identically on every rank
     group = ddp.world * settings.grad_accum_steps
@@ -839,17 +970,26 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
                 else contextlib.nullcontext())
     decay = torch.tensor([settings.ttt_decay ** j for j in range(settings.ttt_steps)], dtype=torch.float64)
-    acc_stats = torch.zeros(settings.ttt_steps, 4, device=device, dtype=torch.float64)
+    acc_stats = torch.zeros(settings.ttt_steps, 6, device=device, dtype=torch.float64)
     bad_step = torch.full((), -1, device=device, dtype=torch.long)
     last_good = str(ckpt_path) if ckpt_path is not None else None
     window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
     tokens_done = sum(s.tokens for s in steps[:start])
     last_log: dict = {}
     started = time.perf_counter()
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def fetch() -> list[dict]:  # this rank's micro-batches of the next step, on their way to the device
+        return _to_device([prefetch.get() for _ in range(settings.grad_accum_steps)], device, stream)
+
+    upcoming = fetch() if start < total else []
     model.train()
     try:
         for s in range(start, total):
             step = steps[s]
+            done = s + 1
+            checkpoint_now = done % settings.checkpoint_every == 0 or done == total
+            log_now = done % settings.log_every == 0 or checkpoint_now
             lr = _lr_at(s, settings, total)
             for g in optimizer.param_groups:
                 g["lr"] = lr
@@ -857,22 +997,22 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
             # DDP averages gradients over ranks, hence the factor world.
             weights = (decay / torch.from_numpy(np.maximum(step.counts, 1)) * ddp.world).to(torch.float32)
             weights = weights.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else weights
-            micro = ({k: v.to(device, non_blocking=True) for k, v in prefetch.get().items() if k != "tokens"}
-                     for _ in range(settings.grad_accum_steps))
+            micro = _ready(upcoming, stream)
+            # the exact (whole-vocabulary) acceptance statistics only on the steps that log them
             step_loss, stats, grad_norm = train_step(model, optimizer, trainable, micro, settings.grad_accum_steps,
                                                      weights, max_grad_norm=settings.max_grad_norm,
-                                                     autocast=autocast, world=ddp.world)
+                                                     autocast=autocast, world=ddp.world, exact=log_now)
+            del micro
+            upcoming = fetch() if done < total else []  # copies while this step computes
             acc_stats += stats
             bad = ~torch.isfinite(step_loss) | ~torch.isfinite(grad_norm)
             bad_step = torch.where((bad_step < 0) & bad, torch.full_like(bad_step, s + 1), bad_step)
-            done = s + 1
             tokens_done += step.tokens
             window_tokens += step.tokens
             window_steps += 1
             if progress is not None:
                 progress.update(step.tokens)
-            checkpoint_now = done % settings.checkpoint_every == 0 or done == total
-            if done % settings.log_every == 0 or checkpoint_now:
+            if log_now:
                 reduced = acc_stats.clone()
                 flag = bad_step.clone().double()[None]
                 if ddp.world > 1:
@@ -946,9 +1086,11 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter], micro_batches,
-               num_micro: int, weights: torch.Tensor, *, max_grad_norm: float, autocast, world: int = 1):
+               num_micro: int, weights: torch.Tensor, *, max_grad_norm: float, autocast, world: int = 1,
+               exact: bool = False):
     """One optimizer step over ``num_micro`` micro-batches (device dicts); returns device tensors
-    (summed loss, summed stats [K, 4] in float64, gradient norm) without synchronising."""
+    (summed loss, summed stats [K, 6] in float64, gradient norm) without synchronising. ``exact``
+    adds the whole-vocabulary acceptance statistics (``TTTObjective.forward``)."""
     optimizer.zero_grad(set_to_none=True)
     step_loss, step_stats = None, None
     for a, batch in enumerate(micro_batches):
@@ -956,8 +1098,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: li
         ctx = model.no_sync() if (world > 1 and not last) else contextlib.nullcontext()
         with ctx:
             with autocast:
-                loss, stats = model(batch["aux"], batch["final"], batch["ids"], batch["valid"], batch["pos"],
-                                    batch["doc"], weights)
+                loss, stats = model(batch, weights, exact=exact)
             loss.backward()
         step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         step_stats = stats.double() if step_stats is None else step_stats + stats.double()
@@ -1001,7 +1142,7 @@ def _log_metrics(metrics_file, writer, entry: dict) -> None:
     for key in ("lr", "tokens_per_s", "grad_norm", "tau"):
         if entry[key] is not None:
             writer.add_scalar(f"train/{key}", entry[key], step)
-    for key in ("loss", "acc", "cond_acc", "joint_acc"):
+    for key in ("loss", "acc", "cond_acc", "joint_acc", "draft_vocab_acc"):
         for j, value in enumerate(entry[key]):
             if value is not None:
                 writer.add_scalar(f"train/{key}_{j}", value, step)

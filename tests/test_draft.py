@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith.draft import DraftKVCache, Eagle3Draft, Eagle3DraftConfig, load_speculators, save_speculators
-from draftsmith.train import TTTObjective
+from draftsmith.train import TTTObjective, scored_positions
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 384, 100
 
@@ -140,7 +140,7 @@ def reference_logits(draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor
 def unroll(draft, aux, ids, pos, doc, attention="sdpa"):
     objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN, dtype=aux.dtype), torch.arange(DRAFT_VOCAB),
                              ttt_steps=ids.shape[0], ttt_decay=1.0, attention=attention)
-    return list(objective.unroll(aux, ids, pos, doc))
+    return [draft.lm_head(x) for x in objective.unroll(aux, ids, pos, doc)]
 
 
 @pytest.mark.parametrize("num_layers,norm_before_residual", [(1, True), (1, False), (2, True)])
@@ -188,7 +188,7 @@ def test_flex_attention_path_matches_sdpa_path():
         draft.zero_grad(set_to_none=True)
         objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
                                  ttt_decay=1.0, attention=impl, flex_fn=flex_fn)
-        logits = list(objective.unroll(aux, ids, pos, doc))
+        logits = [draft.lm_head(x) for x in objective.unroll(aux, ids, pos, doc)]
         sum((lg * torch.linspace(-1, 1, lg.shape[-1])).sum() * (j + 1) for j, lg in enumerate(logits)).backward()
         grads[impl] = ([lg.detach() for lg in logits],
                        {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
@@ -213,7 +213,7 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
     counters.clear()
     draft = make_draft(1).float()
     flex = torch.compile(fa.flex_attention, dynamic=False, backend="aot_eager")
-    step = torch.compile(draft.step, dynamic=False, backend="aot_eager")
+    step = torch.compile(draft.advance, dynamic=False, backend="aot_eager")
     for seed, lengths in enumerate(([40, 30, 58], [100, 28])):
         aux, ids, pos, doc, _ = packed_batch(lengths, dtype=torch.float32, seed=seed)
         results = []
@@ -223,7 +223,7 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
             if impl == "flex":
                 objective.step_fn = step
             draft.zero_grad(set_to_none=True)
-            logits = list(objective.unroll(aux, ids, pos, doc))
+            logits = [draft.lm_head(x) for x in objective.unroll(aux, ids, pos, doc)]
             sum((lg * torch.linspace(-1, 1, lg.shape[-1])).sum() for lg in logits).backward()
             results.append((logits, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
         (ref, ref_grads), (out, grads) = results
@@ -321,8 +321,10 @@ def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path):
     counts = valid.sum(1).double()
     weights = (torch.tensor([0.8 ** j for j in range(3)], dtype=torch.float64) / counts).float()
     with torch.no_grad():
-        loss, stats = objective(aux, final, ids, valid, pos, doc, weights)
-        ours = [lg.argmax(-1) for lg in objective.unroll(aux, ids, pos, doc)]
+        batch = {"aux": aux, "final": final, "ids": ids, "valid": valid, "pos": pos, "doc": doc,
+                 **scored_positions(valid)}
+        loss, stats = objective(batch, weights)
+        ours = [draft.lm_head(x).argmax(-1) for x in objective.unroll(aux, ids, pos, doc)]
     torch.testing.assert_close(loss, loss_theirs.float(), rtol=1e-4, atol=1e-5)
     for j in range(3):
         assert torch.equal(ours[j][:m - j], tokens_theirs[j][0][:m - j]), j

@@ -24,6 +24,8 @@ from draftsmith.io import read_json
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.targets.weights import load_embedding_and_head
 from draftsmith.train import (
+    DraftKL,
+    LossKernels,
     TrainSettings,
     TTTObjective,
     _build_batch,
@@ -32,6 +34,7 @@ from draftsmith.train import (
     _shard_meta,
     _ShardRows,
     run_training,
+    scored_positions,
     train_draft,
 )
 from draftsmith.vocab import mapping_tensors
@@ -150,10 +153,9 @@ def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64):
     return objective, meta, batch
 
 
-def run_objective(objective, batch, weights):
+def run_objective(objective, batch, weights, exact=True):
     objective.zero_grad(set_to_none=True)
-    loss, stats = objective(batch["aux"], batch["final"], batch["ids"], batch["valid"], batch["pos"], batch["doc"],
-                            weights)
+    loss, stats = objective(batch, weights, exact=exact)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in objective.named_parameters() if p.grad is not None}
     return loss.detach(), stats, grads
@@ -208,6 +210,88 @@ def test_packing_gives_the_loss_and_gradients_of_unpacked_samples(inputs):
     torch.testing.assert_close(stats, sum(p[1] for p in parts), rtol=1e-5, atol=1e-5)
     for name, g in grads.items():
         torch.testing.assert_close(g, sum(p[2][name] for p in parts), rtol=1e-4, atol=1e-6, msg=name)
+
+
+def plain_kl(z, tz, teach):
+    """KL(teacher || draft) per row through log_softmax and autograd, in float64."""
+    logp = torch.log_softmax(tz.double(), -1)[teach]
+    return (logp.exp() * (logp - torch.log_softmax(z.double(), -1))).sum(-1)
+
+
+@pytest.mark.parametrize("kernels", ["chunked", "compiled"])
+def test_fused_kl_and_its_gradient_equal_plain_autograd(kernels):
+    """DraftKL (teacher probabilities recomputed from its logits, softmax recomputed in the
+    backward) against log_softmax with autograd, float32 and bfloat16 logits; compiled with
+    Inductor as on GPU (C++ here, Triton there), for two row counts (dynamic shapes)."""
+    chosen = LossKernels(chunk=7) if kernels == "chunked" else LossKernels.compiled("inductor")
+    g = torch.Generator().manual_seed(0)
+    for dtype, rows in ((torch.float32, 40), (torch.float32, 29), (torch.bfloat16, 33)):
+        tz = (torch.randn(50, 96, generator=g) * 3).to(dtype)
+        teach = torch.randint(0, 50, (rows,), generator=g)
+        z = (torch.randn(rows, 96, generator=g) * 3).to(dtype).requires_grad_()
+        w = torch.rand(rows, generator=g)
+        tlse, negent, targ, top = chosen.rows(chosen.teacher, tz.shape[0], tz)
+        torch.testing.assert_close(tlse, torch.logsumexp(tz.float(), -1))
+        assert torch.equal(targ, tz.float().argmax(-1)) and torch.equal(top, tz.float().max(-1).values)
+        kl, arg = DraftKL.apply(z, tz, tlse, negent, teach, chosen)
+        (w * kl).sum().backward()
+        fused_grad, z.grad = z.grad, None
+        ref = plain_kl(z, tz, teach)
+        (w.double() * ref).sum().backward()
+        assert kl.dtype == torch.float32 and fused_grad.dtype == dtype
+        torch.testing.assert_close(kl.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused_grad.float(), z.grad.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-3)
+        assert torch.equal(arg, z.detach().float().argmax(-1))
+
+
+def test_compiled_objective_equals_eager(inputs):
+    """compile_steps (the GPU configuration: compiled draft step and loss kernels) gives the eager
+    loss, stats and gradients, on batches of different lengths and loss-position counts."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    objective, _, batch = objective_and_batches(inputs, ttt_steps=3)
+    compiled, _, _ = objective_and_batches(inputs, ttt_steps=3)
+    compiled.compile_steps("aot_eager")
+    w = torch.tensor([1.0, 0.8, 0.64])
+    for samples in ([0, 2, 3], [1, 4], [5, 6, 7]):
+        packed = batch(samples)
+        loss, stats, grads = run_objective(objective, packed, w)
+        loss_c, stats_c, grads_c = run_objective(compiled, packed, w)
+        torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stats_c, stats, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == grads_c.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(grads_c[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()
+
+
+def test_batch_without_loss_positions_gives_zero_gradients_to_every_parameter(inputs):
+    """A filler micro-batch (the last global batch's padding for DDP) still hands every trainable
+    parameter a (zero) gradient, so DDP reduces the same set on every rank."""
+    objective, _, batch = objective_and_batches(inputs, ttt_steps=3)
+    packed = batch([0, 1])
+    packed["valid"] = torch.zeros_like(packed["valid"])
+    packed.update(scored_positions(packed["valid"]))
+    loss, stats, grads = run_objective(objective, packed, torch.ones(3))
+    assert loss == 0 and not stats.any()
+    trainable = {n for n, p in objective.named_parameters() if p.requires_grad}
+    assert grads.keys() == trainable and not any(g.any() for g in grads.values())
+
+
+def test_scored_positions_index_each_steps_loss_positions_and_their_teacher_rows():
+    valid = torch.tensor([[0, 1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    # two samples: rows 0-3 (loss 0 1 1 0) and rows 4-6 (loss 1 1 1)
+    out = scored_positions(valid)
+    assert out["splits"] == (5, 4, 2)
+    assert out["teach_rows"].tolist() == [1, 2, 4, 5, 6]
+    rows, teach = out["rows"].split(out["splits"]), out["teach"].split(out["splits"])
+    for j in range(3):
+        assert rows[j].tolist() == valid[j].nonzero().squeeze(1).tolist()
+        assert out["teach_rows"][teach[j]].tolist() == (rows[j] + j).tolist()
+    with pytest.raises(TrainingError, match="step 1"):
+        scored_positions(torch.tensor([[1, 0, 1], [1, 1, 0]], dtype=torch.bool))
 
 
 def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs):
