@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jsonschema
@@ -53,6 +54,9 @@ def semantic_errors(config: dict) -> list[str]:
         lines.append("target.path: set, but target.source is 'demo'; set target.source: path to use it")
     if target["path"] and not Path(target["path"]).is_dir():
         lines.append(f"target.path: {target['path']!r} is not a folder")
+    elif target["source"] == "path" and target["path"] and not (Path(target["path"]) / "config.json").is_file():
+        lines.append(f"target.path: {target['path']!r} has no config.json; point it at a Hugging Face model "
+                     "folder (config.json, tokenizer, safetensors weights)")
     extraction = config["extraction"]
     if extraction["backend"] == "hf" and extraction["tensor_parallel_size"] > 1 and not extraction["device_map"]:
         lines.append("extraction.tensor_parallel_size: > 1 with the hf backend needs extraction.device_map: auto "
@@ -63,7 +67,24 @@ def semantic_errors(config: dict) -> list[str]:
     for source in config["data"]["sources"]:
         if source != "demo" and not Path(source).exists():
             lines.append(f"data.sources: {source!r} does not exist")
+    for folder in ("results", "logs", "benchmarks"):
+        problem = unwritable(Path(folder) / config["run"])
+        if problem:
+            lines.append(f"run: the workflow writes to {folder}/{config['run']}/, but {problem}; make it writable "
+                         "(or run the workflow from a folder you can write to)")
     return lines
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created or written to, or None; creates nothing (dry runs stay dry)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):  # also false on a read-only file system, even for root
+        return f"{existing.resolve()} is not writable"
+    return None
 
 
 def _types(schema: dict) -> set[str]:

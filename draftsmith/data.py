@@ -10,6 +10,7 @@ rows that are kept (``tokenize_conversation``) and streams them to ``train.jsonl
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 from tqdm import tqdm
 
 from draftsmith.errors import DataError
-from draftsmith.io import atomic_write_json, fsync_dir
+from draftsmith.io import atomic_write_json, fsync_dir, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ FORMATS = ("auto", "messages", "conversations", "text")
 # Every reason a row can be dropped for; stats.json lists them all, zeros included, so its
 # schema does not depend on the data.
 REASONS = (
+    "line_too_long",
     "not_utf8",
     "invalid_json",
     "unknown_format",
@@ -54,6 +56,21 @@ ROLES = {
     # ShareGPT
     "human": "user", "gpt": "assistant",
 }
+
+# How to fix the rows dropped for a reason, added to the error when too many rows are bad.
+REASON_FIXES = {
+    "line_too_long": "a jsonl row over the size limit (a file without newlines between rows?): split it, or "
+                     "raise data.max_seq_len (the limit is 64 bytes per token of it, at least 16 MiB)",
+    "not_utf8": "re-save the file as UTF-8",
+    "invalid_json": "repair the lines named in the log (one JSON object per line)",
+    "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
+    "no_assistant_turn": "every conversation needs an assistant turn to learn from",
+    "too_long_prompt": "raise data.max_seq_len",
+}
+
+# A jsonl line longer than this is not loaded: it is a bad row, not a reason to run out of memory.
+MIN_MAX_LINE_BYTES = 16 << 20
+LINE_BYTES_PER_TOKEN = 64
 
 MAX_LOGGED_BAD_ROWS = 10
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
@@ -143,10 +160,17 @@ def _where(file: str, line: int) -> str:
 # Reading sources
 
 
-def load_conversations(sources: Sequence[str | Path], format: str = "auto") -> Iterator[Row]:
+def max_line_bytes(max_seq_len: int) -> int:
+    """The longest jsonl line read as a row: far more than ``max_seq_len`` tokens could take."""
+    return max(MIN_MAX_LINE_BYTES, LINE_BYTES_PER_TOKEN * max_seq_len)
+
+
+def load_conversations(sources: Sequence[str | Path], format: str = "auto",
+                       max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[Row]:
     """Yield every row of ``sources`` in order, normalized to a ``Conversation`` or a ``BadRow``.
 
-    A missing or unreadable source, or one without any row, raises ``DataError``.
+    A missing or unreadable source, or one without any row, raises ``DataError``; a jsonl line
+    over ``max_line`` bytes is a bad row, skipped without being loaded.
     """
     if format not in FORMATS:
         raise DataError(f"unknown data format {format!r}", where="config key data.format",
@@ -154,7 +178,7 @@ def load_conversations(sources: Sequence[str | Path], format: str = "auto") -> I
     for source in sources:
         path = Path(source)
         rows = 0
-        for line, raw in _read_source(path):
+        for line, raw in _read_source(path, max_line):
             rows += 1
             yield raw if isinstance(raw, BadRow) else _normalize(raw, str(source), line, format)
         if rows == 0:
@@ -162,7 +186,7 @@ def load_conversations(sources: Sequence[str | Path], format: str = "auto") -> I
                             fix="fill it or remove it from data.sources")
 
 
-def _read_source(path: Path) -> Iterator[tuple[int, Any]]:
+def _read_source(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
     if not path.exists():
         raise DataError(f"data source {path} does not exist", where=str(path),
                         fix="check the path in data.sources (relative paths start at the workflow folder)")
@@ -170,7 +194,7 @@ def _read_source(path: Path) -> Iterator[tuple[int, Any]]:
         return _read_saved_dataset(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path)
+        return _read_jsonl(path, max_line)
     if suffix == ".json":
         return _read_json(path)
     if suffix == ".parquet":
@@ -180,12 +204,23 @@ def _read_source(path: Path) -> Iterator[tuple[int, Any]]:
                     fix="give .jsonl, .json or .parquet files, or a folder written by datasets' save_to_disk")
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
+    file = str(path)
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno in itertools.count(1):
+            raw = f.readline(max_line + 1)
+            if not raw:
+                return
+            if len(raw) > max_line and not raw.endswith(b"\n"):
+                size = len(raw)
+                while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
+                    size += len(chunk)  # skip the rest of the line without keeping it
+                size += len(chunk)
+                yield lineno, BadRow(file, lineno, "line_too_long",
+                                     f"{size:,} bytes, over the {max_line:,}-byte limit")
+                continue
             if not raw.strip():
                 continue
-            file = str(path)
             try:
                 # utf-8-sig on line 1: editors on Windows start files with a byte-order mark.
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -523,10 +558,9 @@ class _Tally:
         first = self.first_bad[0]
         counts = ", ".join(f"{r}={n}" for r, n in self.dropped.most_common())
         fix = "clean the data (the log lists the first bad rows and why) or raise data.max_bad_fraction"
-        if self.dropped["too_long_prompt"]:
-            fix += "; too_long_prompt: raise data.max_seq_len"
-        for reason, how in self.fixes.items():
-            fix += f"; {reason}: {how}"
+        for reason, how in {**REASON_FIXES, **self.fixes}.items():
+            if self.dropped[reason]:
+                fix += f"; {reason}: {how}"
         raise DataError(
             f"{bad} of {self.read} rows ({bad / self.read:.1%}) are unusable, more than "
             f"data.max_bad_fraction={self.max_bad_fraction}: {counts}",
@@ -545,27 +579,37 @@ class _PendingFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as e:
+            raise storage_error(path, e) from e
         self.file = os.fdopen(fd, "w", encoding="utf-8")
 
     def write_row(self, row: dict) -> None:
-        self.file.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+        try:
+            self.file.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+        except OSError as e:
+            raise storage_error(self.path, e) from e
 
     def __enter__(self) -> "_PendingFile":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.file.closed:
-            self.file.close()
+            with contextlib.suppress(OSError):  # a full disk fails the close's flush too
+                self.file.close()
         if exc_type is not None:
             Path(self.tmp).unlink(missing_ok=True)
 
     def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            raise storage_error(self.path, e) from e
         fsync_dir(self.path.parent)
 
 
@@ -600,13 +644,18 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     prompt_keys: dict[str, bytes] = {}
     seen: set[str] = set()
     duplicates = 0
-    for row in _progress(load_conversations(sources, settings.format), "reading rows"):
+    max_line = max_line_bytes(settings.max_seq_len)
+    for row in _progress(load_conversations(sources, settings.format, max_line), "reading rows"):
         tally.read += 1
         if isinstance(row, BadRow):
             tally.bad(row)
             continue
         row_id = _unique_id(row.id, seen)
-        duplicates += row_id != row.id
+        if row_id != row.id:
+            if not duplicates:
+                log.warning("row %s repeats the id %r; it is kept as %r (stats.json counts such rows under "
+                            "duplicate_ids)", row.where, row.id, row_id)
+            duplicates += 1
         seen.add(row_id)
         ids.append(row_id)
         if row.is_chat:
@@ -639,7 +688,8 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     counts = Counter()
     with _PendingFile(out_dir / "train.jsonl") as train, _PendingFile(out_dir / "heldout.jsonl") as held:
         kept = iter(ids)
-        for row in _progress(load_conversations(sources, settings.format), "tokenizing rows", tally.read):
+        for row in _progress(load_conversations(sources, settings.format, max_line), "tokenizing rows",
+                             tally.read):
             if isinstance(row, BadRow):
                 continue
             row_id = next(kept, None)

@@ -19,6 +19,18 @@ class DraftsmithError(Exception):
         super().__init__("\n".join(parts))
 
 
+class StorageError(DraftsmithError, OSError):
+    """A file could not be written (disk full, read-only or unwritable folder).
+
+    Also an ``OSError``, so code that handles failed writes as ``OSError`` keeps doing so.
+    """
+
+    def __init__(self, what: str, *, where: str | None = None, fix: str | None = None,
+                 errno: int | None = None) -> None:
+        super().__init__(what, where=where, fix=fix)
+        self.errno = errno
+
+
 class ConfigError(DraftsmithError):
     """The workflow configuration is invalid."""
 

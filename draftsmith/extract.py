@@ -27,13 +27,15 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import ConfigError, ExtractionError
+from draftsmith.errors import ConfigError, DraftsmithError, ExtractionError
 from draftsmith.hidden_states import (
     STORAGE_DTYPES,
+    DamagedShard,
     HiddenStateIndex,
     PartStore,
     ShardInfo,
     bytes_per_token,
+    load_shard_manifest,
     merge_parts,
     shard_dir_name,
 )
@@ -366,6 +368,8 @@ class _ShardWriter:
             info = self.store.write_shard(job.number, ids, [s["input_ids"] for s in job.samples],
                                           [s["loss_mask"] for s in job.samples], job.states)
         except OSError as e:
+            if isinstance(e, DraftsmithError):  # already says what, where and how to fix
+                raise
             raise ExtractionError(f"writing shard {job.number} failed: {e}", where=str(self.store.dir),
                                   fix="free disk space (or fix the folder's permissions) and rerun: "
                                       "complete shards are kept") from e
@@ -587,7 +591,15 @@ def merge(manifests: Sequence[str | Path], index_path: str | Path) -> HiddenStat
     seen: dict[str, int] = {}
     for raw in raws:
         for shard in raw["shards"]:
-            for sample_id in read_json(root / shard["path"] / "manifest.json")["sample_ids"]:
+            try:
+                sample_ids = load_shard_manifest(root / shard["path"])["sample_ids"]
+            except DamagedShard as e:
+                (root / f"part-{raw['part']}.json").unlink(missing_ok=True)
+                raise ExtractionError(f"part {raw['part']} shard {shard['shard']} is damaged: {e}",
+                                      where=str(root / shard["path"]),
+                                      fix=f"rerun the workflow: the manifest of part {raw['part']} was removed, so "
+                                          "its extraction reruns and regenerates the damaged shard alone") from None
+            for sample_id in sample_ids:
                 if sample_id in seen:
                     raise ExtractionError(f"sample {sample_id!r} was extracted by parts {seen[sample_id]} and "
                                           f"{raw['part']}", where=str(root),

@@ -5,7 +5,7 @@ Layout under the store root (``results/<run>/hidden_states``)::
     part-<p>/store.json                  what this part's shards were made from (fingerprint, dtype, layers)
     part-<p>/shard-<s>/layer-<id>.safetensors   {"hidden_states": [T, H]} (+ {"scales": [T]} for fp8)
     part-<p>/shard-<s>/tokens.safetensors       {"input_ids": [T], "loss_mask": [T], "offsets": [n+1]}
-    part-<p>/shard-<s>/manifest.json            sample ids, counts, sha256 of every file above
+    part-<p>/shard-<s>/manifest.json            sample ids, counts, sha256 of every file above (and of itself)
     part-<p>.json                        the part's manifest (the extraction rule's output)
     index.json                           every part and shard (the merge rule's output)
 
@@ -21,17 +21,18 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
 from draftsmith.errors import ExtractionError
-from draftsmith.io import atomic_write_json, fsync_dir, read_json, sha256_file
+from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,18 @@ class PartStore:
 
     def _open(self) -> None:
         meta_path = self.dir / "store.json"
-        if meta_path.exists() and read_json(meta_path) != self.meta:
-            log.warning("part %d: shards in %s were made from other inputs or settings; clearing them",
-                        self.part, self.dir)
-            shutil.rmtree(self.dir)
+        if meta_path.exists():
+            try:
+                stored = read_json(meta_path)
+            except (OSError, ValueError) as e:
+                # Each shard's manifest names its fingerprint too, so the shards are checked one by one.
+                log.warning("part %d: %s is unreadable (%s); rewriting it", self.part, meta_path, e)
+                meta_path.unlink()
+            else:
+                if stored != self.meta:
+                    log.warning("part %d: shards in %s were made from other inputs or settings; clearing them",
+                                self.part, self.dir)
+                    shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".shard-*.tmp-*"):  # left by a crash mid-shard
             shutil.rmtree(stale, ignore_errors=True)
@@ -173,8 +182,15 @@ class PartStore:
         path = self.dir / shard_dir_name(shard)
         if not path.is_dir():
             return None
-        info = _read_shard_manifest(path)
-        problem = _check_files(path, info.checksums)
+        try:
+            manifest = load_shard_manifest(path)
+        except DamagedShard as e:
+            problem = str(e)
+        else:
+            info = _shard_info(manifest)
+            problem = _check_files(path, info.checksums)
+            if problem is None and manifest.get("fingerprint") != self.meta["fingerprint"]:
+                problem = "it was made from other inputs or settings"
         if problem:
             log.warning("part %d shard %d is damaged (%s); it will be extracted again", self.part, shard, problem)
             shutil.rmtree(path)
@@ -209,7 +225,8 @@ class PartStore:
                 num_samples=len(sample_ids), num_tokens=num_tokens,
                 num_loss_tokens=int(sum(sum(m) for m in loss_masks)), checksums=checksums,
             )
-            atomic_write_json(tmp / SHARD_MANIFEST, {**asdict(info), "sample_ids": list(sample_ids)})
+            atomic_write_bytes(tmp / SHARD_MANIFEST, shard_manifest_bytes(
+                {**asdict(info), "fingerprint": self.meta["fingerprint"], "sample_ids": list(sample_ids)}))
             final = self.dir / shard_dir_name(shard)
             if final.exists():
                 shutil.rmtree(final)
@@ -282,7 +299,7 @@ def read_shard(index: HiddenStateIndex, shard: ShardInfo, layer_ids: Sequence[in
         tensors = load_safetensors(_read_checked(path, _layer_file(layer_id), shard, verify))
         values = tensors["hidden_states"]
         states[layer_id] = dequantize_fp8(values, tensors["scales"]) if "scales" in tensors else values
-    manifest = read_json(path / SHARD_MANIFEST)
+    manifest = load_shard_manifest(path) if verify else read_json(path / SHARD_MANIFEST)
     return ShardData(
         sample_ids=manifest["sample_ids"], input_ids=tokens["input_ids"].long(),
         loss_mask=tokens["loss_mask"].bool(), offsets=tokens["offsets"], states=states,
@@ -305,10 +322,77 @@ def _read_checked(shard_dir: Path, name: str, shard: ShardInfo, verify: bool) ->
     return data
 
 
-def _read_shard_manifest(shard_dir: Path) -> ShardInfo:
-    raw = read_json(shard_dir / SHARD_MANIFEST)
-    raw.pop("sample_ids")
-    return ShardInfo(**raw)
+class DamagedShard(Exception):
+    """Internal: a shard's manifest is missing, unreadable or fails its own checksum."""
+
+
+def shard_manifest_bytes(manifest: dict) -> bytes:
+    """The manifest's JSON with a ``sha256`` of its other keys, so a flipped byte anywhere is caught."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+    return (json.dumps({**body, "sha256": digest}, indent=2) + "\n").encode("utf-8")
+
+
+def load_shard_manifest(shard_dir: Path) -> dict:
+    """A shard's manifest, checked byte for byte against its own checksum; raises DamagedShard."""
+    try:
+        raw = (shard_dir / SHARD_MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise DamagedShard(f"{SHARD_MANIFEST} is missing") from None
+    try:
+        manifest = json.loads(raw)
+    except ValueError:  # not UTF-8, not JSON
+        raise DamagedShard(f"{SHARD_MANIFEST} is not valid JSON") from None
+    if not isinstance(manifest, dict) or shard_manifest_bytes(manifest) != raw:
+        raise DamagedShard(f"{SHARD_MANIFEST} fails its checksum")
+    return manifest
+
+
+def _shard_info(manifest: dict) -> ShardInfo:
+    known = {f.name for f in fields(ShardInfo)}
+    return ShardInfo(**{k: v for k, v in manifest.items() if k in known})
+
+
+def shard_problem(shard_dir: Path, shard: ShardInfo) -> str | None:
+    """What is wrong with a shard on disk compared with its entry in the index, or None when intact."""
+    if not shard_dir.is_dir():
+        return "the shard folder is missing"
+    try:
+        manifest = load_shard_manifest(shard_dir)
+    except DamagedShard as e:
+        return str(e)
+    if manifest.get("checksums") != shard.checksums or manifest.get("sample_ids") is None:
+        return f"{SHARD_MANIFEST} disagrees with the index"
+    return _check_files(shard_dir, shard.checksums)
+
+
+def verify_store(index_path: str | Path, *, workers: int = 8) -> HiddenStateIndex:
+    """Check every shard of ``index.json`` against its checksums before anything reads the states.
+
+    A damaged shard (a flipped byte, a truncated or missing file) is named in the error, and the
+    manifest of its part is removed: the next run of the workflow then reruns that part's
+    extraction, which keeps the intact shards and regenerates the damaged ones alone.
+    """
+    index_path = Path(index_path)
+    index = HiddenStateIndex.load(index_path)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(index.shards)))) as pool:
+        problems = list(pool.map(lambda s: shard_problem(index.root / s.path, s), index.shards))
+    damaged = [(s, p) for s, p in zip(index.shards, problems) if p]
+    if damaged:
+        parts = sorted({s.part for s, _ in damaged})
+        for part in parts:
+            (index.root / f"part-{part}.json").unlink(missing_ok=True)
+        listed = "; ".join(f"part {s.part} shard {s.shard}: {p}" for s, p in damaged[:5])
+        more = f" (and {len(damaged) - 5} more)" if len(damaged) > 5 else ""
+        first = damaged[0][0]
+        raise ExtractionError(
+            f"{len(damaged)} of {len(index.shards)} hidden-state shards are damaged: {listed}{more}",
+            where=str(index.root / first.path),
+            fix=f"rerun the workflow: the manifest of part {', '.join(map(str, parts))} was removed, so its "
+                "extraction reruns, keeps every intact shard and regenerates the damaged ones alone")
+    log.info("hidden states: %d shards intact (checked in %.1f s)", len(index.shards), time.perf_counter() - started)
+    return index
 
 
 def _check_files(shard_dir: Path, checksums: dict[str, str]) -> str | None:

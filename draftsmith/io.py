@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from draftsmith.errors import StorageError
 
 
 def fsync_dir(path: Path) -> None:
@@ -19,19 +22,41 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def storage_error(path: str | Path, error: OSError) -> StorageError:
+    """A failed write as an error that says what to do: free space, or make the folder writable."""
+    if isinstance(error, StorageError):
+        return error
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free disk space (or move the results folder to a larger disk) and rerun: finished work is kept"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make the folder writable (or run the workflow from a folder you can write to) and rerun"
+    else:
+        fix = "check the disk and the folder, then rerun: finished work is kept"
+    return StorageError(f"cannot write {Path(path).name}: {error.strerror or error}", where=str(path), fix=fix,
+                        errno=error.errno)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
+
+    A failed write (disk full, unwritable folder) leaves no file behind and raises StorageError.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise storage_error(path, e) from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            raise storage_error(path, e) from e
         raise
     fsync_dir(path.parent)
 

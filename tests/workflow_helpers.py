@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_PARTS = ["Snakefile", "rules", "workflow_scripts", "config", "report", "draftsmith"]
+WORKFLOW_PARTS = ["Snakefile", "rules", "workflow_scripts", "config", "report", "envs", "draftsmith"]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
 

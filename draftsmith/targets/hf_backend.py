@@ -62,17 +62,23 @@ def load_hf_model(model_path: str | Path, *, dtype: str = "auto", device: str = 
 
     config = load_config(model_path, trust_remote_code)
     device = resolve_device(device)
-    kwargs = {"config": config, "dtype": resolve_model_dtype(dtype, device),
+    # use_safetensors: never unpickle a .bin checkpoint, which can run arbitrary code.
+    kwargs = {"config": config, "dtype": resolve_model_dtype(dtype, device), "use_safetensors": True,
               "device_map": device_map or device, "trust_remote_code": trust_remote_code}
     classes = [getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)]
-    if classes:
-        return classes[0].from_pretrained(model_path, **kwargs).eval()
     errors = []
-    for auto_cls in (AutoModelForCausalLM, AutoModelForImageTextToText):
-        try:
-            return auto_cls.from_pretrained(model_path, **kwargs).eval()
-        except ValueError as e:  # this auto class does not know the config; try the next one
-            errors.append(f"{auto_cls.__name__}: {e}")
+    try:
+        if classes:
+            return classes[0].from_pretrained(model_path, **kwargs).eval()
+        for auto_cls in (AutoModelForCausalLM, AutoModelForImageTextToText):
+            try:
+                return auto_cls.from_pretrained(model_path, **kwargs).eval()
+            except ValueError as e:  # this auto class does not know the config; try the next one
+                errors.append(f"{auto_cls.__name__}: {e}")
+    except OSError as e:  # no (safetensors) weights, or a file missing from the folder
+        raise TargetError(f"cannot load the target's weights: {e}", where=str(model_path),
+                          fix="give a model folder with its .safetensors weights (Draftsmith never loads "
+                              "pickled .bin/.pt checkpoints; convert them with safetensors first)") from e
     raise TargetError(f"transformers cannot load architecture {config.architectures}: " + "; ".join(errors),
                       where=str(model_path), fix="use extraction.backend: vllm, or a transformers release "
                                                  "that knows this architecture")

@@ -44,23 +44,52 @@ def load_config(model_path: str | Path, trust_remote_code: bool):
         raise TargetError(f"config.json is not valid JSON: {e}", where=str(config_file),
                           fix="restore the model's config.json") from e
     auto_map = raw.get("auto_map") or {}
+    code = remote_code_files(model_path, auto_map)
     if auto_map and not trust_remote_code:
         if raw.get("model_type") not in _known_model_types():
-            code = sorted({str(v).split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)})
             raise TargetError(
                 f"model type {raw.get('model_type')!r} needs the model's own Python code ({', '.join(code)}), "
                 "and trust_remote_code is off",
                 where=str(config_file),
                 fix="read that code, then set target.trust_remote_code: true in the config")
     if auto_map and trust_remote_code:
-        log.warning("trust_remote_code is on: the Python code named in %s auto_map will run: %s",
-                    config_file, sorted(set(map(str, auto_map.values()))))
+        log.warning("target.trust_remote_code is on: this Python code from the model folder will run: %s "
+                    "(named by auto_map in %s)", ", ".join(code), config_file)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as e:
         raise TargetError(f"transformers cannot read the config: {e}", where=str(config_file),
                           fix="upgrade transformers, or set target.trust_remote_code: true if the model "
                               "ships its own code") from e
+
+
+def remote_code_files(model_path: Path, auto_map: dict) -> list[str]:
+    """The files that auto_map's classes come from: ``<folder>/<module>.py``, or ``<repo>: <module>.py``
+    for code that transformers would fetch from another repository."""
+    files = set()
+    for value in auto_map.values():
+        for ref in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(ref, str) or "." not in ref:
+                continue
+            repo, _, ref = ref.rpartition("--")
+            module = ref.rsplit(".", 1)[0] + ".py"
+            files.add(f"{repo}: {module}" if repo else str(model_path / module))
+    return sorted(files)
+
+
+def check_weight_format(model_path: Path) -> None:
+    """Refuse a target whose weights exist only as pickles (.bin, .pt): unpickling runs code."""
+    names = [p.name for p in model_path.iterdir() if p.is_file()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")) and n != "training_args.bin")
+    if pickles:
+        raise TargetError(
+            f"the target's weights are pickled ({', '.join(pickles[:3])}{', ...' if len(pickles) > 3 else ''}), "
+            "and Draftsmith reads weights as safetensors only: unpickling a file can run any code",
+            where=str(model_path),
+            fix="convert the checkpoint to safetensors (e.g. load it once where you trust it and "
+                "save_pretrained(..., safe_serialization=True)), or use the model's safetensors release")
 
 
 def _known_model_types() -> set[str]:
@@ -176,6 +205,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     started = time.perf_counter()
     model_path = Path(model_path).resolve()
     config = load_config(model_path, trust_remote_code)
+    check_weight_format(model_path)
     text_config = config.get_text_config()
     num_layers = text_config.num_hidden_layers
     model = build_meta_model(config, trust_remote_code)
