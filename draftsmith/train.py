@@ -597,7 +597,7 @@ class TTTObjective(nn.Module):
         return self
 
     def unroll(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor):
-        """Yield the final-normed states [T, H] (what the lm_head reads) of TTT steps 0..K-1 (see the module docstring)."""
+        """Yield the final-normed states [T, H] (what the lm_head reads) of TTT steps 0..K-1 (module docstring)."""
         hidden = self.draft.fuse(aux)
         attend = TTTAttention(doc, self.attention, self.flex_fn)
         k, t = ids.shape

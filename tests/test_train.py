@@ -222,12 +222,15 @@ def plain_kl(z, tz, teach):
 def test_fused_kl_and_its_gradient_equal_plain_autograd(kernels):
     """DraftKL (teacher probabilities recomputed from its logits, softmax recomputed in the
     backward) against log_softmax with autograd, float32 and bfloat16 logits; compiled with
-    Inductor as on GPU (C++ here, Triton there), for two row counts (dynamic shapes)."""
+    Inductor as on GPU (C++ here, Triton there), with teacher and draft row counts changing as they
+    do from step to step and batch to batch (dynamic shapes)."""
     chosen = LossKernels(chunk=7) if kernels == "chunked" else LossKernels.compiled("inductor")
     g = torch.Generator().manual_seed(0)
-    for dtype, rows in ((torch.float32, 40), (torch.float32, 29), (torch.bfloat16, 33)):
-        tz = (torch.randn(50, 96, generator=g) * 3).to(dtype)
-        teach = torch.randint(0, 50, (rows,), generator=g)
+    for dtype, num_teacher, rows in ((torch.float32, 40, 40), (torch.float32, 40, 29), (torch.float32, 50, 50),
+                                     (torch.float32, 50, 33), (torch.bfloat16, 45, 45), (torch.bfloat16, 45, 31)):
+        tz = (torch.randn(num_teacher, 96, generator=g) * 3).to(dtype)
+        teach = (torch.arange(rows) if rows == num_teacher  # step 0 scores every teacher row, in order
+                 else torch.randint(0, num_teacher, (rows,), generator=g))
         z = (torch.randn(rows, 96, generator=g) * 3).to(dtype).requires_grad_()
         w = torch.rand(rows, generator=g)
         tlse, negent, targ, top = chosen.rows(chosen.teacher, tz.shape[0], tz)
