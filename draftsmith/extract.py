@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import ConfigError, DraftsmithError, ExtractionError
+from draftsmith.errors import ConfigError, DraftsmithError, ExtractionError, StorageError
 from draftsmith.hidden_states import (
     STORAGE_DTYPES,
     DamagedShard,
@@ -39,7 +39,7 @@ from draftsmith.hidden_states import (
     merge_parts,
     shard_dir_name,
 )
-from draftsmith.io import read_json, sha256_file
+from draftsmith.io import read_json, sha256_file, storage_error
 from draftsmith.targets.backends import CaptureBackend
 
 log = logging.getLogger(__name__)
@@ -370,9 +370,9 @@ class _ShardWriter:
         except OSError as e:
             if isinstance(e, DraftsmithError):  # already says what, where and how to fix
                 raise
-            raise ExtractionError(f"writing shard {job.number} failed: {e}", where=str(self.store.dir),
-                                  fix="free disk space (or fix the folder's permissions) and rerun: "
-                                      "complete shards are kept") from e
+            raise StorageError(f"writing part {self.store.part} shard {job.number} failed: {e.strerror or e}",
+                               where=str(self.store.dir), fix=storage_error(self.store.dir, e).fix,
+                               errno=e.errno) from e
         self.written.append(info)
         self.free_buffers.put(job.buffers)
         log.debug("part %d shard %d written: %d samples, %d tokens", info.part, info.shard, info.num_samples,
