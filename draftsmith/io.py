@@ -36,6 +36,12 @@ def storage_error(path: str | Path, error: OSError) -> StorageError:
                         errno=error.errno)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
 
@@ -48,6 +54,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except OSError as e:
         raise storage_error(path, e) from e
     try:
+        # mkstemp creates 0600; results are shared artifacts, readable like any file the user writes
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
