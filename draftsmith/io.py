@@ -36,10 +36,14 @@ def storage_error(path: str | Path, error: OSError) -> StorageError:
                         errno=error.errno)
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# Read once at import: os.umask can only be read by setting it, which races with writer threads.
+_UMASK = _read_umask()
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -55,7 +59,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise storage_error(path, e) from e
     try:
         # mkstemp creates 0600; results are shared artifacts, readable like any file the user writes
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
