@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10,
                    help="Draftsmith computes the exact acceptance statistics every this many steps (train.log_every)")
     p.add_argument("--only", choices=["draftsmith", "speculators"], default=None)
-    p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile of the draft step")
+    p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile (draft step, loss kernels)")
     p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE)
     args = p.parse_args(argv)
