@@ -13,7 +13,13 @@ Drafters share one protocol (``Drafter``): the trained EAGLE-3 draft (fed the ta
 aux hidden states of the accepted positions), the prompt-lookup n-gram baseline, and the target
 itself as a perfect draft (for tests). Backends (``DecodingBackend``) run greedy and speculative
 decoding; ``hf`` is Hugging Face transformers with KV caches. Metrics are computed here from what a
-backend returns, so another backend (vLLM) only has to produce the same ``Generation`` records.
+backend returns.
+
+``eval.backend: vllm`` adds the deployment check: vLLM serves the target with the draft folder as
+its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.targets.vllm_serving), every output is
+checked against the HF loop's greedy decoding with the same near-tie rule, and vLLM's own
+acceptance counters go into acceptance.json under ``vllm``, beside the HF loop's figures for the
+same draft and prompts.
 """
 
 from __future__ import annotations
@@ -372,6 +378,20 @@ def _drop(cache, n: int) -> None:
         cache.crop(-n)
 
 
+def check_draft_fits(config, path: str | Path, aux_layer_ids: Sequence[int], vocab_size: int) -> None:
+    """The draft (an ``Eagle3DraftConfig``) fuses the target's aux layers and speaks its vocabulary."""
+    ids = list(config.aux_layer_ids)
+    if ids != list(aux_layer_ids):
+        raise EvaluationError(
+            f"the draft fuses the target's layers {ids}, target.json says {list(aux_layer_ids)}",
+            where=f"{path}/config.json eagle_aux_hidden_state_layer_ids",
+            fix="evaluate the draft against the target it was trained for, or retrain it")
+    if config.target_vocab_size != vocab_size:
+        raise EvaluationError(f"the draft was built for a vocabulary of {config.target_vocab_size} "
+                              f"tokens, the target has {vocab_size}", where=f"{path}/config.json",
+                              fix="evaluate the draft against the target it was trained for")
+
+
 class HFBackend(DecodingBackend):
     """Greedy and speculative decoding with Hugging Face transformers, one prompt at a time."""
 
@@ -401,17 +421,8 @@ class HFBackend(DecodingBackend):
         from draftsmith.draft import load_speculators
 
         draft = load_speculators(spec.path, dtype=self.dtype, device=self.target.device).eval()
-        ids = list(draft.config.aux_layer_ids)
-        if ids != self.target.aux_layer_ids:
-            raise EvaluationError(
-                f"the draft fuses the target's layers {ids}, target.json says {self.target.aux_layer_ids}",
-                where=f"{spec.path}/config.json eagle_aux_hidden_state_layer_ids",
-                fix="evaluate the draft against the target it was trained for, or retrain it")
-        vocab = self.target.model.get_output_embeddings().weight.shape[0]
-        if draft.config.target_vocab_size != vocab:
-            raise EvaluationError(f"the draft was built for a vocabulary of {draft.config.target_vocab_size} "
-                                  f"tokens, the target has {vocab}", where=f"{spec.path}/config.json",
-                                  fix="evaluate the draft against the target it was trained for")
+        check_draft_fits(draft.config, spec.path, self.target.aux_layer_ids,
+                         self.target.model.get_output_embeddings().weight.shape[0])
         return Eagle3Drafter(draft)
 
     def _sync(self) -> None:
@@ -509,7 +520,8 @@ def _cpu_name() -> str:
 
 def check_lossless(reference: Generation, candidate: Generation, *, label: str, tolerance: float,
                    gap: Callable[[list[int], int], tuple[float, float]],
-                   greedy_after: Callable[[list[int]], list[int]]) -> list[dict]:
+                   greedy_after: Callable[[list[int]], list[int]], problem: str | None = None,
+                   candidate_name: str = "speculative decoding", fix: str | None = None) -> list[dict]:
     """Check that every token ``candidate`` generated is the target's greedy choice after the ones
     before it; raise EvaluationError at the first that is not.
 
@@ -517,7 +529,8 @@ def check_lossless(reference: Generation, candidate: Generation, *, label: str, 
     near-tie (``gap(prefix, token)``: the target's best logit after ``prefix`` and how far below it
     the candidate's token is; within ``tolerance`` times the best logit's size), greedy decoding is
     restarted after the candidate's tokens (``greedy_after``) and the comparison goes on from there.
-    Returns the near-ties passed.
+    Returns the near-ties passed. ``problem``, ``candidate_name`` and ``fix`` word the error when
+    the candidate is not this loop's speculative decoding (e.g. vLLM's output).
     """
     got = candidate.tokens
     ref = reference.tokens  # greedy decoding after got[:offset]
@@ -542,14 +555,15 @@ def check_lossless(reference: Generation, candidate: Generation, *, label: str, 
                 ref = greedy_after(got[:offset])
                 continue
         want = ref[p - offset] if p - offset < len(ref) else "the end (greedy decoding stopped)"
-        have = got[p] if p < len(got) else "the end (speculative decoding stopped)"
+        have = got[p] if p < len(got) else f"the end ({candidate_name} stopped)"
         detail = "" if below is None else f" (whose logit is {below:.3g} below the target's best, {best:.4g})"
         raise EvaluationError(
-            f"speculative decoding with the {label} is not lossless: at generated token {p}, greedy decoding "
-            f"gives {want} and speculative decoding gives {have}{detail}",
+            f"{problem or f'speculative decoding with the {label} is not lossless'}: at generated token {p}, "
+            f"greedy decoding gives {want} and {candidate_name} gives {have}{detail}",
             where=f"held-out prompt {reference.prompt_id!r}, generated position {p}",
-            fix="speculative decoding must reproduce greedy decoding exactly: this is a bug in the verification "
-                "loop or a nondeterministic target (check the attention implementation and the dtype)")
+            fix=fix or "speculative decoding must reproduce greedy decoding exactly: this is a bug in the "
+                       "verification loop or a nondeterministic target (check the attention implementation "
+                       "and the dtype)")
 
 
 def acceptance_stats(generations: Sequence[Generation], k: int) -> dict:
@@ -576,11 +590,37 @@ def acceptance_stats(generations: Sequence[Generation], k: int) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class OutsideRun:
+    """Outputs another engine (vLLM) produced for the same prompts, in prompt order, to be checked
+    against the evaluation's greedy references like its own speculative runs; the strings word the
+    error (see ``check_lossless``)."""
+
+    label: str
+    generations: Sequence[Generation]
+    problem: str
+    candidate_name: str
+    fix: str
+    k: int | None = None
+
+
 def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: DrafterSpec | Drafter,
-                   baseline: DrafterSpec | Drafter, settings: EvalSettings) -> dict:
+                   baseline: DrafterSpec | Drafter, settings: EvalSettings,
+                   outside: Sequence[OutsideRun] = ()) -> dict:
     """Decode ``prompts`` greedily and speculatively with the draft and the baseline at ``k`` (and
     at every k of the sweep on the first ``sweep_max_prompts``), check every speculative output
-    against greedy decoding, and return acceptance.json's figures."""
+    (and every ``outside`` run's) against greedy decoding, and return acceptance.json's figures."""
+    return _evaluate(backend, prompts, draft, baseline, settings, outside)[0]
+
+
+def _evaluate(backend: DecodingBackend, prompts: Sequence[Prompt], draft: DrafterSpec | Drafter,
+              baseline: DrafterSpec | Drafter, settings: EvalSettings, outside: Sequence[OutsideRun] = ()
+              ) -> tuple[dict, dict[tuple[str, int], list[Generation]]]:
+    """``run_evaluation``, also returning the speculative runs by (drafter name, k)."""
+    for run in outside:
+        if [g.prompt_id for g in run.generations] != [p.id for p in prompts]:
+            raise EvaluationError(f"the {run.label} run holds other prompts than the evaluation",
+                                  where="evaluate.run_evaluation", fix="pass its outputs in prompt order")
     if not prompts:
         raise EvaluationError("no held-out prompts to evaluate", where="data/heldout.jsonl",
                               fix="raise data.heldout_fraction or data.max_heldout")
@@ -616,6 +656,12 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
                                    greedy_after=partial(_greedy_after, backend, prompt))
             ties.extend({**tie, "k": k} for tie in found)
             runs[name, k].append(generation)
+        for run in outside:
+            found = check_lossless(reference, run.generations[i], label=run.label, tolerance=tolerance,
+                                   gap=partial(backend.logit_gap, prompt),
+                                   greedy_after=partial(_greedy_after, backend, prompt), problem=run.problem,
+                                   candidate_name=run.candidate_name, fix=run.fix)
+            ties.extend({**tie, "k": run.k} for tie in found)
 
     main = {name: acceptance_stats(runs[name, settings.k], settings.k) for name in drafters}
     greedy_seconds = sum(g.seconds for g in greedy)
@@ -643,8 +689,9 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
             "measured": f"wall clock of the {backend.name} loops, one prompt at a time, on the same prompts",
         },
         "lossless": {
-            "checked_generations": sum(len(v) for v in runs.values()),
-            "checked_tokens": sum(len(g.tokens) for v in runs.values() for g in v),
+            "checked_generations": sum(len(v) for v in runs.values()) + sum(len(r.generations) for r in outside),
+            "checked_tokens": sum(len(g.tokens) for v in runs.values() for g in v)
+                              + sum(len(g.tokens) for r in outside for g in r.generations),
             "numerical_tie_count": len(ties),
             "numerical_ties": ties[:MAX_LISTED_TIES],
         },
@@ -660,7 +707,7 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
         log.warning("%d near-tie(s) of the target's two best logits resolved differently by greedy and "
                     "speculative decoding (in lossless.numerical_ties); every token was checked",
                     len(ties))
-    return result
+    return result, runs
 
 
 def _greedy_after(backend: DecodingBackend, prompt: Prompt, generated: list[int]) -> list[int]:
@@ -703,12 +750,8 @@ def read_prompts(heldout_jsonl: str | Path, max_prompts: int | None = None) -> l
     return prompts
 
 
-def make_backend(name: str, target: dict, *, max_new_tokens: int, dtype: str = "auto",
-                 device: str = "auto") -> DecodingBackend:
-    """Load the target described by ``target`` (target.json) into the named backend."""
-    if name == "vllm":
-        raise EvaluationError("the vllm evaluation backend is not available yet", where="config key eval.backend",
-                              fix="set eval.backend: hf")
+def make_backend(target: dict, *, max_new_tokens: int, dtype: str = "auto", device: str = "auto") -> HFBackend:
+    """Load the target described by ``target`` (target.json) into the Hugging Face decoding loop."""
     from transformers import AutoTokenizer
 
     from draftsmith.regenerate import load_target_model, stop_token_ids
@@ -720,21 +763,205 @@ def make_backend(name: str, target: dict, *, max_new_tokens: int, dtype: str = "
                      layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
 
 
+# ---------------------------------------------------------------------------------------------
+# The draft served by vLLM
+
+
+@dataclass
+class VllmRun:
+    """The held-out prompts decoded by vLLM: the target alone, and with the draft as its EAGLE-3
+    speculator (``Generation.seconds`` is 0: vLLM decodes all prompts in one batched call)."""
+
+    greedy: list[Generation]
+    draft: list[Generation]
+    counters: Any  # draftsmith.targets.vllm_serving.SpecCounters over the timed speculative call
+    greedy_seconds: float
+    draft_seconds: float
+    speculative_config: dict
+    engine: dict
+    stop_ids: list[int]
+
+
+def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = False) -> list[int]:
+    """``regenerate.stop_token_ids`` without loading weights: the generation config transformers
+    would give the model (its generation_config.json, else one derived from config.json) and the
+    tokenizer's EOS."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from draftsmith.regenerate import stop_token_ids
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        generation = GenerationConfig.from_model_config(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+    return stop_token_ids(SimpleNamespace(generation_config=generation), AutoTokenizer.from_pretrained(model_path))
+
+
+def check_servable(target: dict, draft_dir: str | Path) -> None:
+    """Refuse, before any engine starts, a target vLLM cannot run with an EAGLE-3 speculator or a
+    draft trained for another target."""
+    from safetensors import safe_open
+
+    from draftsmith.draft import Eagle3DraftConfig
+    from draftsmith.io import read_json
+
+    support = (target.get("backends") or {}).get("vllm") or {}
+    if support and not support.get("supported"):
+        raise EvaluationError(f"vLLM cannot run this target: {support.get('reason')}",
+                              where="target.json backends.vllm", fix=support.get("fix") or "set eval.backend: hf")
+    if support and support.get("supports_eagle3") is False:
+        raise EvaluationError(f"vLLM's {support.get('vllm_class')} does not implement SupportsEagle3, so it cannot "
+                              "hand aux hidden states to an EAGLE-3 speculator", where="target.json backends.vllm",
+                              fix="set eval.backend: hf")
+    draft_dir = Path(draft_dir)
+    config = Eagle3DraftConfig.from_speculators(read_json(draft_dir / "config.json"))
+    check_draft_fits(config, draft_dir, target["aux_layer_ids"], int(target["vocab_size"]))
+    with safe_open(draft_dir / "model.safetensors", "pt") as f:
+        has_d2t = "d2t" in f.keys()
+    if has_d2t and config.draft_vocab_size == config.target_vocab_size:
+        # vllm/model_executor/models/llama_eagle3.py creates draft_id_to_target_id only for a draft
+        # vocabulary smaller than the target's, and then fails on the checkpoint's d2t.
+        raise EvaluationError("the draft covers the target's whole vocabulary but its checkpoint holds d2t; vLLM 0.32 "
+                              "refuses d2t when draft_vocab_size equals the target's vocabulary",
+                              where=f"{draft_dir}/model.safetensors",
+                              fix="save the draft without d2t/t2d, or use a draft_vocab_size below the target's")
+
+
+def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
+                    dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, **engine_kwargs) -> VllmRun:
+    """Decode ``prompts`` in vLLM twice, greedily: the target alone, then with the draft in
+    ``draft_dir`` as its EAGLE-3 speculator at ``settings.k``; one engine at a time, each closed
+    before the next starts. Each timed call follows a short warm-up request."""
+    from draftsmith.targets.vllm_serving import VllmServer
+
+    check_servable(target, draft_dir)
+    longest = max(len(p.ids) for p in prompts)
+    limit = (target.get("text_config") or {}).get("max_position_embeddings")
+    max_model_len = longest + settings.max_new_tokens + settings.k + 1
+    if limit and max_model_len > limit:
+        if longest + settings.max_new_tokens > limit:
+            raise EvaluationError(f"a held-out prompt of {longest} tokens plus eval.max_new_tokens "
+                                  f"({settings.max_new_tokens}) exceeds the target's {limit} positions",
+                                  where="eval.max_new_tokens", fix="lower eval.max_new_tokens or data.max_length")
+        max_model_len = limit
+    common = dict(dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                  trust_remote_code=bool(target.get("trust_remote_code", False)), **engine_kwargs)
+    ids = [p.ids for p in prompts]
+    decode = dict(max_new_tokens=settings.max_new_tokens, stop_ids=list(stop_ids))
+    warm = dict(max_new_tokens=min(4, settings.max_new_tokens), stop_ids=list(stop_ids))
+
+    def generations(served) -> list[Generation]:
+        return [Generation(p.id, s.tokens, 0.0, s.accepted, s.proposed) for p, s in zip(prompts, served)]
+
+    with VllmServer(target["model_path"], **common) as server:
+        server.generate(ids[:1], **warm)
+        greedy, _, greedy_seconds = server.generate(ids, **decode)
+    speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
+    with VllmServer(target["model_path"], speculative_config=speculative_config, **common) as server:
+        server.generate(ids[:1], **warm)
+        served, counters, draft_seconds = server.generate(ids, **decode)
+        engine = {**server.settings, "load_seconds": round(server.load_seconds, 2)}
+    log.info("vLLM: %d prompts in %.2fs greedy, %.2fs with the draft (k=%d); τ = %s by vLLM's counters",
+             len(prompts), greedy_seconds, draft_seconds, settings.k, counters.summary()["tau"])
+    return VllmRun(generations(greedy), generations(served), counters, greedy_seconds, draft_seconds,
+                   speculative_config, engine, list(stop_ids))
+
+
+def vllm_outside_runs(run: VllmRun, k: int) -> list[OutsideRun]:
+    """Both vLLM runs as checks against the HF loop's greedy references: the target alone first,
+    so that a difference of the engines is reported as such and not blamed on speculation."""
+    return [
+        OutsideRun("target served by vLLM", run.greedy,
+                   problem="vLLM's greedy decoding of the target differs from Hugging Face's beyond rounding",
+                   candidate_name="vLLM", k=None,
+                   fix="vLLM runs another implementation of the target: check the dtype, that vLLM supports "
+                       "this architecture as is (docs/adapting-a-target.md), and the checkpoint's quantization"),
+        OutsideRun(f"draft served by vLLM (k={k})", run.draft,
+                   problem=f"vLLM with the draft as its EAGLE-3 speculator (k={k}) is not lossless",
+                   candidate_name="vLLM's speculative decoding", k=k,
+                   fix="vLLM without the draft matched greedy decoding, so speculation changed the output: "
+                       "a vLLM bug, or a near-tie beyond the dtype's tolerance; rerun in float32 to tell them apart"),
+    ]
+
+
+def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k: int) -> dict:
+    """acceptance.json's ``vllm`` entry: vLLM's own acceptance figures (its counters), the same
+    figures from its per-request step records, the HF loop's beside them, and vLLM's timing."""
+    from draftsmith.targets.vllm_serving import vllm_version
+
+    per_request = acceptance_stats(run.draft, k)
+    for key in ("seconds", "tokens_per_second"):
+        per_request.pop(key)
+    tokens = sum(len(g.tokens) for g in run.draft)
+    greedy_tokens = sum(len(g.tokens) for g in run.greedy)
+    same = sum(a.accepted == b.accepted and a.proposed == b.proposed for a, b in zip(run.draft, hf_runs))
+    return {
+        "version": vllm_version(),
+        "speculative_config": run.speculative_config,
+        **run.counters.summary(),
+        "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over the timed call",
+        "per_request": {**per_request, "source": "each output's spec_decode_metrics (per_request_spec_decode_metrics"
+                                                 "=detailed), counted as the HF loop counts"},
+        "hf_loop": {"tau": hf_result["tau"], "acceptance_rate_by_position": hf_result["acceptance_rate_by_position"],
+                    "num_steps": hf_result["num_steps"]},
+        "prompts_with_the_hf_loops_steps": same,
+        "prompts_identical_to_vllm_greedy": sum(a.tokens == b.tokens for a, b in zip(run.draft, run.greedy)),
+        "num_prompts": len(run.draft),
+        "num_tokens": tokens,
+        "seconds": round(run.draft_seconds, 4),
+        "tokens_per_second": tokens / run.draft_seconds if run.draft_seconds else None,
+        "greedy_seconds": round(run.greedy_seconds, 4),
+        "greedy_tokens_per_second": greedy_tokens / run.greedy_seconds if run.greedy_seconds else None,
+        "speedup": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+        "measured": "wall clock of one vLLM generate call over all prompts (batched), after a warm-up request",
+        "lossless": "both vLLM runs were checked token for token against the HF loop's greedy decoding "
+                    "(near-ties counted in lossless.numerical_ties)",
+        "baseline": "the n-gram baseline runs in the HF loop only",
+        "engine": run.engine,
+    }
+
+
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
                    out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
-                   device: str = "auto") -> dict:
+                   device: str = "auto", tensor_parallel_size: int = 1) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
-    prompts and write acceptance.json to ``out_path``."""
+    prompts and write acceptance.json to ``out_path``.
+
+    With ``settings.backend == "vllm"`` the draft is first served by vLLM (``serve_with_vllm``; the
+    engines are closed before the HF loop loads the target, so the two never share the GPU), its
+    outputs are checked against the HF loop's greedy decoding, and vLLM's figures go under ``vllm``.
+    """
+    from draftsmith.targets.hf_backend import resolve_device, resolve_model_dtype
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
-    backend = make_backend(settings.backend, target, max_new_tokens=settings.max_new_tokens,
-                           dtype=dtype, device=device)
+    served = None
+    if settings.backend == "vllm":
+        if not prompts:
+            raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
+                                  fix="raise data.heldout_fraction or data.max_heldout")
+        vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
+        stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
+        served = serve_with_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
+                                 tensor_parallel_size=tensor_parallel_size)
+    backend = make_backend(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
+    if served is not None and served.stop_ids != backend.stop_ids:
+        raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "
+                              f"{backend.stop_ids}", where=f"{target['model_path']}/generation_config.json",
+                              fix="set eos_token_id in the model's generation_config.json")
     log.info("evaluating %s on %d held-out prompts with %s (%s backend, %s)", draft_dir, len(prompts),
              target["model_path"], settings.backend, backend.describe_device())
-    result = run_evaluation(backend, prompts, DrafterSpec("eagle3", path=str(draft_dir)),
-                            DrafterSpec("ngram", ngram_max=settings.ngram_max), settings)
+    outside = vllm_outside_runs(served, settings.k) if served is not None else []
+    result, runs = _evaluate(backend, prompts, DrafterSpec("eagle3", path=str(draft_dir)),
+                             DrafterSpec("ngram", ngram_max=settings.ngram_max), settings, outside)
+    if served is not None:
+        result["vllm"] = vllm_section(served, result, runs["draft", settings.k], settings.k)
+        log.info("vLLM serving the draft: τ = %.3f (HF loop %.3f) at k=%d; speedup over vLLM greedy %.2fx",
+                 result["vllm"]["tau"] or 0, result["tau"] or 0, settings.k, result["vllm"]["speedup"] or 0)
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result

@@ -1,0 +1,204 @@
+"""Serve the target in vLLM, optionally with a speculator, and read back what vLLM reports.
+
+This is how the trained draft is deployed: vLLM runs the target with the draft folder as its
+EAGLE-3 speculator (``speculative_config={"method": "eagle3", "model": <draft>,
+"num_speculative_tokens": k}``), greedy, from token ids. Each request's output comes back with
+vLLM's own per-request record of its verification steps (``per_request_spec_decode_metrics=
+"detailed"``: accepted and proposed draft tokens per step), and the engine's aggregate counters
+(``LLM.get_metrics()``, which needs ``disable_log_stats=False``)::
+
+    vllm:spec_decode_num_drafts                   verification steps that had a draft
+    vllm:spec_decode_num_draft_tokens             draft tokens proposed
+    vllm:spec_decode_num_accepted_tokens          draft tokens accepted
+    vllm:spec_decode_num_accepted_tokens_per_pos  [k] steps whose draft token j was accepted
+
+(vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/reader.py). The counters live in the process's
+Prometheus registry and only grow, so a run's figures are the difference of two readings.
+
+vLLM is imported only when an engine is created, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.errors import EvaluationError
+
+log = logging.getLogger(__name__)
+
+COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters (summed over engines), or their change over a run."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __sub__(self, before: SpecCounters) -> SpecCounters:
+        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                            self.accepted_tokens - before.accepted_tokens,
+                            _add(self.accepted_per_position, [-c for c in before.accepted_per_position]))
+
+    def summary(self) -> dict:
+        """τ = 1 + accepted / drafts (vLLM's mean acceptance length), the share of drafts whose
+        token j was accepted, and the counts they come from."""
+        d = self.drafts
+        return {
+            "tau": 1 + self.accepted_tokens / d if d else None,
+            "acceptance_rate_by_position": [c / d if d else None for c in self.accepted_per_position],
+            "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "num_drafts": d,
+            "num_draft_tokens": self.draft_tokens,
+            "num_accepted_tokens": self.accepted_tokens,
+            "accepted_by_position": list(self.accepted_per_position),
+        }
+
+
+@dataclass
+class Served:
+    """One prompt's output: generated tokens (a stop token included), and per verification step
+    the draft tokens vLLM accepted and proposed (empty without a speculator)."""
+
+    tokens: list[int]
+    accepted: list[int]
+    proposed: list[int]
+
+
+def read_spec_counters(metrics) -> SpecCounters:
+    """The spec-decode counters from ``LLM.get_metrics()``; zeros when vLLM recorded none yet."""
+    out = SpecCounters()
+    for metric in metrics:
+        for attr, name in COUNTERS.items():
+            if metric.name == name:
+                setattr(out, attr, getattr(out, attr) + int(metric.value))
+        if metric.name == PER_POSITION:
+            out.accepted_per_position = _add(out.accepted_per_position, [int(v) for v in metric.values])
+    return out
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+class VllmServer:
+    """The target loaded once in vLLM (``LLM``), with ``speculative_config`` or without."""
+
+    def __init__(self, model_path: str, *, speculative_config: dict | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, tensor_parallel_size: int = 1,
+                 trust_remote_code: bool = False, enforce_eager: bool | None = None, **llm_kwargs) -> None:
+        try:
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            raise EvaluationError(f"vLLM cannot be imported: {e}", where="eval.backend",
+                                  fix="run in the vLLM environment (envs/vllm.yaml) or set eval.backend: hf") from e
+        cpu = current_platform.is_cpu()
+        self.speculative_config = dict(speculative_config) if speculative_config else None
+        kwargs = dict(
+            model=str(model_path), dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+            trust_remote_code=trust_remote_code, seed=0,
+            # On the CPU torch.compile costs half a minute per engine and gains nothing; on a GPU
+            # vLLM's default (compiled, CUDA graphs) is what a deployment runs.
+            enforce_eager=cpu if enforce_eager is None else enforce_eager,
+            disable_log_stats=False,        # LLM.get_metrics() needs the stat loggers
+            language_model_only=True,       # text prompts: no vision tower in memory
+        )
+        if cpu:
+            # vLLM 0.32's CPU rotary kernel rotates 3-D [tokens, heads>1, dim] queries wrongly (MLA
+            # targets such as DeepSeek-V3 pass them); the PyTorch-native rotary is exact.
+            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        if self.speculative_config:
+            kwargs["speculative_config"] = self.speculative_config
+            kwargs["per_request_spec_decode_metrics"] = "detailed"  # each output's accepted/proposed per step
+        kwargs.update(llm_kwargs)
+        self.settings = {"platform": current_platform.device_type,
+                         **{k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}}
+        # In-process CPU engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) replace torch.set_num_threads
+        # with a no-op; close() puts it back.
+        self._set_num_threads = torch.set_num_threads
+        started = time.monotonic()
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            torch.set_num_threads = self._set_num_threads
+            what = f" with the speculator {self.speculative_config}" if self.speculative_config else ""
+            raise EvaluationError(f"vLLM cannot serve {model_path}{what}: {type(e).__name__}: {e}",
+                                  where=str(model_path),
+                                  fix="see docs/adapting-a-target.md (vLLM versions and known limits)") from e
+        self.load_seconds = time.monotonic() - started
+        log.info("vLLM loaded %s in %.1fs (speculative_config %s)", model_path, self.load_seconds,
+                 self.speculative_config)
+
+    def counters(self) -> SpecCounters:
+        return read_spec_counters(self.llm.get_metrics())
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 stop_ids: Sequence[int] = ()) -> tuple[list[Served], SpecCounters, float]:
+        """Greedy decoding of all ``prompts`` in one call (vLLM batches them): the outputs in prompt
+        order, the change of the spec-decode counters over the call, and its wall-clock seconds.
+
+        Generation stops at ``max_new_tokens`` or after any of ``stop_ids`` (kept in the output);
+        the tokenizer's own EOS is ignored, so the stop set is exactly the one given.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True,
+                                stop_token_ids=[int(t) for t in stop_ids], detokenize=False)
+        inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompts]
+        before = self.counters()
+        started = time.perf_counter()
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        served = []
+        for output in outputs:
+            completion = output.outputs[0]
+            record = completion.spec_decode_metrics
+            served.append(Served([int(t) for t in completion.token_ids],
+                                 list(record.per_step_accepted) if record is not None else [],
+                                 list(record.per_step_drafted) if record is not None else []))
+        return served, self.counters() - before, seconds
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
+                                                                  "shutdown", None)
+        try:
+            if shutdown is not None:
+                shutdown()
+        finally:
+            del llm, engine, shutdown
+            gc.collect()
+            torch.set_num_threads = self._set_num_threads
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def vllm_version() -> str | None:
+    from draftsmith.targets.vllm_support import installed_vllm_version
+
+    return installed_vllm_version()
