@@ -505,8 +505,10 @@ def draft_rows(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int) -> 
 def speculators_state_dict(model: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights under speculators 0.9's names (ours are the same), floats cast to ``dtype``."""
     out = {}
+    # vLLM 0.32 has no d2t/t2d parameters for a draft over the whole target vocabulary.
+    full_vocab = model.config.draft_vocab_size == model.config.target_vocab_size
     for name, tensor in model.state_dict().items():
-        if name.startswith("rotary."):
+        if name.startswith("rotary.") or (full_vocab and name in ("d2t", "t2d")):
             continue
         tensor = tensor.detach().cpu()
         out[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()

@@ -69,6 +69,17 @@ def target_gpus():
     return extraction["tensor_parallel_size"] if uses_gpu(config["device"]) else 0
 
 
+def eval_tensor_parallel_size():
+    """vLLM serves the target as extraction does; the HF loop runs it on one device."""
+    if config["eval"]["backend"] == "vllm":
+        return config["extraction"]["tensor_parallel_size"]
+    return 1
+
+
+def eval_gpus():
+    return eval_tensor_parallel_size() if uses_gpu(config["device"]) else 0
+
+
 def train_gpus():
     return config["train"]["devices"] if uses_gpu(config["device"]) else 0
 

@@ -17,6 +17,7 @@ rule evaluate_draft:
         settings=config["eval"],
         dtype=config["target"]["dtype"],
         device=config["device"],
+        tensor_parallel_size=eval_tensor_parallel_size(),
         code=code("draftsmith.evaluate"),
     log:
         f"{LOGS}/evaluate_draft.log",
@@ -24,7 +25,7 @@ rule evaluate_draft:
         f"{BENCH}/evaluate_draft.tsv"
     threads: workflow.cores
     resources:
-        gpu=min(target_gpus(), 1),
+        gpu=eval_gpus(),
     conda:
         "../envs/vllm.yaml"
     script:

@@ -14,4 +14,5 @@ evaluate_draft(
     EvalSettings(**snakemake.params.settings),
     dtype=snakemake.params.dtype,
     device=snakemake.params.device,
+    tensor_parallel_size=snakemake.params.tensor_parallel_size,
 )
