@@ -73,7 +73,8 @@ def random_samples(n: int, seed: int, vocab: int = 384, min_len: int = 6, max_le
 
 
 def build_training_inputs(root: Path, *, num_samples: int = 24, samples_per_shard: int = 8,
-                          draft_vocab_size: int = 200, seed: int = 0, poison_shard: int | None = None) -> dict:
+                          draft_vocab_size: int = 200, seed: int = 0, poison_shard: int | None = None,
+                          storage_dtype: str = "float32") -> dict:
     """target/, target.json, hidden_states/index.json and vocab/mapping.safetensors, as the stages make them.
 
     The hidden states are the tiny target's own output_hidden_states; ``poison_shard`` puts an
@@ -85,7 +86,7 @@ def build_training_inputs(root: Path, *, num_samples: int = 24, samples_per_shar
     model = LlamaForCausalLM.from_pretrained(model_path).eval()
     layer_ids = [*target["aux_layer_ids"], target["final_layer_id"]]
     store_root = root / "hidden_states"
-    store = PartStore(store_root, 0, fingerprint="test", dtype="float32", hidden_size=target["hidden_size"],
+    store = PartStore(store_root, 0, fingerprint="test", dtype=storage_dtype, hidden_size=target["hidden_size"],
                       layer_ids=layer_ids)
     samples = random_samples(num_samples, seed)
     infos = []
@@ -338,6 +339,15 @@ def test_loss_decreases_and_outputs_are_written(inputs, tmp_path):
     names = set(weights(tmp_path / "draft"))
     assert {"fc.weight", "embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= names
     assert list((tmp_path / "work" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_training_from_fp8_states_learns_as_from_full_precision(inputs, tmp_path):
+    fp8 = build_training_inputs(tmp_path / "fp8", storage_dtype="fp8")
+    settings = dataclasses.replace(SETTINGS, epochs=4)
+    full = train(inputs, tmp_path, settings, "full")["final"]
+    quantized = train(fp8, tmp_path, settings, "fp8")["final"]
+    for step in range(settings.ttt_steps):
+        assert quantized["loss"][step] == pytest.approx(full["loss"][step], rel=0.05)
 
 
 def test_two_ddp_processes_match_one_process_on_the_same_global_batches(inputs, tmp_path):
