@@ -1,0 +1,55 @@
+"""The production example: Kimi-K2.5 (DeepSeek-V3 text model in a multimodal wrapper), planned and
+preflighted on a CPU machine from its config alone."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+import tiny
+from workflow_helpers import ROOT, copy_workflow, planned_rules, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    return tiny.build_kimi_k25_config(tmp_path_factory.mktemp("kimi"))
+
+
+def test_preflight_resolves_the_wrapper_in_seconds_without_weights(kimi_dir, tmp_path):
+    out = tmp_path / "target.json"
+    code = ("from draftsmith.targets.inspect import write_target_json; "
+            f"write_target_json({str(out)!r}, {str(kimi_dir)!r}, aux_layer_ids=[2, 30, 58], trust_remote_code=True)")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    seconds = time.perf_counter() - started  # a fresh interpreter: imports included
+    info = json.loads(out.read_text())
+    assert seconds < 10, seconds
+    assert info["architecture"] == "KimiK25ForConditionalGeneration" and info["wrapped"] is True
+    assert info["text_model_type"] == "deepseek_v3"
+    assert info["layers_path"].endswith("language_model.layers")
+    assert (info["num_hidden_layers"], info["hidden_size"], info["vocab_size"]) == (61, 7168, 163840)
+    assert info["captured_layer_ids"] == [2, 30, 58, 61]
+    assert info["num_parameters"] > 1.0e12
+    assert info["backends"]["vllm"]["supported"] is True
+
+
+def test_snakemake_plans_the_example(kimi_dir, tmp_path):
+    workdir = copy_workflow(tmp_path / "wf")
+    config = yaml.safe_load((ROOT / "config" / "examples" / "kimi-k2.5.yaml").read_text())
+    data = tiny.write_jsonl(tmp_path / "chats.jsonl", [{"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    config["target"]["path"] = str(kimi_dir)
+    config["data"]["sources"] = [str(data)]
+    plan = snakemake(workdir, "-n", "--resources", "gpu=8", configfile=write_config(workdir, config))
+    assert planned_rules(plan) == {
+        "inspect_target", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
+        "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
+        "plot_training", "plot_evaluation"}
+    text = plan.stdout
+    assert text.count("rule extract_hidden_states:") == 4  # extraction.parts
+    assert text.count("gpu=8") >= 5  # each part (and training) books 8 GPUs
