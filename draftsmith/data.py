@@ -230,7 +230,7 @@ def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tupl
             try:
                 yield lineno, json.loads(text)
             except json.JSONDecodeError as e:
-                yield lineno, BadRow(file, lineno, "invalid_json", f"{e.msg} at column {e.colno}")
+                yield lineno, BadRow(file, lineno, "invalid_json", f"{e.msg} (column {e.colno})")
 
 
 def _read_json(path: Path) -> Iterator[tuple[int, Any]]:

@@ -370,8 +370,9 @@ def verify_store(index_path: str | Path, *, workers: int = 8) -> HiddenStateInde
     """Check every shard of ``index.json`` against its checksums before anything reads the states.
 
     A damaged shard (a flipped byte, a truncated or missing file) is named in the error, and the
-    manifest of its part is removed: the next run of the workflow then reruns that part's
-    extraction, which keeps the intact shards and regenerates the damaged ones alone.
+    manifest of its part and the index are removed: the next run of the workflow then reruns that
+    part's extraction (which keeps the intact shards and regenerates the damaged ones alone) and
+    the merge. (Snakemake recreates a missing file only when something downstream is missing.)
     """
     index_path = Path(index_path)
     index = HiddenStateIndex.load(index_path)
@@ -383,14 +384,15 @@ def verify_store(index_path: str | Path, *, workers: int = 8) -> HiddenStateInde
         parts = sorted({s.part for s, _ in damaged})
         for part in parts:
             (index.root / f"part-{part}.json").unlink(missing_ok=True)
+        index_path.unlink(missing_ok=True)
         listed = "; ".join(f"part {s.part} shard {s.shard}: {p}" for s, p in damaged[:5])
         more = f" (and {len(damaged) - 5} more)" if len(damaged) > 5 else ""
         first = damaged[0][0]
         raise ExtractionError(
             f"{len(damaged)} of {len(index.shards)} hidden-state shards are damaged: {listed}{more}",
             where=str(index.root / first.path),
-            fix=f"rerun the workflow: the manifest of part {', '.join(map(str, parts))} was removed, so its "
-                "extraction reruns, keeps every intact shard and regenerates the damaged ones alone")
+            fix=f"rerun the workflow: the index and the manifest of part {', '.join(map(str, parts))} were removed, "
+                "so that part's extraction reruns, keeps every intact shard and regenerates the damaged ones alone")
     log.info("hidden states: %d shards intact (checked in %.1f s)", len(index.shards), time.perf_counter() - started)
     return index
 

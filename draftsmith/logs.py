@@ -5,11 +5,23 @@ from __future__ import annotations
 import logging
 import sys
 
+from draftsmith.errors import DraftsmithError
+
 
 def setup_logging(log_path: str | None) -> None:
-    """Send INFO and above to ``log_path`` (the rule's log) and to stderr."""
+    """Send INFO and above to ``log_path`` (the rule's log) and to stderr; an error that stops the
+    script is written to the log too, so the log alone says why the rule failed."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
         handlers.append(logging.FileHandler(log_path, mode="w", encoding="utf-8"))
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.excepthook = _log_uncaught
+
+
+def _log_uncaught(kind, error, traceback) -> None:
+    if not issubclass(kind, KeyboardInterrupt):
+        # A DraftsmithError says what, where and how to fix; a traceback adds nothing for the user.
+        details = None if isinstance(error, DraftsmithError) else (kind, error, traceback)
+        logging.getLogger("draftsmith").error("%s: %s", kind.__name__, error, exc_info=details)
+    sys.__excepthook__(kind, error, traceback)

@@ -350,7 +350,7 @@ def test_not_enough_disk_space_stops_before_the_model_loads(train, target, tmp_p
 
 
 class _Faulty(CaptureBackend):
-    """Random states, except NaN or zeros for one sample."""
+    """Random states, except NaN, Inf or zeros for one sample."""
 
     name = "faulty"
 
@@ -363,13 +363,13 @@ class _Faulty(CaptureBackend):
             states = {i: torch.randn(len(ids), 64) for i in [2, 4, 5, 8]}
             if ids == self.poison:
                 states[5] = torch.zeros(len(ids), 64) if self.fault == "zero" else states[5]
-                if self.fault == "nan":
-                    states[5][len(ids) - 1, 3] = float("nan")
+                if self.fault in ("nan", "inf"):
+                    states[5][len(ids) - 1, 3] = float(self.fault)
             out.append(states)
         return out
 
 
-@pytest.mark.parametrize("fault, words", [("nan", "NaN or Inf"), ("zero", "all zero")])
+@pytest.mark.parametrize("fault, words", [("nan", "NaN or Inf"), ("inf", "NaN or Inf"), ("zero", "all zero")])
 def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, monkeypatch, fault, words):
     target_json, _ = target
     poison = _rows(36)[11]

@@ -1,0 +1,435 @@
+"""The catalogue of bad inputs (docs/errors.md): each one stops the stage that meets it with an
+error that says what is wrong, where and how to fix it, and leaves no output that looks complete.
+
+Every case calls the package function its rule calls; a handful run through real `snakemake`,
+which must exit non-zero with the rule's output absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import tiny
+from draftsmith.config import check_config, check_semantics
+from draftsmith.data import DataSettings, prepare_dataset
+from draftsmith.errors import ConfigError, DataError, DraftsmithError, ExtractionError, StorageError, TargetError
+from draftsmith.extract import ExtractionSettings, extract_part
+from draftsmith.targets.inspect import write_target_json
+from draftsmith.vocab import build_vocab_mapping
+from workflow_helpers import ROOT, copy_workflow, snakemake, write_config
+
+SCHEMA = ROOT / "config" / "schema.yaml"
+CATALOGUE = ROOT / "docs" / "errors.md"
+DATA_OUTPUTS = ("out/train.jsonl", "out/heldout.jsonl", "out/stats.json")
+CASES: dict[str, tuple] = {}
+
+
+def case(name: str, error: type, says: str, *outputs: str):
+    """Register a bad input: ``run(tmp, env)`` must raise ``error`` whose message holds ``says``,
+    and none of ``outputs`` (relative to tmp) may exist afterwards."""
+    def register(run):
+        CASES[name] = (run, error, says, outputs)
+        return run
+    return register
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny target (8 layers, 384 tokens, ChatML template) and its target.json."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    model = tiny.build_llama(root / "model")
+    write_target_json(root / "target.json", model)
+    return {"model": model, "target": root / "target.json"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration: checked before any job runs
+
+
+def _check(patch: dict, cwd: Path | None = None) -> None:
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    with contextlib.chdir(cwd) if cwd else contextlib.nullcontext():
+        check_config(config, SCHEMA, ["my.yaml"])
+        config = copy.deepcopy(config)
+        validate(config, str(SCHEMA))
+        check_semantics(config, ["my.yaml"])
+
+
+@case("config-unknown-key", ConfigError, "train.ttt_stepz: unknown key; allowed here:")
+def _(tmp, env):
+    _check({"train": {"ttt_stepz": 3}})
+
+
+@case("config-wrong-type", ConfigError, "train.ttt_steps: 'three' is not of type 'integer'")
+def _(tmp, env):
+    _check({"train": {"ttt_steps": "three"}})
+
+
+@case("config-out-of-range", ConfigError, "train.lr: -1 is less than or equal to the minimum of 0")
+def _(tmp, env):
+    _check({"train": {"lr": -1}})
+
+
+@case("config-unknown-choice", ConfigError, "extraction.dtype: 'int4' is not one of")
+def _(tmp, env):
+    _check({"extraction": {"dtype": "int4"}})
+
+
+@case("config-run-outside-results", ConfigError, "run: '../elsewhere' does not match")
+def _(tmp, env):
+    _check({"run": "../elsewhere"})
+
+
+@case("config-heldout-fraction-0", ConfigError, "data.heldout_fraction: 0 is less than or equal to the minimum")
+def _(tmp, env):
+    _check({"data": {"heldout_fraction": 0}})
+
+
+@case("config-heldout-fraction-1", ConfigError, "data.heldout_fraction: 1 is greater than or equal to the maximum")
+def _(tmp, env):
+    _check({"data": {"heldout_fraction": 1}})
+
+
+@case("config-target-path-missing", ConfigError, "target.path: required when target.source is 'path'")
+def _(tmp, env):
+    _check({"target": {"source": "path"}})
+
+
+@case("config-target-path-not-a-folder", ConfigError, "is not a folder")
+def _(tmp, env):
+    _check({"target": {"source": "path", "path": str(tmp / "nowhere")}})
+
+
+@case("config-target-without-config", ConfigError, "has no config.json")
+def _(tmp, env):
+    _check({"target": {"source": "path", "path": str(tmp)}})
+
+
+@case("config-data-source-missing", ConfigError, "data.sources: ")
+def _(tmp, env):
+    _check({"data": {"sources": [str(tmp / "missing.jsonl")]}})
+
+
+@case("config-layer-repeated", ConfigError, "target.aux_layer_ids: [2, 2] repeats a layer")
+def _(tmp, env):
+    _check({"target": {"aux_layer_ids": [2, 2]}})
+
+
+@case("config-tensor-parallel-hf", ConfigError, "extraction.device_map: auto")
+def _(tmp, env):
+    _check({"extraction": {"tensor_parallel_size": 2}})
+
+
+@case("config-results-unwritable", ConfigError, "the workflow writes to results/demo/, but")
+def _(tmp, env):
+    (tmp / "results").write_text("a file where the results folder should be")
+    _check({}, cwd=tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets: prepare_dataset
+
+
+def _chat(i: int, user: str | None = None) -> dict:
+    return {"messages": [{"role": "user", "content": user or f"Hello there, how are you doing today? ({i})"},
+                         {"role": "assistant", "content": "I am fine, thank you."}]}
+
+
+def _prepare(tmp: Path, env: dict, sources, **settings) -> None:
+    prepare_dataset(sources, env["model"], tmp / "out", DataSettings(**settings))
+
+
+@case("data-empty-file", DataError, "holds no rows", *DATA_OUTPUTS)
+def _(tmp, env):
+    (tmp / "empty.jsonl").write_bytes(b"")
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "good.jsonl", [_chat(i) for i in range(5)]), tmp / "empty.jsonl"])
+
+
+@case("data-not-utf8", DataError, "re-save the file as UTF-8", *DATA_OUTPUTS)
+def _(tmp, env):
+    rows = [json.dumps(_chat(i, f"Café crème number {i}?"), ensure_ascii=False) for i in range(6)]
+    (tmp / "latin1.jsonl").write_bytes("\n".join(rows).encode("latin-1"))
+    _prepare(tmp, env, [tmp / "latin1.jsonl"])
+
+
+@case("data-broken-lines", DataError, "invalid_json=4", *DATA_OUTPUTS)
+def _(tmp, env):
+    lines = [json.dumps(_chat(i)) for i in range(8)]
+    for i in (1, 3, 5, 7):
+        lines[i] = lines[i][: len(lines[i]) // 2]  # cut mid-row, as a crashed writer leaves it
+    (tmp / "broken.jsonl").write_text("\n".join(lines) + "\n")
+    _prepare(tmp, env, [tmp / "broken.jsonl"])
+
+
+@case("data-line-of-100-mb", DataError, "line_too_long=1", *DATA_OUTPUTS)
+def _(tmp, env):
+    path = tmp / "huge.jsonl"
+    with path.open("wb") as f:
+        for i in range(3):
+            f.write(json.dumps(_chat(i)).encode() + b"\n")
+        f.write(b'{"messages": [{"role": "user", "content": "' + b"x" * (100 << 20) + b'"}]}\n')
+    _prepare(tmp, env, [path])
+
+
+@case("data-only-system-turns", DataError, "no_assistant_turn=6", *DATA_OUTPUTS)
+def _(tmp, env):
+    rows = [{"messages": [{"role": "system", "content": f"You are helpful ({i})."}]} for i in range(6)]
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "system.jsonl", rows)])
+
+
+@case("data-first-turn-over-max-seq-len", DataError, "too_long_prompt: raise data.max_seq_len", *DATA_OUTPUTS)
+def _(tmp, env):
+    rows = [_chat(i, " ".join(["What is the weather like today?"] * 20) + f" ({i})") for i in range(6)]
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "long.jsonl", rows)], max_seq_len=32)
+
+
+@case("data-every-row-filtered", DataError, "no usable rows", *DATA_OUTPUTS)
+def _(tmp, env):
+    rows = [{"prompt": "x", "completion": "y"}] * 4
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "filtered.jsonl", rows)], max_bad_fraction=1.0)
+
+
+@case("data-one-usable-row", DataError, "nothing is left to train on", *DATA_OUTPUTS)
+def _(tmp, env):
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "one.jsonl", [_chat(0)])])
+
+
+@case("data-json-not-a-list", DataError, "holds a JSON dict, not a list of rows", *DATA_OUTPUTS)
+def _(tmp, env):
+    (tmp / "object.json").write_text(json.dumps({"rows": [_chat(0)]}))
+    _prepare(tmp, env, [tmp / "object.json"])
+
+
+@case("data-json-broken", DataError, "is not valid JSON", *DATA_OUTPUTS)
+def _(tmp, env):
+    (tmp / "broken.json").write_text('[{"messages": [}')
+    _prepare(tmp, env, [tmp / "broken.json"])
+
+
+@case("data-unsupported-file-type", DataError, "unsupported file type '.csv'", *DATA_OUTPUTS)
+def _(tmp, env):
+    (tmp / "rows.csv").write_text("prompt,answer\nhi,hello\n")
+    _prepare(tmp, env, [tmp / "rows.csv"])
+
+
+@case("data-source-missing", DataError, "does not exist", *DATA_OUTPUTS)
+def _(tmp, env):
+    _prepare(tmp, env, [tmp / "missing.jsonl"])
+
+
+@case("data-tokenizer-without-chat-template", DataError, "no chat template", *DATA_OUTPUTS)
+def _(tmp, env):
+    folder = tiny.build_tokenizer(tmp / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    prepare_dataset([tiny.write_jsonl(tmp / "chat.jsonl", [_chat(i) for i in range(4)])], folder, tmp / "out",
+                    DataSettings())
+
+
+@case("data-results-unwritable", StorageError, "make the folder writable", *DATA_OUTPUTS)
+def _(tmp, env):
+    source = tiny.write_jsonl(tmp / "good.jsonl", [_chat(i) for i in range(5)])
+    with _read_only(tmp / "out"):
+        _prepare(tmp, env, [source])
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path):
+    """A folder nobody may write to: a read-only tmpfs as root (who ignores permissions), else chmod."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
+        if mount.returncode != 0:
+            pytest.skip("as root, a read-only folder needs a read-only mount, and mount failed")
+        try:
+            yield folder
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], check=False)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+
+
+# ---------------------------------------------------------------------------------------------
+# Target model folders: inspect_target (preflight, no weights read) and the extraction load
+
+
+def _inspect(tmp: Path, folder: Path, **kwargs) -> None:
+    write_target_json(tmp / "target.json", folder, **kwargs)
+
+
+@case("model-without-config", TargetError, "the target folder has no config.json", "target.json")
+def _(tmp, env):
+    _inspect(tmp, tiny.build_tokenizer(tmp / "m"))
+
+
+@case("model-config-not-json", TargetError, "config.json is not valid JSON", "target.json")
+def _(tmp, env):
+    folder = tiny.build_tokenizer(tmp / "m")
+    (folder / "config.json").write_text('{"model_type": "llama",')
+    _inspect(tmp, folder)
+
+
+@case("model-without-tokenizer", TargetError, "tokenizer", "target.json")
+def _(tmp, env):
+    _inspect(tmp, tiny.build_llama(tmp / "m", tokenizer_template=None, num_layers=4))
+
+
+@case("model-tokenizer-of-another-model", TargetError, "they belong to different models", "target.json")
+def _(tmp, env):
+    _inspect(tmp, tiny.build_llama(tmp / "m", vocab_size=100, num_layers=4))
+
+
+@case("model-tokenizer-without-chat-template", TargetError, "no chat template", "target.json")
+def _(tmp, env):
+    folder = tiny.build_llama(tmp / "m", num_layers=4)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    _inspect(tmp, folder)
+
+
+@case("model-remote-code-not-trusted", TargetError, "set target.trust_remote_code: true", "target.json")
+def _(tmp, env):
+    folder = tiny.build_llama(tmp / "m", num_layers=4)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my_custom_lm", auto_map={"AutoConfig": "configuration_custom.CustomConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    _inspect(tmp, folder)
+
+
+@case("model-pickled-weights-only", TargetError, "weights are pickled (pytorch_model.bin)", "target.json")
+def _(tmp, env):
+    from safetensors.torch import load_file
+
+    folder = tiny.build_llama(tmp / "m", num_layers=4)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    _inspect(tmp, folder)
+
+
+@case("model-layer-out-of-range", TargetError, "aux layer ids [8] are out of range", "target.json")
+def _(tmp, env):
+    _inspect(tmp, env["model"], aux_layer_ids=[2, 8])
+
+
+@case("model-layer-repeated", TargetError, "repeat a layer", "target.json")
+def _(tmp, env):
+    _inspect(tmp, env["model"], aux_layer_ids=[2, 2, 3])
+
+
+@case("model-without-weights", TargetError, "cannot load the target's weights", "hs/part-0.json")
+def _(tmp, env):
+    import shutil
+
+    folder = tmp / "m"
+    shutil.copytree(env["model"], folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    _inspect(tmp, folder)  # preflight reads no weights: a config-only folder passes it
+    train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    extract_part(train, tmp / "target.json", 0, ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs",
+                 tmp / "hs" / "part-0.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Later stages
+
+
+@case("vocab-draft-larger-than-target", ConfigError, "vocab.draft_vocab_size", "mapping.safetensors")
+def _(tmp, env):
+    train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    build_vocab_mapping(train, 384, 500, tmp / "mapping.safetensors", tmp / "stats.json")
+
+
+@case("train-jsonl-duplicate-ids", ExtractionError, "sample id 'a' appears twice (lines 1 and 2)", "hs/part-0.json")
+def _(tmp, env):
+    rows = [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}] * 2
+    extract_part(tiny.write_jsonl(tmp / "train.jsonl", rows), env["target"], 0,
+                 ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs", tmp / "hs" / "part-0.json")
+
+
+@case("train-jsonl-row-without-loss-mask", ExtractionError, "a row lacks id, input_ids or loss_mask", "hs/part-0.json")
+def _(tmp, env):
+    rows = [{"id": "a", "input_ids": [1, 2, 3]}]
+    extract_part(tiny.write_jsonl(tmp / "train.jsonl", rows), env["target"], 0,
+                 ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs", tmp / "hs" / "part-0.json")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_refused_with_what_where_and_how_to_fix(name, env, tmp_path):
+    run, error, says, outputs = CASES[name]
+    with pytest.raises(error) as info:
+        run(tmp_path, env)
+    e = info.value
+    assert isinstance(e, DraftsmithError) and e.what and e.where and e.fix, str(e)
+    assert says in str(e), str(e)
+    for output in outputs:
+        assert not (tmp_path / output).exists(), output
+    leftovers = [p for p in tmp_path.rglob(".*.tmp") if p.is_file()]
+    assert not leftovers, leftovers
+
+
+def test_the_catalogue_lists_every_case():
+    listed = set(re.findall(r"^\| `([a-z0-9-]+)` \|", CATALOGUE.read_text(), flags=re.M))
+    assert listed == set(CASES)
+    assert len(CASES) >= 25
+
+
+# ---------------------------------------------------------------------------------------------
+# Through snakemake: a non-zero exit, and the failing rule's output absent
+
+
+@pytest.mark.slow
+def test_snakemake_exits_non_zero_and_keeps_no_output_for_bad_inputs(tmp_path):
+    workdir = copy_workflow(tmp_path / "wf")
+    model = tiny.build_llama(tmp_path / "model", num_layers=4)
+    good = tiny.write_jsonl(tmp_path / "good.jsonl", [_chat(i) for i in range(10)])
+    system = tiny.write_jsonl(tmp_path / "system.jsonl",
+                              [{"messages": [{"role": "system", "content": f"Be nice ({i})."}]} for i in range(6)])
+    base = {"device": "cpu", "target": {"source": "path", "path": str(model)},
+            "data": {"sources": [str(good)], "max_seq_len": 64}, "vocab": {"draft_vocab_size": 64}}
+
+    def run(name: str, **patch) -> str:
+        config = write_config(workdir, {**base, "run": name, **patch}, f"{name}.yaml")
+        result = snakemake(workdir, f"results/{name}/data/train.jsonl", configfile=config, check=False)
+        assert result.returncode != 0, result.stdout[-2000:]
+        assert not (workdir / "results" / name / "data" / "train.jsonl").exists()
+        return result.stdout + result.stderr
+
+    # a config error: nothing runs, nothing is written
+    out = run("typo", train={"ttt_stepz": 3})
+    assert "train.ttt_stepz: unknown key" in out and not (workdir / "results" / "typo").exists()
+    # preflight: layer ids out of range for a 4-layer target; target.json is not written
+    out = run("layers", target={**base["target"], "aux_layer_ids": [1, 4]})
+    assert "aux layer ids [4] are out of range" in out and "fix:" in out
+    assert not (workdir / "results" / "layers" / "target.json").exists()
+    assert "aux layer ids [4] are out of range" in (workdir / "logs" / "layers" / "inspect_target.log").read_text()
+    # a dataset of system turns only: prepare_dataset fails, no train.jsonl
+    out = run("system", data={"sources": [str(system)], "max_seq_len": 64})
+    assert "no_assistant_turn=6" in out and "where:" in out and "fix:" in out
+    # an unwritable results folder: refused before any job
+    with _read_only(workdir / "results" / "ro"):
+        out = run("ro")
+    assert "the workflow writes to results/ro/" in out
