@@ -161,7 +161,7 @@ def check_smollm2(folder: str | Path, generate: bool = True) -> str | None:
                           fix="add chat_template.jinja to the folder")
     if not generate:
         return None
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": _CHECK_PROMPT}], tokenize=False,
                                            add_generation_prompt=True)
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
