@@ -727,6 +727,23 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The optimizer's state as named tensors (for safetensors) and its param groups (for JSON):
+    checkpoints hold no pickles."""
+    state = optimizer.state_dict()
+    tensors = {f"{index}.{key}": torch.as_tensor(value).detach().cpu().contiguous()
+               for index, entry in state["state"].items() for key, value in entry.items()}
+    return tensors, state["param_groups"]
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], groups: list[dict]) -> dict:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    return {"state": state, "param_groups": groups}
+
+
 def _save_checkpoint(ckpt_root: Path, step: int, draft: Eagle3Draft, optimizer: torch.optim.Optimizer,
                      state: dict, keep: int) -> Path:
     """Write into a hidden folder, then rename: a kill leaves the previous checkpoint intact."""
@@ -741,9 +758,9 @@ def _save_checkpoint(ckpt_root: Path, step: int, draft: Eagle3Draft, optimizer: 
         }
         for name, data in files.items():
             atomic_write_bytes(tmp / name, data)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        with open(tmp / "optimizer.pt", "rb") as f:
-            os.fsync(f.fileno())
+        tensors, groups = _optimizer_tensors(optimizer)
+        atomic_write_bytes(tmp / "optimizer.safetensors", save_safetensors(tensors))
+        atomic_write_json(tmp / "optimizer.json", groups)
         atomic_write_json(tmp / "state.json", state)
         if final.exists():
             shutil.rmtree(final)
@@ -900,7 +917,9 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
         if set(tensors) != expected:
             raise TrainingError(f"checkpoint weights do not match the draft ({sorted(set(tensors) ^ expected)})",
                                 where=str(ckpt_path), fix=f"delete {ckpt_root} to start over")
-        optimizer.load_state_dict(torch.load(ckpt_path / "optimizer.pt", map_location=device, weights_only=True))
+        # load_state_dict moves each state tensor where its parameter (and fused/capturable) wants it
+        optimizer.load_state_dict(_optimizer_state(load_file(str(ckpt_path / "optimizer.safetensors")),
+                                                   read_json(ckpt_path / "optimizer.json")))
         rng = load_file(str(ckpt_path / "rng.safetensors"))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():

@@ -59,13 +59,7 @@ class VllmBackend(CaptureBackend):
         )
         if language_model_only:  # text-only capture: no image processor, no vision encoder in memory
             kwargs["language_model_only"] = True
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vLLM 0.32's CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding)
-            # rotates 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such
-            # queries. The PyTorch-native rotary is exact.
-            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kwargs.update(platform_workarounds())
         kwargs.update(llm_kwargs)
         if kwargs.get("enable_expert_parallel") and tensor_parallel_size > 1:
             raise ExtractionError("expert parallelism with tensor_parallel_size > 1 splits the residual stream "
@@ -127,19 +121,34 @@ class VllmBackend(CaptureBackend):
         return out
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is None:
-            return
-        self.llm = None
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
-                                                                  "shutdown", None)
-        try:
-            if shutdown is not None:
-                shutdown()
-        finally:
-            del llm, engine, shutdown
-            import gc
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown_llm(llm, self._set_num_threads)
 
-            gc.collect()
-            torch.set_num_threads = self._set_num_threads
+
+def platform_workarounds() -> dict:
+    """Engine arguments that keep vLLM 0.32 exact on this platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # The CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding) rotates
+        # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
+        # The PyTorch-native rotary is exact.
+        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    return {}
+
+
+def shutdown_llm(llm, set_num_threads) -> None:
+    """Stop an engine's workers and free its memory; put back the torch.set_num_threads that an
+    in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaced with a no-op."""
+    import gc
+
+    engine = getattr(llm, "llm_engine", None)
+    shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()
+    finally:
+        del llm, engine, shutdown
+        gc.collect()
+        torch.set_num_threads = set_num_threads

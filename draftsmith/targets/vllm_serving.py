@@ -20,7 +20,6 @@ vLLM is imported only when an engine is created, so this module imports without 
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.errors import EvaluationError
+from draftsmith.targets.vllm_backend import platform_workarounds, shutdown_llm
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,7 @@ class VllmServer:
             disable_log_stats=False,        # LLM.get_metrics() needs the stat loggers
             language_model_only=True,       # text prompts: no vision tower in memory
         )
-        if cpu:
-            # vLLM 0.32's CPU rotary kernel rotates 3-D [tokens, heads>1, dim] queries wrongly (MLA
-            # targets such as DeepSeek-V3 pass them); the PyTorch-native rotary is exact.
-            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kwargs.update(platform_workarounds())
         if self.speculative_config:
             kwargs["speculative_config"] = self.speculative_config
             kwargs["per_request_spec_decode_metrics"] = "detailed"  # each output's accepted/proposed per step
@@ -176,20 +173,9 @@ class VllmServer:
         return served, self.counters() - before, seconds
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is None:
-            return
-        self.llm = None
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
-                                                                  "shutdown", None)
-        try:
-            if shutdown is not None:
-                shutdown()
-        finally:
-            del llm, engine, shutdown
-            gc.collect()
-            torch.set_num_threads = self._set_num_threads
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown_llm(llm, self._set_num_threads)
 
     def __enter__(self) -> VllmServer:
         return self
