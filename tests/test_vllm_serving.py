@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import tiny
 from draftsmith.errors import EvaluationError
@@ -368,7 +369,15 @@ def test_drafts_vllm_cannot_serve_are_refused_before_loading(llama, tmp_path):
     with pytest.raises(EvaluationError, match="does not implement SupportsEagle3"):
         check_servable({**llama.target, "backends": {"vllm": {"supported": True, "supports_eagle3": False,
                                                                "vllm_class": "x.Y"}}}, llama.draft)
+    # A draft over the whole vocabulary is saved without d2t/t2d, which vLLM 0.32 needs ...
     full = random_draft(llama.target, tmp_path / "full", draft_vocab_size=llama.target["vocab_size"])
+    assert "d2t" not in load_file(full / "model.safetensors")
+    check_servable(llama.target, full)
+    # ... and one from elsewhere that carries them is refused before vLLM loads anything.
+    tensors = load_file(full / "model.safetensors")
+    vocab = llama.target["vocab_size"]
+    tensors.update(d2t=torch.zeros(vocab, dtype=torch.int64), t2d=torch.ones(vocab, dtype=torch.bool))
+    save_file(tensors, full / "model.safetensors")
     with pytest.raises(EvaluationError, match="whole vocabulary"):
         check_servable(llama.target, full)
 
