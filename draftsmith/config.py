@@ -125,6 +125,12 @@ def _coerce(value, schema: dict):
         return value
 
 
+def cuda_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, decided without importing torch (the workflow plans
+    jobs with it; on a cluster's login node set device: cuda instead)."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def check_config(config: dict, schema_path: str | Path, config_files: list[str] | None = None) -> None:
     """Raise ConfigError listing every problem, or return (command-line strings given their types)."""
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))

@@ -1,8 +1,9 @@
-# Helpers shared by every rule file: paths, config lookups, resources, code fingerprints.
+# Helpers for every stage: paths, config lookups, resources, code fingerprints.
 
 import os
 from pathlib import Path
 
+from draftsmith.config import cuda_present
 from draftsmith.fingerprint import code_fingerprint
 
 RUN = config["run"]
@@ -12,7 +13,7 @@ BENCH = f"benchmarks/{RUN}"
 
 
 def code(*modules):
-    """Rerun a rule when the draftsmith code it uses changes (Snakemake tracks only script: files)."""
+    """A parameter that changes with the draftsmith code a stage imports (Snakemake tracks only scripts)."""
     return code_fingerprint(*modules)
 
 
@@ -22,14 +23,15 @@ def target_dir():
     return config["target"]["path"]
 
 
-def target_files():
-    """The files of the target that preflight reads: its config and tokenizer, never the weights."""
-    folder = target_dir()
+def target_config():
+    return f"{target_dir()}/config.json"
+
+
+def target_tokenizer_files():
+    """The tokenizer files preflight reads (never the weights); the demo's appear with its config."""
     if config["target"]["source"] == "demo":
-        return [f"{folder}/config.json"]
-    return [f"{folder}/config.json"] + [
-        str(p) for p in Path(folder).glob("tokenizer*") if p.is_file()
-    ]
+        return []
+    return [str(p) for p in Path(target_dir()).glob("tokenizer*") if p.is_file()]
 
 
 def dataset_sources():
@@ -52,11 +54,6 @@ def data_settings():
     if config["regenerate"]["enabled"]:
         settings["format"] = "auto"
     return {**settings, "seed": config["seed"]}
-
-
-def cuda_present():
-    # Decided without importing torch; on a cluster set the device to cuda explicitly.
-    return os.path.exists("/dev/nvidiactl")
 
 
 def uses_gpu(device):

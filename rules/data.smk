@@ -54,7 +54,6 @@ rule prepare_dataset:
             category="2. Data",
         ),
     params:
-        tokenizer=target_dir(),
         settings=data_settings(),
         code=code("draftsmith.data"),
     log:

@@ -9,7 +9,6 @@ rule extract_hidden_states:
     output:
         manifest=f"{RESULTS}/hidden_states/part-{{part}}.json",
     params:
-        store=f"{RESULTS}/hidden_states",
         parts=config["extraction"]["parts"],
         settings=config["extraction"],
         model_dtype=config["target"]["dtype"],

@@ -21,7 +21,8 @@ rule demo_target:
 
 rule inspect_target:
     input:
-        target=target_files(),
+        config=target_config(),
+        tokenizer=target_tokenizer_files(),
     output:
         target=report(
             f"{RESULTS}/target.json",
@@ -29,7 +30,6 @@ rule inspect_target:
             category="1. Target",
         ),
     params:
-        model_path=target_dir(),
         aux_layer_ids=config["target"]["aux_layer_ids"],
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],

@@ -1,5 +1,7 @@
 """Snakemake entry: extract one part's hidden states (resuming complete shards) and write its manifest."""
 
+from pathlib import Path
+
 from draftsmith.extract import ExtractionSettings, extract_part
 from draftsmith.logs import setup_logging
 
@@ -13,6 +15,6 @@ extract_part(
         model_dtype=snakemake.params.model_dtype,
         device=snakemake.params.device,
     ),
-    store_root=snakemake.params.store,
+    store_root=Path(snakemake.output.manifest).parent,
     manifest_path=snakemake.output.manifest,
 )
