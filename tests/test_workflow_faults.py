@@ -128,7 +128,8 @@ def test_crashes_a_concurrent_run_and_a_corrupt_shard_cost_only_the_unit_in_flig
         os.kill(pid, signal.SIGKILL)
     out = run.communicate(timeout=120)[0]
     assert run.returncode != 0 and "Error in rule extract_hidden_states" in out, out[-3000:]
-    killed_part = next(p for p in range(2) if _shards(workdir, p) and not (results / f"hidden_states/part-{p}.json").exists())
+    killed_part = next(p for p in range(2)
+                       if _shards(workdir, p) and not (results / "hidden_states" / f"part-{p}.json").exists())
     kept = _shards(workdir, killed_part)
     assert kept
 
