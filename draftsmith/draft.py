@@ -520,6 +520,8 @@ def save_speculators(model: Eagle3Draft, out_dir: str | Path, *, dtype: str = "b
     """Write ``config.json`` and ``model.safetensors`` so speculators and vLLM load the draft as-is."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # config.json is written last: a kill in between must not pair new weights with an old config
+    (out_dir / "config.json").unlink(missing_ok=True)
     tensors = speculators_state_dict(model, DTYPES[dtype])
     atomic_write_bytes(out_dir / "model.safetensors",
                        save_safetensors(tensors, metadata={"format": "pt"}))

@@ -119,7 +119,7 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values.float() * scales[:, None]).to(torch.bfloat16)
 
 
-def _layer_file(layer_id: int) -> str:
+def layer_file(layer_id: int) -> str:
     return f"layer-{layer_id}.safetensors"
 
 
@@ -214,7 +214,7 @@ class PartStore:
         try:
             files = {TOKENS_FILE: _tokens_tensors(input_ids, loss_masks, lengths)}
             for layer_id in self.layer_ids:
-                files[_layer_file(layer_id)] = _states_tensors(states[layer_id], self.meta["dtype"])
+                files[layer_file(layer_id)] = _states_tensors(states[layer_id], self.meta["dtype"])
             # One thread per file: writing, hashing and fsync release the GIL, so the files of a
             # large shard reach the disk side by side rather than one after the other.
             with ThreadPoolExecutor(max_workers=min(8, len(files)), thread_name_prefix="shard-file") as pool:
@@ -296,7 +296,7 @@ def read_shard(index: HiddenStateIndex, shard: ShardInfo, layer_ids: Sequence[in
     tokens = load_safetensors(_read_checked(path, TOKENS_FILE, shard, verify))
     states = {}
     for layer_id in wanted:
-        tensors = load_safetensors(_read_checked(path, _layer_file(layer_id), shard, verify))
+        tensors = load_safetensors(_read_checked(path, layer_file(layer_id), shard, verify))
         values = tensors["hidden_states"]
         states[layer_id] = dequantize_fp8(values, tensors["scales"]) if "scales" in tensors else values
     manifest = load_shard_manifest(path) if verify else read_json(path / SHARD_MANIFEST)

@@ -60,9 +60,10 @@ from draftsmith.errors import TrainingError
 from draftsmith.hidden_states import (
     HiddenStateIndex,
     ShardInfo,
-    _layer_file,
     dequantize_fp8,
+    layer_file,
     read_shard,
+    verify_store,
 )
 from draftsmith.io import atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
 
@@ -242,7 +243,7 @@ class _ShardRows:
         self.input_ids = tokens.input_ids
         self.loss_mask = tokens.loss_mask
         root = index.root / shard.path
-        self.files = {i: safe_open(str(root / _layer_file(i)), "pt") for i in layer_ids}
+        self.files = {i: safe_open(str(root / layer_file(i)), "pt") for i in layer_ids}
         self.fp8 = index.dtype == "fp8"
 
     def rows(self, layer_id: int, start: int, stop: int) -> torch.Tensor:
@@ -763,7 +764,7 @@ def _save_checkpoint(ckpt_root: Path, step: int, draft: Eagle3Draft, optimizer: 
         atomic_write_json(tmp / "optimizer.json", groups)
         atomic_write_json(tmp / "state.json", state)
         if final.exists():
-            shutil.rmtree(final)
+            _remove_hidden(final)
         tmp.rename(final)
         fsync_dir(ckpt_root)
     except BaseException:
@@ -772,13 +773,20 @@ def _save_checkpoint(ckpt_root: Path, step: int, draft: Eagle3Draft, optimizer: 
     atomic_write_json(ckpt_root / "latest.json", {"step": step, "path": final.name})
     old = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and p != final)
     for p in old[:max(len(old) - (keep - 1), 0)]:
-        shutil.rmtree(p, ignore_errors=True)
+        _remove_hidden(p)
     return final
+
+
+def _remove_hidden(folder: Path) -> None:
+    """Rename to a hidden name, then delete: a kill mid-delete never leaves a partial step-* on show."""
+    doomed = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+    folder.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _find_checkpoint(ckpt_root: Path, fingerprint: str) -> tuple[Path | None, dict | None]:
     """The latest checkpoint if it was made from the same data and settings, else (None, None)."""
-    for stale in ckpt_root.glob(".step-*.tmp-*"):
+    for stale in ckpt_root.glob(".step-*"):  # a checkpoint half-written or half-deleted by a kill
         shutil.rmtree(stale, ignore_errors=True)
     pointer = ckpt_root / "latest.json"
     if not pointer.exists():
@@ -1194,6 +1202,11 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
                  metrics_out: str | Path | None = None, summary_out: str | Path | None = None) -> dict:
     """Train in this process, or under ``torchrun`` with ``devices`` processes (DDP); then copy the
     metrics and summary from the work dir to the rule's outputs."""
+    if settings.verify_shards:
+        # Every shard's checksums before any state is read (training reads them shuffled): a damaged
+        # shard stops the run here, by name, and its part is queued for re-extraction.
+        verify_store(index_path)
+        settings = dataclasses.replace(settings, verify_shards=False)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     args = {"index_path": str(index_path), "mapping_path": str(mapping_path), "target_json": str(target_json),

@@ -547,7 +547,7 @@ def test_corrupted_shards_are_caught_before_training_and_regenerated_alone(world
 
 
 def test_the_training_rule_checks_every_shard_before_training_reads_any(world, tmp_path, monkeypatch):
-    """workflow_scripts/train_draft.py stops at a damaged shard, naming it, before training starts."""
+    """The training rule stops at a damaged shard, naming it, before training starts."""
     import runpy
     from types import SimpleNamespace
 
@@ -557,7 +557,7 @@ def test_the_training_rule_checks_every_shard_before_training_reads_any(world, t
     shutil.copytree(world.hs, store)
     _corrupt(store / "part-0" / shard_dir_name(3) / "layer-8.safetensors", "flip", random.Random(0))
     started = []
-    monkeypatch.setattr(draftsmith.train, "run_training", lambda *a, **k: started.append(1))
+    monkeypatch.setattr(draftsmith.train, "train_draft", lambda *a, **k: started.append(1))
     out = tmp_path / "results"
     rule = SimpleNamespace(
         input=SimpleNamespace(index=str(store / "index.json"), mapping=str(world.mapping), target=str(world.target)),

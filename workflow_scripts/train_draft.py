@@ -2,14 +2,10 @@
 
 from pathlib import Path
 
-from draftsmith.hidden_states import verify_store
 from draftsmith.logs import setup_logging
 from draftsmith.train import run_training, settings_from_dict
 
 setup_logging(snakemake.log[0])
-# Every shard's checksums before training reads any state: a damaged shard stops the run here, by
-# name, and its part is queued for re-extraction on the next run.
-verify_store(snakemake.input.index)
 values = dict(snakemake.params.settings)
 devices = values.pop("devices", 1)
 device = snakemake.params.get("device", "auto")
