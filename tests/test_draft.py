@@ -13,13 +13,7 @@ from draftsmith.train import TTTObjective, scored_positions
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 384, 100
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run fastest on one thread, and a busy machine's spinning threads slow them 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def make_draft(num_layers: int = 1, norm_before_residual: bool = True, seed: int = 0,

@@ -33,13 +33,7 @@ PROMPTS = [Prompt("p0", [12, 40, 7, 99, 3, 250, 17]), Prompt("p1", [5, 6, 7, 8, 
            Prompt("p2", [300, 301, 2, 2, 2, 44, 45, 46, 47, 48, 49])]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: synchronising threads costs more than the math, and this machine is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,7 @@ class Killed(Exception):
     """Stands in for the job being killed mid-run."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: synchronising threads costs more than the math, and this machine is shared.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

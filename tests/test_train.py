@@ -45,13 +45,7 @@ SETTINGS = TrainSettings(batch_tokens=96, lr=3e-3, warmup_steps=2, epochs=2, log
                          progress=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run fastest on one thread, and a busy machine's spinning threads slow them 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ----------------------------------------------------------------------------------------------

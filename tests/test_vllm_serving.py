@@ -315,14 +315,6 @@ def test_stop_tokens_end_the_output_as_in_the_hf_loop(cycle):
 # Without an engine
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _vllm_run(prompts, greedy, draft):
     from draftsmith.evaluate import Generation, VllmRun
     from draftsmith.targets.vllm_serving import SpecCounters
