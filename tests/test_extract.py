@@ -29,13 +29,7 @@ TESTS = Path(__file__).resolve().parent
 SMALL = dict(device="cpu", batch_tokens=96, shard_tokens=120)  # many small shards and batches
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny matmuls: one thread is fastest, and stays fast when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -53,13 +53,7 @@ PIPELINE_DEPTH = 4
 FORK = multiprocessing.get_context("fork")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny matmuls: one thread is fastest, and forked children must not inherit a thread pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,13 +16,7 @@ from draftsmith.targets.inspect import inspect_target
 NOISE = dict(rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny matmuls: one thread is fastest, and stays fast when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

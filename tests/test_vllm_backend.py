@@ -67,18 +67,6 @@ def assert_parity(got, ref, layer_ids, tol):
             assert err < tol, f"sample {n} layer {lid}: relative error {err:.2e} >= {tol}"
 
 
-@pytest.fixture(scope="module")
-def in_process_engine():
-    """Run vLLM's engine and worker in this process while this module's engines live."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _engine(path, layer_ids, **kwargs):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -40,18 +39,6 @@ def vllm_test(fn):
     return fn
 
 
-@pytest.fixture(scope="module")
-def in_process_engine():
-    """Run vLLM's engine and worker in this process while this module's engines live."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def hf_backend(path, target, max_new_tokens, stop_ids=()):
