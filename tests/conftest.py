@@ -46,3 +46,15 @@ def in_process_engine():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny random-init Llama with a ChatML tokenizer."""
+    return tiny.build_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    """A tiny multimodal wrapper (Llava) around a tiny Llama."""
+    return tiny.build_llava(tmp_path_factory.mktemp("llava"))

@@ -20,16 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny.build_llama(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
-    return tiny.build_llava(tmp_path_factory.mktemp("llava"))
-
-
-@pytest.fixture(scope="module")
 def llama_info(llama_dir):
     return inspect_target(llama_dir)
 

@@ -13,16 +13,6 @@ from draftsmith.targets.inspect import inspect_target
 from draftsmith.targets.weights import load_embedding_and_head
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return tiny.build_llama(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
-    return tiny.build_llava(tmp_path_factory.mktemp("llava"))
-
-
 def _no_weights_read(monkeypatch):
     """Fail the test if anything opens a safetensors file."""
     import safetensors

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import tiny
-from workflow_helpers import ROOT, SNAKEMAKE, copy_workflow, planned_rules, write_config
+from workflow_helpers import ROOT, SNAKEMAKE, planned_rules, tiny_workflow, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -105,18 +104,10 @@ def slurm_env(tmp_path_factory):
 @pytest.fixture
 def tiny_run(tmp_path):
     """A private copy of the workflow with a config for a tiny random-init target on CPU."""
-    workdir = copy_workflow(tmp_path / "wf")
-    model = tiny.build_llama(tmp_path / "model")
-    rows = [{"messages": [{"role": "user", "content": f"Hello there number {i}"},
-                          {"role": "assistant", "content": f"I am fine, thank you {i}."}]} for i in range(40)]
-    data = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
-    config = {"run": "t", "device": "cpu",
-              "target": {"source": "path", "path": str(model)},
-              "data": {"sources": [str(data)], "max_seq_len": 64, "heldout_fraction": 0.1,
-                       "max_heldout": 4},
-              "vocab": {"draft_vocab_size": 64},
-              "train": {"epochs": 1, "max_steps": 5, "batch_tokens": 512, "warmup_steps": 1},
-              "eval": {"max_prompts": 2, "max_new_tokens": 8, "k_sweep": [1, 2]}}
+    workdir, config = tiny_workflow(tmp_path, max_heldout=4)
+    config.update(vocab={"draft_vocab_size": 64},
+                  train={"epochs": 1, "max_steps": 5, "batch_tokens": 512, "warmup_steps": 1},
+                  eval={"max_prompts": 2, "max_new_tokens": 8, "k_sweep": [1, 2]})
     return workdir, write_config(workdir, config)
 
 

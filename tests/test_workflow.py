@@ -2,8 +2,7 @@
 
 import pytest
 
-import tiny
-from workflow_helpers import copy_workflow, planned_rules, snakemake, write_config
+from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -12,15 +11,8 @@ PREFLIGHT_TARGETS = ["results/t/target.json", "results/t/vocab/mapping.safetenso
 
 @pytest.fixture
 def workflow(tmp_path):
-    workdir = copy_workflow(tmp_path / "wf")
-    model = tiny.build_llama(tmp_path / "model")
-    rows = [{"messages": [{"role": "user", "content": f"Hello there number {i}"},
-                          {"role": "assistant", "content": f"I am fine, thank you {i}."}]} for i in range(40)]
-    data = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
-    config = {"run": "t", "device": "cpu",
-              "target": {"source": "path", "path": str(model)},
-              "data": {"sources": [str(data)], "max_seq_len": 64, "heldout_fraction": 0.1},
-              "vocab": {"draft_vocab_size": 64}}
+    workdir, config = tiny_workflow(tmp_path)
+    config["vocab"] = {"draft_vocab_size": 64}
     return workdir, write_config(workdir, config)
 
 

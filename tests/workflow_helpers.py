@@ -54,3 +54,18 @@ def planned_rules(result: subprocess.CompletedProcess) -> set[str]:
     """Rules a dry run would execute, read from its job table."""
     text = result.stdout + result.stderr
     return set(re.findall(r"^(?:local)?rule (\w+):", text, flags=re.M)) - {"all", "preflight", "extract"}
+
+
+def tiny_workflow(tmp_path: Path, **data: object) -> tuple[Path, dict]:
+    """A private copy of the workflow and a config for a tiny random-init target on CPU, with 40
+    short conversations; ``data`` overrides keys of the config's data section."""
+    import tiny
+
+    workdir = copy_workflow(tmp_path / "wf")
+    model = tiny.build_llama(tmp_path / "model")
+    rows = [{"messages": [{"role": "user", "content": f"Hello there number {i}"},
+                          {"role": "assistant", "content": f"I am fine, thank you {i}."}]} for i in range(40)]
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
+    config = {"run": "t", "device": "cpu", "target": {"source": "path", "path": str(model)},
+              "data": {"sources": [str(source)], "max_seq_len": 64, "heldout_fraction": 0.1, **data}}
+    return workdir, config
