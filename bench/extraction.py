@@ -6,7 +6,7 @@ batches (same lengths, same order) three ways:
   forward          model(input_ids, attention_mask): the full model, logits included
   decoder          the inner decoder only (what extraction must compute at least)
   extraction       HfBackend hooks + the shard store + the writer thread (the real write path:
-                   serialise, checksum, fsync, atomic rename), through ``extract_shards``
+                   append per batch, checksum, fsync, atomic rename), through ``extract_shards``
 
 and prints tokens/s for each and the ratio extraction/forward (goal: at least 0.95).
 

@@ -6,7 +6,8 @@ tokens. The plan depends only on train.jsonl and the settings, so a restarted pa
 the same shards in the same batches and writes the same bytes. Complete shards are checked
 against their checksums and skipped; the target loads only when some shard is missing.
 
-While the backend computes shard N+1, a writer thread serialises, checksums and fsyncs shard N.
+While the backend computes the next batch, a writer thread appends the last one to its shard's
+files (checksummed on the way); a shard is synced and renamed into place when its last batch is in.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from draftsmith.hidden_states import (
     HiddenStateIndex,
     PartStore,
     ShardInfo,
+    ShardWriter,
     bytes_per_token,
     load_shard_manifest,
     merge_parts,
@@ -313,27 +315,27 @@ def check_states(sample_ids: Sequence[str], offsets: Sequence[int], states: dict
 
 
 @dataclass
-class _ShardJob:
-    number: int
-    samples: list[dict]
-    states: dict[int, torch.Tensor]  # layer id -> [tokens, hidden], in storage dtype (fp8: as captured)
-    buffers: dict[int, torch.Tensor]  # the full-capacity buffers ``states`` are views of, for reuse
+class _BatchJob:
+    number: int  # the shard it belongs to
+    samples: list[dict]  # the batch's samples, consecutive in the shard
+    states: list[dict[int, torch.Tensor]]  # per sample: layer id -> [length, hidden] as captured
 
 
 class _ShardWriter:
-    """A background thread that checks and writes complete shards; at most ``max_pending`` wait."""
+    """A background thread that checks each captured batch and appends it to its shard's files,
+    committing a shard when its last batch is in; at most ``max_pending`` batches wait."""
 
-    def __init__(self, store: PartStore, max_pending: int = 1) -> None:
-        self.store = store
+    def __init__(self, store: PartStore, shards: dict[int, list[dict]], max_pending: int = 1) -> None:
+        self.store, self.shards = store, shards
         self.written: list[ShardInfo] = []
-        self.free_buffers: queue.SimpleQueue = queue.SimpleQueue()  # written shards' buffers, for reuse
+        self._open: ShardWriter | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._abort = False
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, job: _ShardJob) -> None:
+    def submit(self, job: _BatchJob) -> None:
         while True:
             self._raise_error()
             try:
@@ -350,36 +352,45 @@ class _ShardWriter:
         while True:
             job = self._queue.get()
             if job is None:
-                return
+                break
             if self._error is not None or self._abort:
                 continue
             try:
                 self._write(job)
             except BaseException as e:  # handed to the main thread, which raises it
                 self._error = e
+        if self._open is not None:  # an unfinished shard (error or abort): no trace of it stays
+            self._open.abort()
+            self._open = None
 
-    def _write(self, job: _ShardJob) -> None:
-        ids = [s["id"] for s in job.samples]
-        offsets = [0]
-        for sample in job.samples:
-            offsets.append(offsets[-1] + len(sample["input_ids"]))
-        check_states(ids, offsets, job.states, where=f"part {self.store.part} shard {job.number}")
+    def _write(self, job: _BatchJob) -> None:
+        where = f"part {self.store.part} shard {job.number}"
+        samples = self.shards[job.number]
         try:
-            info = self.store.write_shard(job.number, ids, [s["input_ids"] for s in job.samples],
-                                          [s["loss_mask"] for s in job.samples], job.states)
+            if self._open is None:
+                self._open = self.store.open_shard(job.number, sum(len(s["input_ids"]) for s in samples))
+            offsets = [0]
+            for sample in job.samples:
+                offsets.append(offsets[-1] + len(sample["input_ids"]))
+            states = {i: torch.cat([s[i] for s in job.states]) for i in self.store.layer_ids}
+            check_states([s["id"] for s in job.samples], offsets, states, where=where)
+            self._open.append(states)
+            if self._open.rows < self._open.num_tokens:
+                return
+            shard, self._open = self._open, None
+            info = shard.commit([s["id"] for s in samples], [s["input_ids"] for s in samples],
+                                [s["loss_mask"] for s in samples])
         except OSError as e:
             if isinstance(e, DraftsmithError):  # already says what, where and how to fix
                 raise
-            raise StorageError(f"writing part {self.store.part} shard {job.number} failed: {e.strerror or e}",
-                               where=str(self.store.dir), fix=storage_error(self.store.dir, e).fix,
-                               errno=e.errno) from e
+            raise StorageError(f"writing {where} failed: {e.strerror or e}", where=str(self.store.dir),
+                               fix=storage_error(self.store.dir, e).fix, errno=e.errno) from e
         self.written.append(info)
-        self.free_buffers.put(job.buffers)
         log.debug("part %d shard %d written: %d samples, %d tokens", info.part, info.shard, info.num_samples,
                   info.num_tokens)
 
     def close(self, abort: bool = False) -> None:
-        """Wait for the queued shards to be written (or drop them with ``abort``) and stop."""
+        """Wait for the queued batches to be written (or drop them with ``abort``) and stop."""
         self._abort = self._abort or abort
         self._queue.put(None)
         self._thread.join()
@@ -391,61 +402,36 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
                    *, batch_tokens: int, max_pending: int = 1, progress=None) -> list[ShardInfo]:
     """Capture and store the listed (shard number, samples) shards; returns their infos in order.
 
-    Each shard's states are assembled into one [tokens, hidden] tensor per layer as batches come
-    back, then handed to the writer thread, while the backend goes on with the next shard. The
-    assembly buffers are reused once written (fresh multi-GB allocations would page-fault on every
-    shard, on the thread that keeps the accelerator fed).
+    Each batch's states go to the writer thread as they come back and are appended to the
+    shard's files there, while the backend computes the next batch: the disk works alongside
+    the accelerator, and a shard's end costs only its last batch's write and the syncs.
     """
-    storage = store.meta["dtype"]
     hidden = store.meta["hidden_size"]
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
-    shard_of = dict(todo)
-    capacity = max((sum(len(s["input_ids"]) for s in samples) for _, samples in todo), default=0)
-    writer = _ShardWriter(store, max_pending=max_pending)
-
-    def assembly_buffers(dtype: torch.dtype) -> dict[int, torch.Tensor]:
-        try:
-            full = writer.free_buffers.get_nowait()
-        except queue.Empty:
-            full = {}
-        if sorted(full) != store.layer_ids or any(t.dtype != dtype for t in full.values()):
-            full = {i: torch.empty(capacity, hidden, dtype=dtype) for i in store.layer_ids}
-        return full
-
+    writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
     ok = False
     try:
-        current, buffers, full, filled = None, {}, {}, 0
         results = capture_batches(backend, ([s["input_ids"] for s in batch] for _, batch in jobs))
         for (number, batch), captured in zip(jobs, results, strict=True):
+            where = f"part {store.part} shard {number}"
             if len(captured) != len(batch):
                 raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
-                                      f"of {len(batch)} samples", where=f"part {store.part} shard {number}")
-            if number != current:
-                current, buffers, full, filled = number, {}, {}, 0
-                total = sum(len(s["input_ids"]) for s in shard_of[number])
+                                      f"of {len(batch)} samples", where=where)
             for sample, states in zip(batch, captured):
                 length = len(sample["input_ids"])
                 if sorted(states) != store.layer_ids:
                     raise ExtractionError(
                         f"the {backend.name} backend returned layers {sorted(states)} for sample {sample['id']!r}, "
-                        f"expected {store.layer_ids}", where=f"part {store.part} shard {number}")
-                for layer_id in store.layer_ids:
-                    tensor = states[layer_id]
+                        f"expected {store.layer_ids}", where=where)
+                for layer_id, tensor in states.items():
                     if tensor.shape != (length, hidden):
                         raise ExtractionError(
                             f"the {backend.name} backend returned layer {layer_id} states of shape "
                             f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
-                            f"(expected ({length}, {hidden}))", where=f"part {store.part} shard {number}")
-                    if not buffers:
-                        full = assembly_buffers(tensor.dtype if storage == "fp8" else STORAGE_DTYPES[storage])
-                        buffers = {i: t[:total] for i, t in full.items()}
-                    buffers[layer_id][filled:filled + length].copy_(tensor)
-                filled += length
+                            f"(expected ({length}, {hidden}))", where=where)
+            writer.submit(_BatchJob(number, batch, captured))
             if progress is not None:
                 progress(len(batch), sum(len(s["input_ids"]) for s in batch))
-            if filled == total:
-                writer.submit(_ShardJob(number, shard_of[number], buffers, full))
-                buffers, full = {}, {}
         ok = True
     finally:
         writer.close(abort=not ok)

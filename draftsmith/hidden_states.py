@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -197,45 +198,20 @@ class PartStore:
             return None
         return info
 
+    def open_shard(self, shard: int, num_tokens: int) -> ShardWriter:
+        """Start writing shard ``shard`` of ``num_tokens`` tokens; its rows are appended batch by batch."""
+        return ShardWriter(self, shard, num_tokens)
+
     def write_shard(self, shard: int, sample_ids: Sequence[str], input_ids: Sequence[Sequence[int]],
                     loss_masks: Sequence[Sequence[int]], states: dict[int, torch.Tensor]) -> ShardInfo:
-        """Write one shard's tokens and per-layer states; visible only once complete."""
-        lengths = [len(ids) for ids in input_ids]
-        num_tokens = sum(lengths)
-        if sorted(states) != self.layer_ids:
-            raise ExtractionError(f"shard {shard} has layers {sorted(states)}, the store expects {self.layer_ids}")
-        for layer_id, tensor in states.items():
-            if tuple(tensor.shape) != (num_tokens, self.meta["hidden_size"]):
-                raise ExtractionError(
-                    f"layer {layer_id} states have shape {tuple(tensor.shape)}, "
-                    f"expected ({num_tokens}, {self.meta['hidden_size']})", where=f"part {self.part} shard {shard}")
-        tmp = self.dir / f".{shard_dir_name(shard)}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        """Write one whole shard's tokens and per-layer states; visible only once complete."""
+        writer = self.open_shard(shard, sum(len(ids) for ids in input_ids))
         try:
-            files = {TOKENS_FILE: _tokens_tensors(input_ids, loss_masks, lengths)}
-            for layer_id in self.layer_ids:
-                files[layer_file(layer_id)] = _states_tensors(states[layer_id], self.meta["dtype"])
-            # One thread per file: writing, hashing and fsync release the GIL, so the files of a
-            # large shard reach the disk side by side rather than one after the other.
-            with ThreadPoolExecutor(max_workers=min(8, len(files)), thread_name_prefix="shard-file") as pool:
-                digests = pool.map(lambda item: write_safetensors(tmp / item[0], item[1]), files.items())
-                checksums = dict(zip(files, digests))
-            info = ShardInfo(
-                part=self.part, shard=shard, path=f"{self.dir.name}/{shard_dir_name(shard)}",
-                num_samples=len(sample_ids), num_tokens=num_tokens,
-                num_loss_tokens=int(sum(sum(m) for m in loss_masks)), checksums=checksums,
-            )
-            atomic_write_bytes(tmp / SHARD_MANIFEST, shard_manifest_bytes(
-                {**asdict(info), "fingerprint": self.meta["fingerprint"], "sample_ids": list(sample_ids)}))
-            final = self.dir / shard_dir_name(shard)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fsync_dir(self.dir)
+            writer.append(states)
+            return writer.commit(sample_ids, input_ids, loss_masks)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            writer.abort()
             raise
-        return info
 
     def finish(self, shards: Sequence[ShardInfo], manifest_path: str | Path) -> dict:
         """Write the part's manifest (the extraction rule's output) listing its shards in order."""
@@ -246,6 +222,111 @@ class PartStore:
         }
         atomic_write_json(manifest_path, manifest)
         return manifest
+
+
+class ShardWriter:
+    """One shard being written: rows are appended to every layer file as batches arrive, so the
+    bytes reach the disk while the target computes, and only the last batch's write and the syncs
+    remain when the shard ends. Files live in a hidden temporary folder renamed into place by
+    ``commit``; a crash or ``abort`` leaves no visible shard.
+    """
+
+    def __init__(self, store: PartStore, shard: int, num_tokens: int) -> None:
+        self.store, self.shard, self.num_tokens = store, shard, num_tokens
+        self.rows = 0
+        self.tmp = store.dir / f".{shard_dir_name(shard)}.tmp-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self.fp8 = store.meta["dtype"] == "fp8"
+        hidden = store.meta["hidden_size"]
+        self.scales: dict[int, list[torch.Tensor]] = {i: [] for i in store.layer_ids}
+        try:
+            # fp8: the values stream first and the small per-token scales follow at the end.
+            layout = [("hidden_states", STORAGE_DTYPES[store.meta["dtype"]], (num_tokens, hidden))]
+            if self.fp8:
+                layout.append(("scales", torch.float32, (num_tokens,)))
+            self.files = {i: SafetensorsStream(self.tmp / layer_file(i), layout) for i in store.layer_ids}
+        except BaseException:
+            self.abort()
+            raise
+        # One thread per file: writing, hashing and fsync release the GIL, so the layer files
+        # reach the disk side by side rather than one after the other.
+        self.pool = ThreadPoolExecutor(max_workers=min(8, len(self.files)), thread_name_prefix="shard-file")
+
+    def append(self, states: dict[int, torch.Tensor]) -> None:
+        """The next rows [n, hidden] of every layer (any float dtype: converted to the storage dtype)."""
+        if sorted(states) != self.store.layer_ids:
+            raise ExtractionError(f"shard {self.shard} got layers {sorted(states)}, the store expects "
+                                  f"{self.store.layer_ids}", where=f"part {self.store.part}")
+        hidden = self.store.meta["hidden_size"]
+        shapes = {tuple(t.shape) for t in states.values()}
+        rows = next(iter(shapes))[0] if len(shapes) == 1 else -1
+        if rows < 0 or shapes != {(rows, hidden)} or self.rows + rows > self.num_tokens:
+            raise ExtractionError(
+                f"shard {self.shard}: states of shapes {sorted(shapes)} do not fit the shard "
+                f"({self.rows} of {self.num_tokens} rows written, hidden {hidden})",
+                where=f"part {self.store.part} shard {self.shard}")
+
+        def write(layer_id: int) -> None:
+            tensor = states[layer_id].detach().cpu()
+            if self.fp8:
+                tensor, scales = quantize_fp8(tensor)
+                self.scales[layer_id].append(scales)
+            else:
+                tensor = tensor.to(STORAGE_DTYPES[self.store.meta["dtype"]])
+            self.files[layer_id].write(tensor)
+
+        list(self.pool.map(write, self.store.layer_ids))
+        self.rows += rows
+
+    def commit(self, sample_ids: Sequence[str], input_ids: Sequence[Sequence[int]],
+               loss_masks: Sequence[Sequence[int]]) -> ShardInfo:
+        """Finish the files, write the tokens and the manifest, sync, and rename the shard into place;
+        on any failure the shard is dropped."""
+        lengths = [len(ids) for ids in input_ids]
+
+        def close(layer_id: int) -> str:
+            if self.fp8:
+                self.files[layer_id].write(torch.cat(self.scales[layer_id]) if self.scales[layer_id]
+                                           else torch.zeros(0))
+            return self.files[layer_id].close()
+
+        try:
+            if sum(lengths) != self.num_tokens or self.rows != self.num_tokens:
+                raise ExtractionError(f"shard {self.shard}: {self.rows} rows of states for {sum(lengths)} tokens "
+                                      f"(the shard was opened for {self.num_tokens})",
+                                      where=f"part {self.store.part} shard {self.shard}")
+            checksums = {TOKENS_FILE: write_safetensors(self.tmp / TOKENS_FILE,
+                                                        _tokens_tensors(input_ids, loss_masks, lengths))}
+            checksums.update(zip(map(layer_file, self.store.layer_ids), self.pool.map(close, self.store.layer_ids)))
+            store = self.store
+            info = ShardInfo(
+                part=store.part, shard=self.shard, path=f"{store.dir.name}/{shard_dir_name(self.shard)}",
+                num_samples=len(sample_ids), num_tokens=self.num_tokens,
+                num_loss_tokens=int(sum(sum(m) for m in loss_masks)), checksums=checksums,
+            )
+            atomic_write_bytes(self.tmp / SHARD_MANIFEST, shard_manifest_bytes(
+                {**asdict(info), "fingerprint": store.meta["fingerprint"], "sample_ids": list(sample_ids)}))
+            final = store.dir / shard_dir_name(self.shard)
+            if final.exists():
+                shutil.rmtree(final)
+            self.tmp.rename(final)
+            fsync_dir(store.dir)
+        except BaseException:
+            self.abort()
+            raise
+        self.pool.shutdown()
+        return info
+
+    def abort(self) -> None:
+        """Drop the shard: close and remove its temporary folder."""
+        try:
+            pool = getattr(self, "pool", None)
+            if pool is not None:
+                pool.shutdown(wait=True)
+            for stream in getattr(self, "files", {}).values():
+                stream.discard()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def merge_parts(part_manifests: Sequence[str | Path], index_path: str | Path) -> HiddenStateIndex:
@@ -420,14 +501,6 @@ def _tokens_tensors(input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Seq
     }
 
 
-def _states_tensors(states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    states = states.detach().cpu()
-    if dtype == "fp8":
-        values, scales = quantize_fp8(states)
-        return {"hidden_states": values.contiguous(), "scales": scales.contiguous()}
-    return {"hidden_states": states.to(STORAGE_DTYPES[dtype]).contiguous()}
-
-
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
     torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
@@ -435,34 +508,75 @@ SAFETENSORS_DTYPES = {
 _WRITE_CHUNK = 1 << 24
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write ``tensors`` as a safetensors file, fsync it, and return its sha256.
+class SafetensorsStream:
+    """A safetensors file written front to back while its tensors are still being produced.
 
-    The bytes equal ``safetensors.torch.save``'s, but are written and hashed straight from the
-    tensors' memory: no copy of a multi-GB shard, and the GIL is released throughout, so a
-    background writer does not stall the thread that keeps the GPU busy.
+    ``layout`` fixes every tensor's name, dtype and final shape, in file order, so the header
+    goes out first; ``write`` then takes the next bytes in that order (a tensor may come in row
+    blocks), hashing them on the way, straight from the tensors' memory with the GIL released.
+    ``close`` checks that every byte came, syncs the file and returns its sha256.
     """
-    # safetensors' own order: larger elements first, then by name; header padded to 8 bytes.
-    items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-    header, offset, buffers = {}, 0, []
-    for name, tensor in items:
+
+    def __init__(self, path: str | Path, layout: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+        header, offset = {}, 0
+        for name, dtype, shape in layout:
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        self.dtypes = [dtype for _, dtype, _ in layout]
+        self.ends = [header[name]["data_offsets"][1] for name, _, _ in layout]
+        self.expected, self.written, self.current = offset, 0, 0
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        self.digest = hashlib.sha256()
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by close() or discard()
+        self._put(memoryview(len(text).to_bytes(8, "little") + text))
+
+    def _put(self, buffer: memoryview) -> None:
+        for start in range(0, len(buffer), _WRITE_CHUNK):
+            chunk = buffer[start:start + _WRITE_CHUNK]
+            self.file.write(chunk)
+            self.digest.update(chunk)
+
+    def write(self, tensor: torch.Tensor) -> None:
         data = tensor.detach().cpu().contiguous()
         size = data.numel() * data.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-        if size:
-            buffers.append(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for buffer in [memoryview(len(text).to_bytes(8, "little") + text), *buffers]:
-            for start in range(0, len(buffer), _WRITE_CHUNK):
-                chunk = buffer[start:start + _WRITE_CHUNK]
-                f.write(chunk)
-                digest.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return digest.hexdigest()
+        if not size:
+            return
+        while self.current < len(self.ends) - 1 and self.written == self.ends[self.current]:
+            self.current += 1
+        if data.dtype != self.dtypes[self.current] or self.written + size > self.ends[self.current]:
+            raise ValueError(f"{self.file.name}: {size} bytes of {data.dtype} do not fit tensor {self.current} "
+                             f"({self.dtypes[self.current]}, {self.ends[self.current] - self.written} bytes left)")
+        self._put(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        self.written += size
 
+    def close(self) -> str:
+        if self.written != self.expected:
+            raise ValueError(f"{self.file.name}: {self.written} of {self.expected} data bytes written")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return self.digest.hexdigest()
+
+    def discard(self) -> None:
+        """Close without syncing; the caller removes the file (a full disk may refuse the flush)."""
+        try:
+            self.file.close()
+        except OSError:
+            pass
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` as a safetensors file, fsync it, and return its sha256; the bytes equal
+    ``safetensors.torch.save``'s (its order: larger elements first, then by name)."""
+    items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    stream = SafetensorsStream(path, [(name, t.dtype, tuple(t.shape)) for name, t in items])
+    try:
+        for _, tensor in items:
+            stream.write(tensor)
+        return stream.close()
+    except BaseException:
+        stream.discard()
+        raise

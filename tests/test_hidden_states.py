@@ -1,7 +1,9 @@
 """The shard store: what goes in comes back, fp8 within its tolerance, nothing half-written visible."""
 
+import pytest
 import torch
 
+from draftsmith.errors import ExtractionError
 from draftsmith.hidden_states import (
     HiddenStateIndex, PartStore, bytes_per_token, dequantize_fp8, merge_parts, quantize_fp8, read_shard,
 )
@@ -44,3 +46,31 @@ def test_fp8_halves_the_bytes_of_bf16():
 def test_quantize_handles_an_all_zero_row():
     values, scales = quantize_fp8(torch.zeros(2, 8))
     assert torch.equal(dequantize_fp8(values, scales).float(), torch.zeros(2, 8))
+
+
+def test_a_shard_appended_batch_by_batch_equals_one_written_whole(tmp_path):
+    ids = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    states = {1: torch.randn(9, 16) * 50, 7: torch.randn(9, 16)}
+    for dtype in ("bfloat16", "fp8"):
+        whole = _store(tmp_path / f"whole-{dtype}", dtype, states, ids)
+        store = PartStore(tmp_path / f"parts-{dtype}", 0, fingerprint="f", dtype=dtype, hidden_size=16,
+                          layer_ids=[1, 7])
+        writer = store.open_shard(0, 9)
+        for rows in (slice(0, 3), slice(3, 5), slice(5, 9)):  # as a part's batches come back
+            writer.append({i: t[rows] for i, t in states.items()})
+        info = writer.commit(["s0", "s1", "s2"], ids, [[1] * len(x) for x in ids])
+        assert info.checksums == whole.shards[0].checksums
+        for name in info.checksums:
+            assert (store.dir / "shard-00000" / name).read_bytes() == \
+                (tmp_path / f"whole-{dtype}" / "part-0" / "shard-00000" / name).read_bytes()
+
+
+def test_an_unfinished_shard_is_refused_and_leaves_nothing(tmp_path):
+    store = PartStore(tmp_path, 0, fingerprint="f", dtype="bfloat16", hidden_size=8, layer_ids=[1, 3])
+    writer = store.open_shard(0, 5)
+    writer.append({1: torch.randn(3, 8), 3: torch.randn(3, 8)})
+    with pytest.raises(ExtractionError, match="3 rows of states for 5 tokens"):
+        writer.commit(["a", "b"], [[1, 2, 3], [4, 5]], [[1, 1, 1], [1, 1]])
+    with pytest.raises(ExtractionError, match="do not fit the shard"):
+        store.open_shard(1, 2).append({1: torch.randn(3, 8), 3: torch.randn(3, 8)})
+    assert not list(tmp_path.glob("part-0/shard-*")) and not list(tmp_path.glob("part-0/.shard-00000*"))
