@@ -60,7 +60,6 @@ from draftsmith.errors import TrainingError
 from draftsmith.hidden_states import (
     HiddenStateIndex,
     ShardInfo,
-    dequantize_fp8,
     layer_file,
     read_shard,
     verify_store,
@@ -246,12 +245,11 @@ class _ShardRows:
         self.files = {i: safe_open(str(root / layer_file(i)), "pt") for i in layer_ids}
         self.fp8 = index.dtype == "fp8"
 
-    def rows(self, layer_id: int, start: int, stop: int) -> torch.Tensor:
+    def rows(self, layer_id: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stored rows and, for fp8, their per-token scales (dequantised later, on the device)."""
         f = self.files[layer_id]
         values = f.get_slice("hidden_states")[start:stop]
-        if self.fp8:
-            return dequantize_fp8(values, f.get_slice("scales")[start:stop])
-        return values
+        return values, (f.get_slice("scales")[start:stop] if self.fp8 else None)
 
 
 def _padded_length(tokens: int, pad_to: int, fixed: int | None) -> int:
@@ -266,8 +264,12 @@ def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[
     valid masks [K, T], positions, document ids (padding rows form one extra document), and the
     gather indices of ``scored_positions``."""
     total = pack.tokens
-    aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=dtype)
-    final = torch.zeros(t_pad, hidden, dtype=dtype)
+    # fp8 stores travel as fp8 plus per-token scales and are dequantised on the device
+    # (``dequantize_batch``): half the bytes over PCIe, and no slow CPU float8 conversion.
+    store_dtype = torch.float8_e4m3fn if rows.fp8 else dtype
+    aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=store_dtype)
+    final = torch.zeros(t_pad, hidden, dtype=store_dtype)
+    scales = torch.zeros(t_pad, len(aux_ids) + 1) if rows.fp8 else None  # aux layers, then final
     ids = torch.zeros(ttt_steps, t_pad, dtype=torch.long)
     valid = torch.zeros(ttt_steps, t_pad, dtype=torch.bool)
     pos = torch.zeros(t_pad, dtype=torch.long)
@@ -275,9 +277,16 @@ def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[
     o = 0
     for d, i in enumerate(pack.samples):
         s, m = int(meta.starts[i]), int(meta.lengths[i])
-        for a, layer in enumerate(aux_ids):
-            aux[o:o + m, a * hidden:(a + 1) * hidden] = rows.rows(layer, s, s + m)
-        final[o:o + m] = rows.rows(final_id, s + 1, s + 1 + m)
+        for a, layer in enumerate([*aux_ids, final_id]):
+            final_layer = a == len(aux_ids)
+            start = s + 1 if final_layer else s  # the final state of the *next* token is the teacher's
+            values, layer_scales = rows.rows(layer, start, start + m)
+            if final_layer:
+                final[o:o + m] = values
+            else:
+                aux[o:o + m, a * hidden:(a + 1) * hidden] = values
+            if scales is not None:
+                scales[o:o + m, a] = layer_scales
         sample_ids = rows.input_ids[s + 1:s + 1 + m]
         sample_loss = rows.loss_mask[s + 1:s + 1 + m]
         if not pack.dummy:
@@ -289,6 +298,8 @@ def _build_batch(pack: _Pack, meta: _ShardMeta, rows: _ShardRows, aux_ids: list[
         doc[o:o + m] = d
         o += m
     batch = {"aux": aux, "final": final, "ids": ids, "valid": valid, "pos": pos, "doc": doc, **scored_positions(valid)}
+    if scales is not None:
+        batch["scales"] = scales
     if pin:
         batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     batch["tokens"] = total
@@ -333,6 +344,18 @@ def _to_device(batches: list[dict], device: torch.device, stream) -> list[dict]:
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         return [{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
                 for b in batches]
+
+
+def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
+    """An fp8 micro-batch's states as ``dtype``, on the device it sits on (a no-op for others)."""
+    if "scales" not in batch:
+        return batch
+    scales = batch.pop("scales")
+    t, a = scales.shape[0], scales.shape[1] - 1
+    aux = batch["aux"].float().view(t, a, -1) * scales[:, :a, None]
+    batch["aux"] = aux.view(t, -1).to(dtype)
+    batch["final"] = (batch["final"].float() * scales[:, a:]).to(dtype)
+    return batch
 
 
 def _ready(batches: list[dict], stream) -> list[dict]:
@@ -1024,7 +1047,7 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
             # DDP averages gradients over ranks, hence the factor world.
             weights = (decay / torch.from_numpy(np.maximum(step.counts, 1)) * ddp.world).to(torch.float32)
             weights = weights.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else weights
-            micro = _ready(upcoming, stream)
+            micro = [dequantize_batch(b, batch_dtype) for b in _ready(upcoming, stream)]
             # the exact (whole-vocabulary) acceptance statistics only on the steps that log them
             step_loss, stats, grad_norm = train_step(model, optimizer, trainable, micro, settings.grad_accum_steps,
                                                      weights, max_grad_norm=settings.max_grad_norm,

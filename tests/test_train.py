@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex, PartStore, merge_parts
+from draftsmith.hidden_states import HiddenStateIndex, PartStore, merge_parts, read_shard
 from draftsmith.io import read_json
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.targets.weights import load_embedding_and_head
@@ -29,6 +29,7 @@ from draftsmith.train import (
     TrainSettings,
     TTTObjective,
     _build_batch,
+    dequantize_batch,
     _Pack,
     _plan_steps,
     _shard_meta,
@@ -342,6 +343,22 @@ def test_training_from_fp8_states_learns_as_from_full_precision(inputs, tmp_path
     quantized = train(fp8, tmp_path, settings, "fp8")["final"]
     for step in range(settings.ttt_steps):
         assert quantized["loss"][step] == pytest.approx(full["loss"][step], rel=0.05)
+
+
+def test_an_fp8_batch_dequantised_on_the_device_holds_the_stored_states(tmp_path):
+    fp8 = build_training_inputs(tmp_path / "fp8", storage_dtype="fp8", num_samples=8)
+    _, meta, batch = objective_and_batches(fp8, ttt_steps=2)
+    index = HiddenStateIndex.load(fp8["index"])
+    stored = read_shard(index, index.shards[0])  # dequantised by the store's own reader
+    packed = batch([0, 1])
+    assert packed["aux"].dtype == torch.float8_e4m3fn  # fp8 until it reaches the device
+    packed = dequantize_batch(packed, torch.bfloat16)
+    assert "scales" not in packed and packed["aux"].dtype == torch.bfloat16
+    m0 = int(meta.lengths[0])
+    h = index.hidden_size
+    for a, layer in enumerate(index.aux_layer_ids):
+        assert torch.equal(packed["aux"][:m0, a * h:(a + 1) * h], stored.states[layer][:m0])
+    assert torch.equal(packed["final"][:m0], stored.states[index.final_layer_id][1:m0 + 1])
 
 
 def test_two_ddp_processes_match_one_process_on_the_same_global_batches(inputs, tmp_path):
