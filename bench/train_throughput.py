@@ -35,7 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token  # noqa: E402
-from draftsmith.train import PAD_MULTIPLE, TTTObjective, scored_positions, train_step  # noqa: E402
+from draftsmith.train import (  # noqa: E402
+    PAD_MULTIPLE,
+    TTTObjective,
+    _init_distributed,
+    scored_positions,
+    train_step,
+)
 
 H200_BF16_DENSE = 989.5e12
 
@@ -58,6 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=4, help="distinct synthetic batches, cycled")
     p.add_argument("--log-every", type=int, default=10,
                    help="Draftsmith computes the exact acceptance statistics every this many steps (train.log_every)")
+    p.add_argument("--loss-mask", choices=["answers", "random"], default="answers",
+                   help="answers: each document a prompt block without loss, then its answer (chat data); "
+                        "random: each token in the loss with probability 0.7")
+    p.add_argument("--micro-per-step", type=int, default=1,
+                   help="micro-batches per optimizer step over all processes (the global batch); under torchrun "
+                        "each of W processes runs micro-per-step / W of them")
     p.add_argument("--only", choices=["draftsmith", "speculators"], default=None)
     p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile (draft step, loss kernels)")
     p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
@@ -87,7 +99,11 @@ def synthetic(args, device, dtype):
         doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         pos = torch.cat([torch.arange(1, n + 1) for n in lengths])
         tokens = torch.randint(0, args.vocab, (t,), generator=g)
-        loss = torch.rand(t, generator=g) < 0.7
+        if args.loss_mask == "random":
+            loss = torch.rand(t, generator=g) < 0.7
+        else:  # a prompt of 10-50% of the document, then the answer: ~70% loss tokens
+            loss = torch.cat([torch.arange(n) >= int(n * (0.1 + 0.4 * torch.rand(1, generator=g).item()))
+                              for n in lengths])
         aux = torch.randn(t, 3 * h, generator=g)
         prenorm = torch.randn(t, h, generator=g) * 2
         final = prenorm * torch.rsqrt(prenorm.pow(2).mean(-1, keepdim=True) + 1e-5) * final_norm
@@ -126,19 +142,23 @@ def timed(run_step, args, device):
     for _ in range(args.warmup):
         losses.append(run_step())
     sync(device)
+    if torch.distributed.is_initialized():  # every process starts and stops the clock together
+        torch.distributed.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
         losses.append(run_step())
     sync(device)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     losses = [float(x) for x in losses]
     return elapsed, losses, peak
 
 
-def bench_draftsmith(args, device, data):
+def bench_draftsmith(args, device, data, ddp):
     embed, lm_head, rows, _, batches = data
     cuda = device.type == "cuda"
     frozen = torch.bfloat16 if cuda else torch.float32
@@ -162,6 +182,10 @@ def bench_draftsmith(args, device, data):
     objective.to_device(device, frozen)
     if cuda and not args.no_compile:
         objective.compile_steps()
+    model = objective
+    if ddp.world > 1:  # as train_draft wraps it under torchrun
+        model = torch.nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if cuda else None,
+                                                          broadcast_buffers=False)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01, fused=cuda)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
@@ -180,20 +204,29 @@ def bench_draftsmith(args, device, data):
         padded["doc"] = torch.nn.functional.pad(b["doc"], (0, extra), value=int(b["doc"].max()) + 1)
         padded.update({k: v.to(device) if isinstance(v, torch.Tensor) else v
                        for k, v in scored_positions(padded["valid"]).items()})
-        prepared.append((padded, (decay / counts).float().to(device)))
+        prepared.append((padded, counts))
+    # Step s runs the global micro-batches s*N .. s*N+N-1 (cycling over the prepared ones), this
+    # process its share of them; the loss is normalised over the whole global batch, as in training.
+    n, per = args.micro_per_step, args.micro_per_step // ddp.world
+    plans = []
+    for s in range(len(prepared)):
+        chosen = [(s * n + i) % len(prepared) for i in range(n)]
+        counts = sum(prepared[c][1] for c in chosen)
+        mine = [prepared[c][0] for c in chosen[ddp.rank * per:(ddp.rank + 1) * per]]
+        plans.append((mine, (decay / counts * ddp.world).float().to(device)))
     state = {"i": 0}
 
     def run_step():
         i = state["i"]
-        batch, weights = prepared[i % len(prepared)]
+        micro, weights = plans[i % len(plans)]
         state["i"] += 1
         exact = i == 0 or (i + 1) % args.log_every == 0  # the first warms the exact path up
-        loss, _, _ = train_step(objective, optimizer, trainable, [batch], 1, weights, max_grad_norm=1.0,
-                                autocast=autocast, exact=exact)
+        loss, _, _ = train_step(model, optimizer, trainable, micro, per, weights, max_grad_norm=1.0,
+                                autocast=autocast, world=ddp.world, exact=exact)
         return loss.detach()
 
     result = timed(run_step, args, device)
-    del objective, draft, optimizer, prepared
+    del model, objective, draft, optimizer, prepared, plans
     return result
 
 
@@ -270,42 +303,54 @@ def useful_flops_per_token(args, batches) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cuda = torch.cuda.is_available() and not args.tiny
+    ddp = _init_distributed(cuda)  # torchrun: one process per GPU
+    if args.micro_per_step % ddp.world:
+        raise SystemExit(f"--micro-per-step {args.micro_per_step} does not split over {ddp.world} processes")
+    device = torch.device(f"cuda:{ddp.local_rank}" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
     data = synthetic(args, device, dtype)
     flops = useful_flops_per_token(args, data[4])
-    tokens = args.seq_len * args.steps
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch "
-          f"{torch.__version__}; hidden {args.hidden}, heads {args.heads}/{args.kv_heads}x{args.head_dim}, "
-          f"intermediate {args.intermediate}, vocab {args.vocab} -> draft {args.draft_vocab}; {args.seq_len} "
-          f"tokens/batch, mean document {args.doc_len}, TTT steps {args.ttt_steps}, {args.steps} timed steps "
-          f"after {args.warmup}")
+    tokens = args.seq_len * args.steps * args.micro_per_step
+    say = print if ddp.main else (lambda *a, **k: None)
+    say(f"device {device} ({torch.cuda.get_device_name() if cuda else 'cpu'}) x {ddp.world} processes, torch "
+        f"{torch.__version__}; hidden {args.hidden}, heads {args.heads}/{args.kv_heads}x{args.head_dim}, "
+        f"intermediate {args.intermediate}, vocab {args.vocab} -> draft {args.draft_vocab}; {args.seq_len} "
+        f"tokens/micro-batch, {args.micro_per_step} per step, mean document {args.doc_len}, loss mask "
+        f"{args.loss_mask}, TTT steps {args.ttt_steps}, {args.steps} timed steps after {args.warmup}")
     results = {}
-    for name, fn in (("draftsmith", bench_draftsmith), ("speculators", bench_speculators)):
+    trainers = [("draftsmith", bench_draftsmith)]
+    if ddp.world == 1 and args.micro_per_step == 1:  # speculators' trainer: one micro-batch, one process
+        trainers.append(("speculators", lambda a, d, x, _: bench_speculators(a, d, x)))
+    for name, fn in trainers:
         if args.only and args.only != name:
             continue
         try:
-            results[name] = fn(args, device, data)
+            results[name] = fn(args, device, data, ddp)
         except Exception as e:  # report the other trainer even if one fails
-            print(f"{name}: failed: {type(e).__name__}: {e}")
+            say(f"{name}: failed: {type(e).__name__}: {e}")
+            if ddp.world > 1:
+                raise
         gc.collect()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
-    print()
-    header = f"{'trainer':<12} {'tokens/s':>12} {'ratio':>7} {'loss first->last':>20} {'peak GiB':>9} " \
-             f"{'TFLOP/s':>9} {'MFU':>6}"
-    print(header)
-    print("-" * len(header))
+    say()
+    header = f"{'trainer':<12} {'GPUs':>4} {'tokens/s':>12} {'per GPU':>10} {'ratio':>7} {'loss first->last':>20} " \
+             f"{'peak GiB':>9} {'TFLOP/s':>9} {'MFU':>6}"
+    say(header)
+    say("-" * len(header))
     base = results.get("speculators", (None,))[0]
     for name, (elapsed, losses, peak) in results.items():
         rate = tokens / elapsed
         ratio = (base / elapsed) if base else math.nan
-        achieved = rate * flops
-        print(f"{name:<12} {rate:>12,.0f} {ratio:>7.2f} {losses[0]:>9.4f} -> {losses[-1]:<8.4f} {peak:>9.1f} "
-              f"{achieved / 1e12:>9.1f} {achieved / args.peak_flops:>6.1%}")
-    print(f"\nuseful FLOPs/token {flops / 1e9:.2f} GFLOP (draft fwd+bwd x {args.ttt_steps} TTT steps, fc, attention "
-          f"within documents, draft-vocab teacher); ratio = speculators time / Draftsmith time; MFU against "
-          f"{args.peak_flops / 1e12:.0f} TFLOP/s")
+        achieved = rate * flops / ddp.world
+        say(f"{name:<12} {ddp.world:>4} {rate:>12,.0f} {rate / ddp.world:>10,.0f} {ratio:>7.2f} {losses[0]:>9.4f} -> "
+            f"{losses[-1]:<8.4f} {peak:>9.1f} {achieved / 1e12:>9.1f} {achieved / args.peak_flops:>6.1%}")
+    say(f"\nuseful FLOPs/token {flops / 1e9:.2f} GFLOP (draft fwd+bwd x {args.ttt_steps} TTT steps, fc, attention "
+        f"within documents, draft-vocab teacher, over every position); ratio = speculators time / Draftsmith time; "
+        f"TFLOP/s and MFU per GPU, against {args.peak_flops / 1e12:.0f} TFLOP/s")
+    if ddp.owns_group:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

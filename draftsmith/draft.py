@@ -275,14 +275,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                layer_index: int) -> torch.Tensor:
+                layer_index: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over all T rows of ``x``; the output projection only on the ``keep`` rows."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         out = attend(layer_index, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        if keep is not None:
+            out = out[keep]
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
@@ -314,14 +317,14 @@ class Eagle3FirstLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend, layer_index: int = 0) -> torch.Tensor:
+                attend: Attend, layer_index: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
         residual = hidden
         embeds = self.input_layernorm(embeds)
         hidden = self.hidden_norm(hidden)
         if self.norm_before_residual:
             residual = hidden
-        x = self.self_attn(torch.cat([embeds, hidden], dim=-1), cos, sin, attend, layer_index)
-        x = residual + x
+        x = self.self_attn(torch.cat([embeds, hidden], dim=-1), cos, sin, attend, layer_index, keep)
+        x = (residual if keep is None else residual[keep]) + x
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -336,8 +339,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend, layer_index: int) -> torch.Tensor:
-        x = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attend, layer_index)
+                attend: Attend, layer_index: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+        x = (hidden if keep is None else hidden[keep]) + self.self_attn(self.input_layernorm(hidden), cos, sin,
+                                                                         attend, layer_index, keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -431,14 +435,17 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_states)
 
     def advance(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+                attend: Attend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass up to the lm_head: (output hidden [T, H] fed to the next step, the
         final-normed state [T, H] that the lm_head reads). Training applies the lm_head only to the
-        positions it scores."""
+        positions it scores. With ``keep`` [n] (row indices), the last layer's output projection
+        and MLP run on those rows alone and both results are theirs ([n, H]): attention still sees
+        every row, the rest of the work skips rows whose outputs nothing uses."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(embeds, hidden, cos, sin, attend, i)
+            hidden = layer(embeds, hidden, cos, sin, attend, i, keep if i == last else None)
         return hidden, self.norm(hidden)
 
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -42,12 +42,14 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -499,8 +501,16 @@ def scored_positions(valid: torch.Tensor) -> dict:
                                 where="training batch", fix="build batches with draftsmith.train._build_batch")
         rows.append(r)
         teach.append(compact[r + j])
+    # keep[j]: the rows whose step-j output anything uses, those scored at step j or later (step
+    # j+1 reads step j's output at the same row); pick[j]: step j's scored rows within keep[j].
+    keep, pick, needed = [None] * len(rows), [None] * len(rows), torch.zeros(t, dtype=torch.bool)
+    for j in reversed(range(len(rows))):
+        needed = needed | valid[j]
+        keep[j] = needed.nonzero().squeeze(1)
+        pick[j] = (needed.long().cumsum(0) - 1)[rows[j]]
     return {"teach_rows": teach_rows, "rows": torch.cat(rows), "teach": torch.cat(teach),
-            "splits": tuple(len(r) for r in rows)}
+            "splits": tuple(len(r) for r in rows), "keep": torch.cat(keep), "keep_splits": tuple(map(len, keep)),
+            "pick": torch.cat(pick)}
 
 
 def _teacher_rows(tz: torch.Tensor):
@@ -620,16 +630,28 @@ class TTTObjective(nn.Module):
         self.kernels = LossKernels.compiled(backend)
         return self
 
-    def unroll(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor):
-        """Yield the final-normed states [T, H] (what the lm_head reads) of TTT steps 0..K-1 (module docstring)."""
+    def unroll(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
+               keep: Sequence[torch.Tensor] | None = None):
+        """Yield the final-normed states (what the lm_head reads) of TTT steps 0..K-1 (module
+        docstring): [T, H], or with ``keep`` (per step, the rows whose outputs are used, each
+        step's within the previous one's; ``scored_positions``) [len(keep[j]), H], stopping
+        before the first step that keeps no row."""
         hidden = self.draft.fuse(aux)
         attend = TTTAttention(doc, self.attention, self.flex_fn)
         k, t = ids.shape
         cos, sin = self.draft.rope((pos[None] + torch.arange(k, device=pos.device)[:, None]).flatten())
         for j in range(k):
-            hidden, normed = self.step_fn(hidden, ids[j], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t], attend)
+            rows = None if keep is None else keep[j]
+            if rows is not None:
+                if not len(rows):
+                    return
+                if len(rows) > 1:  # one compiled graph per TTT step, whatever the batch's row count
+                    torch._dynamo.mark_dynamic(rows, 0)
+            out, normed = self.step_fn(hidden, ids[j], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t], attend, rows)
             attend.next_step()
             yield normed
+            # Rows dropped here are dropped at every later step too: zeros stand in for them.
+            hidden = out if rows is None else out.new_zeros(t, out.shape[1]).index_copy(0, rows, out)
 
     @torch.no_grad()
     def _teacher(self, final: torch.Tensor, teach_rows: torch.Tensor, exact: bool):
@@ -663,13 +685,12 @@ class TTTObjective(nn.Module):
         if not splits[0]:  # a filler micro-batch: zero gradients for every parameter, so DDP still reduces
             return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0, stats
         tz, tlse, negent, target_arg, in_vocab = self._teacher(final, batch["teach_rows"], exact)
-        rows, teach = batch["rows"].split(splits), batch["teach"].split(splits)
+        rows, teach, pick = (batch[k].split(splits) for k in ("rows", "teach", "pick"))
+        keep = batch["keep"].split(batch["keep_splits"])
         chain = valid[0]
         loss = aux.new_zeros((), dtype=torch.float32)
-        for j, normed in enumerate(self.unroll(aux, ids, pos, doc)):
-            if not splits[j]:  # a sample's scored positions only shrink with j: nothing later either
-                break
-            kl, arg = DraftKL.apply(self.draft.lm_head(normed[rows[j]]), tz, tlse, negent, teach[j], self.kernels)
+        for j, normed in enumerate(self.unroll(aux, ids, pos, doc, keep)):
+            kl, arg = DraftKL.apply(self.draft.lm_head(normed[pick[j]]), tz, tlse, negent, teach[j], self.kernels)
             kl_sum = kl.sum()
             loss = loss + weights[j] * kl_sum
             with torch.no_grad():

@@ -151,6 +151,49 @@ def test_packed_ttt_forward_matches_reference_per_sample(num_layers, norm_before
         o += m
 
 
+def prompt_and_answer_valid(lengths, ttt_steps: int = 3, seed: int = 0) -> torch.Tensor:
+    """valid [K, T] as chat data gives it: per sample a prompt block without loss, then answer tokens."""
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.cat([torch.arange(m) >= torch.randint(0, m, (1,), generator=g) for m in lengths])
+    valid = torch.zeros(ttt_steps, len(loss), dtype=torch.bool)
+    o = 0
+    for m in lengths:
+        for j in range(min(ttt_steps, m)):
+            valid[j, o:o + m - j] = loss[o + j:o + m]
+        o += m
+    return valid
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_rows_nothing_uses_are_skipped_without_changing_the_rest(num_layers):
+    """``keep``: the last layer's output projection and MLP only on rows some TTT step scores (at
+    that step or later): the kept rows' states and every gradient equal the full computation's."""
+    draft = make_draft(num_layers)
+    lengths = [9, 2, 15, 6]
+    aux, ids, pos, doc, _ = packed_batch(lengths)
+    positions = scored_positions(prompt_and_answer_valid(lengths))
+    keep = positions["keep"].split(positions["keep_splits"])
+    picks = positions["pick"].split(positions["splits"])
+    rows = positions["rows"].split(positions["splits"])
+    assert len(keep[0]) < aux.shape[0] and len(keep[2]) < len(keep[1]) < len(keep[0])  # something is skipped
+    results = []
+    for use_keep in (False, True):
+        draft.zero_grad(set_to_none=True)
+        objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
+                                 ttt_decay=1.0, attention="sdpa")
+        states = list(objective.unroll(aux, ids, pos, doc, keep if use_keep else None))
+        scored = [x[(picks if use_keep else rows)[j]] for j, x in enumerate(states)]
+        sum((draft.lm_head(x) * torch.linspace(-1, 1, DRAFT_VOCAB)).sum() * (j + 1)
+            for j, x in enumerate(scored)).backward()
+        results.append((scored, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (full, full_grads), (kept, kept_grads) = results
+    for a, b in zip(full, kept):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+    assert kept_grads.keys() == full_grads.keys()
+    for name, g in full_grads.items():
+        torch.testing.assert_close(kept_grads[name], g, rtol=1e-9, atol=1e-9, msg=name)
+
+
 def dense_flex(q, k, v, block_mask, scale, enable_gqa, return_aux):
     """flex_attention's contract in plain autograd math (flex has no CPU backward)."""
     from types import SimpleNamespace
@@ -196,7 +239,8 @@ def test_flex_attention_path_matches_sdpa_path():
 def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
     """The GPU configuration (torch.compile'd draft step calling compiled flex attention with its
     LSE) through Dynamo and AOTAutograd (backend aot_eager: no Triton here): no graph breaks, one
-    graph per TTT step and none per batch, and forward and backward equal to the SDPA path. Only
+    graph per TTT step and none per batch (their kept row counts differ), and forward and backward
+    equal to the SDPA path. Only
     flex's CPU guard against backward is lifted: its dense math is what runs here."""
     import torch._dynamo
     import torch.nn.attention.flex_attention as fa
@@ -210,14 +254,19 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
     step = torch.compile(draft.advance, dynamic=False, backend="aot_eager")
     for seed, lengths in enumerate(([40, 30, 58], [100, 28])):
         aux, ids, pos, doc, _ = packed_batch(lengths, dtype=torch.float32, seed=seed)
+        positions = scored_positions(prompt_and_answer_valid(lengths, seed=seed))
+        keep = positions["keep"].split(positions["keep_splits"])  # row counts differ between the batches
         results = []
         for impl in ("sdpa", "flex"):
             objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
                                      ttt_decay=1.0, attention=impl, flex_fn=flex)
-            if impl == "flex":
-                objective.step_fn = step
             draft.zero_grad(set_to_none=True)
-            logits = [draft.lm_head(x) for x in objective.unroll(aux, ids, pos, doc)]
+            if impl == "flex":  # as training runs it: compiled, skipping rows no step scores
+                objective.step_fn = step
+                states = list(objective.unroll(aux, ids, pos, doc, keep))
+            else:
+                states = [x[rows] for x, rows in zip(objective.unroll(aux, ids, pos, doc), keep)]
+            logits = [draft.lm_head(x) for x in states]
             sum((lg * torch.linspace(-1, 1, lg.shape[-1])).sum() for lg in logits).backward()
             results.append((logits, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
         (ref, ref_grads), (out, grads) = results
