@@ -39,6 +39,8 @@ import math
 import os
 import queue
 import shutil
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -1241,11 +1243,42 @@ def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
     return TrainSettings(**values)
 
 
+def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int = 29400,
+                   env: dict[str, str] | None = None) -> list[str]:
+    """The command that starts training's processes, ``devices`` on each of ``nodes`` nodes.
+
+    One node: ``torchrun --standalone``. Several: inside a SLURM allocation of that many nodes
+    (the rule runs on its first node), ``srun`` starts one ``torchrun`` per node, and they meet at
+    a c10d rendezvous on this host named after the job.
+    """
+    env = dict(os.environ if env is None else env)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}"]
+    module = ["-m", "draftsmith.train", str(launch)]
+    if nodes == 1:
+        return [*torchrun, "--standalone", *module]
+    job = env.get("SLURM_JOB_ID")
+    if job is None:
+        raise TrainingError(f"train.nodes is {nodes}, but this job is not a SLURM allocation",
+                            where="train.nodes",
+                            fix="run the workflow with --profile profiles/slurm and set nodes for train_draft "
+                                "there to train.nodes (docs/cluster.md), or set train.nodes: 1")
+    allocated = int(env.get("SLURM_JOB_NUM_NODES", "1"))
+    if allocated < nodes:
+        raise TrainingError(f"train.nodes is {nodes}, but SLURM job {job} has {allocated} node(s)",
+                            where="train.nodes",
+                            fix=f"give train_draft nodes: {nodes} in the profile's set-resources "
+                                f"(or --set-resources train_draft:nodes={nodes})")
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            *torchrun, f"--nnodes={nodes}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={socket.gethostname()}:{rdzv_port}", f"--rdzv_id=draftsmith-{job}", *module]
+
+
 def run_training(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
-                 work_dir: str | Path, settings: TrainSettings, *, devices: int = 1, log_path: str | Path | None = None,
+                 work_dir: str | Path, settings: TrainSettings, *, devices: int = 1, nodes: int = 1,
+                 rdzv_port: int = 29400, log_path: str | Path | None = None,
                  metrics_out: str | Path | None = None, summary_out: str | Path | None = None) -> dict:
-    """Train in this process, or under ``torchrun`` with ``devices`` processes (DDP); then copy the
-    metrics and summary from the work dir to the rule's outputs."""
+    """Train in this process, or with ``devices`` processes on each of ``nodes`` nodes (DDP;
+    ``launch_command``); then copy the metrics and summary from the work dir to the rule's outputs."""
     if settings.verify_shards:
         # Every shard's checksums before any state is read (training reads them shuffled): a damaged
         # shard stops the run here, by name, and its part is queued for re-extraction.
@@ -1255,19 +1288,17 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
     work_dir.mkdir(parents=True, exist_ok=True)
     args = {"index_path": str(index_path), "mapping_path": str(mapping_path), "target_json": str(target_json),
             "out_dir": str(out_dir), "work_dir": str(work_dir), "settings": dataclasses.asdict(settings)}
-    if devices > 1:
+    if devices * nodes > 1:
         import subprocess
-        import sys
 
         launch = work_dir / "launch.json"
         atomic_write_json(launch, args)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
-               "-m", "draftsmith.train", str(launch)]
+        cmd = launch_command(launch, devices, nodes, rdzv_port=rdzv_port)
         log.info("launching %s", " ".join(cmd))
         with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
             code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None)
         if code != 0:
-            raise TrainingError(f"torchrun with {devices} processes exited with status {code}",
+            raise TrainingError(f"{devices * nodes} training processes ({nodes} node(s)) exited with status {code}",
                                 where=str(log_path or "stderr"),
                                 fix="read the first traceback in the log; rerunning resumes from the last checkpoint")
         summary = read_json(work_dir / "summary.json")
@@ -1283,8 +1314,6 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m draftsmith.train launch.json``: one torchrun worker."""
-    import sys
-
     from draftsmith.logs import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv

@@ -78,7 +78,9 @@ def eval_gpus():
 
 
 def train_gpus():
-    return config["train"]["devices"] if uses_gpu(config["device"]) else 0
+    """GPUs of the whole training job: train.devices on each of train.nodes nodes."""
+    train = config["train"]
+    return train["devices"] * train["nodes"] if uses_gpu(config["device"]) else 0
 
 
 def extraction_parts():

@@ -29,11 +29,12 @@ from draftsmith.train import (
     TrainSettings,
     TTTObjective,
     _build_batch,
-    dequantize_batch,
     _Pack,
     _plan_steps,
     _shard_meta,
     _ShardRows,
+    dequantize_batch,
+    launch_command,
     run_training,
     scored_positions,
     train_draft,
@@ -376,6 +377,37 @@ def test_two_ddp_processes_match_one_process_on_the_same_global_batches(inputs, 
     assert one["final"]["loss"] == pytest.approx(two["final"]["loss"], rel=1e-4)
 
 
+def test_multi_node_training_is_srun_starting_torchrun_at_a_rendezvous(inputs, tmp_path):
+    """The launch command per case, and its torchrun part run for real (one node, 2 gloo processes
+    meeting at the c10d rendezvous instead of --standalone)."""
+    launch = tmp_path / "launch.json"
+    assert launch_command(launch, 4)[-4:] == ["--standalone", "-m", "draftsmith.train", str(launch)]
+    with pytest.raises(TrainingError, match="not a SLURM allocation") as error:
+        launch_command(launch, 8, 2, env={})
+    assert error.value.where == "train.nodes" and "profiles/slurm" in error.value.fix
+    with pytest.raises(TrainingError, match="has 1 node") as error:
+        launch_command(launch, 8, 2, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"})
+    assert "train_draft:nodes=2" in error.value.fix
+    cmd = launch_command(launch, 2, 2, rdzv_port=29731, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"})
+    start = cmd.index(sys.executable)
+    assert cmd[:start] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    torchrun = cmd[start:]
+    assert {"--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_id=draftsmith-7"} <= set(torchrun)
+    assert any(a.startswith("--rdzv_endpoint=") and a.endswith(":29731") for a in torchrun)
+
+    settings = dataclasses.replace(SETTINGS, max_steps=2, checkpoint_every=2)
+    launch.write_text(json.dumps({
+        "index_path": str(inputs["index"]), "mapping_path": str(inputs["mapping"]), "target_json": str(inputs["target"]),
+        "out_dir": str(tmp_path / "draft"), "work_dir": str(tmp_path / "work"), "settings": dataclasses.asdict(settings)}))
+    one_node = [a.replace("--nnodes=2", "--nnodes=1") for a in torchrun]
+    done = subprocess.run(one_node, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = read_json(tmp_path / "work" / "summary.json")
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert (tmp_path / "draft" / "model.safetensors").exists()
+
+
 def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_path):
     settings = dataclasses.replace(SETTINGS, max_steps=12, checkpoint_every=3)
     reference = train(inputs, tmp_path, settings, "reference")
@@ -507,7 +539,8 @@ def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
         params=Params(work_dir=str(results / "train" / "state"), device="cpu", code="x",
                       settings={"ttt_steps": 2, "epochs": 1, "max_steps": 3, "batch_tokens": 96, "lr": 1e-3,
                                 "warmup_steps": 1, "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8,
-                                "checkpoint_every": 2, "log_every": 1, "devices": 1, "seed": 0}),
+                                "checkpoint_every": 2, "log_every": 1, "devices": 1, "nodes": 1,
+                                "rdzv_port": 29400, "seed": 0}),
         log=[str(log)])
     runpy.run_path(str(REPO / "workflow_scripts" / "train_draft.py"), init_globals={"snakemake": rule})
     for path in vars(rule.output).values():

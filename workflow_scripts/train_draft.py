@@ -1,4 +1,4 @@
-"""Snakemake entry: train the EAGLE-3 draft (torchrun when train.devices > 1)."""
+"""Snakemake entry: train the EAGLE-3 draft (torchrun when train.devices or train.nodes > 1)."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from draftsmith.train import run_training, settings_from_dict
 
 setup_logging(snakemake.log[0])
 values = dict(snakemake.params.settings)
-devices = values.pop("devices", 1)
+launch = {key: values.pop(key) for key in ("devices", "nodes", "rdzv_port") if key in values}
 device = snakemake.params.get("device", "auto")
 run_training(
     snakemake.input.index,
@@ -16,7 +16,7 @@ run_training(
     Path(snakemake.output.config).parent,
     snakemake.params.work_dir,
     settings_from_dict({**values, "device": device}),
-    devices=devices,
+    **launch,
     log_path=snakemake.log[0],
     metrics_out=snakemake.output.metrics,
     summary_out=snakemake.output.summary,
