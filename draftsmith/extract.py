@@ -291,16 +291,12 @@ def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
 # Writing
 
 
-def check_states(sample_ids: Sequence[str], offsets: Sequence[int], states: dict[int, torch.Tensor],
-                 where: str) -> None:
+def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, torch.Tensor]], where: str) -> None:
     """Stop on NaN/Inf anywhere, or on a sample whose states at a layer are all zero."""
-    for layer_id, tensor in sorted(states.items()):
-        low, high = torch.aminmax(tensor)  # NaN propagates; cheap even on CPU
-        whole_finite = bool(torch.isfinite(low) and torch.isfinite(high))
-        for i, sample_id in enumerate(sample_ids):
-            rows = tensor[offsets[i]:offsets[i + 1]]
-            low, high = torch.aminmax(rows)
-            if not whole_finite and not (torch.isfinite(low) and torch.isfinite(high)):
+    for sample_id, layers in zip(sample_ids, states, strict=True):
+        for layer_id, rows in sorted(layers.items()):
+            low, high = torch.aminmax(rows)  # NaN propagates; cheap even on CPU
+            if not (torch.isfinite(low) and torch.isfinite(high)):
                 bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()[0].item()
                 raise ExtractionError(
                     f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf (first at token {bad})",
@@ -325,7 +321,7 @@ class _ShardWriter:
     """A background thread that checks each captured batch and appends it to its shard's files,
     committing a shard when its last batch is in; at most ``max_pending`` batches wait."""
 
-    def __init__(self, store: PartStore, shards: dict[int, list[dict]], max_pending: int = 1) -> None:
+    def __init__(self, store: PartStore, shards: dict[int, list[dict]], max_pending: int = 2) -> None:
         self.store, self.shards = store, shards
         self.written: list[ShardInfo] = []
         self._open: ShardWriter | None = None
@@ -369,12 +365,9 @@ class _ShardWriter:
         try:
             if self._open is None:
                 self._open = self.store.open_shard(job.number, sum(len(s["input_ids"]) for s in samples))
-            offsets = [0]
-            for sample in job.samples:
-                offsets.append(offsets[-1] + len(sample["input_ids"]))
-            states = {i: torch.cat([s[i] for s in job.states]) for i in self.store.layer_ids}
-            check_states([s["id"] for s in job.samples], offsets, states, where=where)
-            self._open.append(states)
+            check_states([s["id"] for s in job.samples], job.states, where=where)
+            # Each sample's rows are written as they are (views of the backend's batch buffer): no copy.
+            self._open.append({i: [s[i] for s in job.states] for i in self.store.layer_ids})
             if self._open.rows < self._open.num_tokens:
                 return
             shard, self._open = self._open, None
@@ -399,7 +392,7 @@ class _ShardWriter:
 
 
 def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tuple[int, list[dict]]],
-                   *, batch_tokens: int, max_pending: int = 1, progress=None) -> list[ShardInfo]:
+                   *, batch_tokens: int, max_pending: int = 2, progress=None) -> list[ShardInfo]:
     """Capture and store the listed (shard number, samples) shards; returns their infos in order.
 
     Each batch's states go to the writer thread as they come back and are appended to the

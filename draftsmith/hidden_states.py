@@ -111,9 +111,10 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
 
 def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one float32 scale per token (row), so outlier tokens do not crush the rest."""
-    states = states.float()
-    scales = states.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    return (states / scales[:, None]).to(torch.float8_e4m3fn), scales
+    scales = states.abs().amax(dim=-1).float().clamp(min=1e-12) / FP8_MAX
+    # One float32 copy, scaled in place: on a CPU the passes over the batch, not the math, cost.
+    values = states.to(torch.float32, copy=True).mul_(scales.reciprocal()[:, None]).to(torch.float8_e4m3fn)
+    return values, scales
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -252,28 +253,34 @@ class ShardWriter:
         # reach the disk side by side rather than one after the other.
         self.pool = ThreadPoolExecutor(max_workers=min(8, len(self.files)), thread_name_prefix="shard-file")
 
-    def append(self, states: dict[int, torch.Tensor]) -> None:
-        """The next rows [n, hidden] of every layer (any float dtype: converted to the storage dtype)."""
+    def append(self, states: dict[int, torch.Tensor | Sequence[torch.Tensor]]) -> None:
+        """The next rows of every layer: a [n, hidden] tensor, or consecutive row blocks of one (any
+        float dtype: converted to the storage dtype)."""
         if sorted(states) != self.store.layer_ids:
             raise ExtractionError(f"shard {self.shard} got layers {sorted(states)}, the store expects "
                                   f"{self.store.layer_ids}", where=f"part {self.store.part}")
+        blocks = {i: [t] if isinstance(t, torch.Tensor) else list(t) for i, t in states.items()}
         hidden = self.store.meta["hidden_size"]
-        shapes = {tuple(t.shape) for t in states.values()}
-        rows = next(iter(shapes))[0] if len(shapes) == 1 else -1
-        if rows < 0 or shapes != {(rows, hidden)} or self.rows + rows > self.num_tokens:
+        counts = {sum(b.shape[0] for b in layer) for layer in blocks.values()}
+        rows = counts.pop() if len(counts) == 1 else -1
+        shapes = {tuple(b.shape[1:]) for layer in blocks.values() for b in layer}
+        if rows < 0 or shapes - {(hidden,)} or self.rows + rows > self.num_tokens:
             raise ExtractionError(
-                f"shard {self.shard}: states of shapes {sorted(shapes)} do not fit the shard "
+                f"shard {self.shard}: states of row shapes {sorted(shapes)} and {rows} rows do not fit the shard "
                 f"({self.rows} of {self.num_tokens} rows written, hidden {hidden})",
                 where=f"part {self.store.part} shard {self.shard}")
+        storage = STORAGE_DTYPES[self.store.meta["dtype"]]
 
         def write(layer_id: int) -> None:
-            tensor = states[layer_id].detach().cpu()
+            stream = self.files[layer_id]
             if self.fp8:
-                tensor, scales = quantize_fp8(tensor)
+                values, scales = quantize_fp8(torch.cat(blocks[layer_id]))
                 self.scales[layer_id].append(scales)
+                stream.write(values)
             else:
-                tensor = tensor.to(STORAGE_DTYPES[self.store.meta["dtype"]])
-            self.files[layer_id].write(tensor)
+                for block in blocks[layer_id]:
+                    stream.write(block.to(storage))
+            stream.start_writeback()
 
         list(self.pool.map(write, self.store.layer_ids))
         self.rows += rows
@@ -551,6 +558,13 @@ class SafetensorsStream:
                              f"({self.dtypes[self.current]}, {self.ends[self.current] - self.written} bytes left)")
         self._put(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self.written += size
+
+    def start_writeback(self) -> None:
+        """Hand what is written so far to the disk now (asynchronously), so the sync at the end
+        waits for the last bytes only, and the page cache does not fill with the store."""
+        self.file.flush()
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> str:
         if self.written != self.expected:

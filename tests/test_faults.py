@@ -48,9 +48,9 @@ EXTRACTION = dict(device="cpu", shard_tokens=60, batch_tokens=64, min_free_bytes
 TRAINING = TrainSettings(batch_tokens=96, lr=3e-3, warmup_steps=2, epochs=2, max_steps=12, log_every=1,
                          checkpoint_every=3, progress=False, device="cpu")
 # Shards begun but not complete when a part dies, at most (here a shard is about one batch): the
-# batch being written, one queued for the writer, one captured and waiting for the queue, and the
+# batch being written, two queued for the writer, one captured and waiting for the queue, and the
 # next batch, launched ahead by the backend.
-PIPELINE_DEPTH = 4
+PIPELINE_DEPTH = 5
 FORK = multiprocessing.get_context("fork")
 
 
