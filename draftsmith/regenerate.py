@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,7 @@ class Regenerator:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.stop_ids[0])
         self.device = next(model.parameters()).device
+        self.on_answers: Callable[[int], Any] | None = None  # called with each batch's answer count
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation so far, rendered with the chat template and ending in the generation
@@ -218,6 +219,8 @@ class Regenerator:
             for row, i in enumerate(batch):
                 tokens = generated[row, width:].tolist()
                 out[i] = tokens
+            if self.on_answers is not None:
+                self.on_answers(len(batch))
         return out
 
     def answer(self, tokens: list[int], counts: TurnCounts) -> str:
@@ -303,6 +306,11 @@ def _prepare_work_dir(work_dir: Path, fingerprint: str) -> None:
         atomic_write_json(marker, {"format": REGENERATE_FORMAT, "fingerprint": fingerprint})
 
 
+def _answer_count(conv: Any) -> int:
+    """Assistant turns the regeneration answers in one conversation (none in a plain-text row)."""
+    return sum(m["role"] == "assistant" for m in conv.messages) if conv.is_chat else 0
+
+
 def _chunks(rows: Iterator, chunk_size: int, bad: Counter) -> Iterator[list]:
     chunk: list = []
     for row in rows:
@@ -332,7 +340,9 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     started = time.perf_counter()
     work_dir, out_path = Path(work_dir), Path(out_path)
     _prepare_work_dir(work_dir, fingerprint)
-    total = sum(1 for row in load_conversations(sources) if not isinstance(row, BadRow))
+    rows = [row for row in load_conversations(sources) if not isinstance(row, BadRow)]
+    total, total_answers = len(rows), sum(_answer_count(row) for row in rows)
+    del rows
     if total == 0:
         raise DataError(f"no usable conversations in {', '.join(map(str, sources))}",
                         where=", ".join(map(str, sources)),
@@ -340,8 +350,11 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     bad: Counter = Counter()
     counts = TurnCounts()
     reused = written = text_rows = 0
-    progress = tqdm(total=total, desc="regenerating", unit=" conversations", file=sys.stderr,
+    # The bar counts answers, batch by batch, so a large chunk still shows its progress.
+    progress = tqdm(total=total_answers, desc="regenerating", unit=" answers", file=sys.stderr,
                     mininterval=PROGRESS_INTERVAL_S)
+    regenerator.on_answers = progress.update
+    done_answers = 0
     for index, chunk in enumerate(_chunks(load_conversations(sources), chunk_size, bad)):
         path = _chunk_path(work_dir, index)
         text_rows += sum(not c.is_chat for c in chunk)
@@ -355,8 +368,10 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
             rows = [_output_row(c, answered.get(id(c))) for c in chunk]
             atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             written += 1
-        progress.update(len(chunk))
+        done_answers += sum(map(_answer_count, chunk))
+        progress.update(done_answers - progress.n)  # reused chunks, and answers left as they were
     progress.close()
+    regenerator.on_answers = None
     num_chunks = reused + written
     _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
     stats = {
