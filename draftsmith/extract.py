@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import queue
 import shutil
 import sys
@@ -47,7 +48,7 @@ from draftsmith.targets.backends import CaptureBackend
 log = logging.getLogger(__name__)
 
 # Bump when a change to capture alters the numbers stored, so old shards are not resumed.
-CAPTURE_VERSION = 1
+CAPTURE_VERSION = 2
 
 BACKENDS = ("hf", "vllm")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -291,15 +292,19 @@ def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
 # Writing
 
 
-def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, torch.Tensor]], where: str) -> None:
-    """Stop on NaN/Inf anywhere, or on a sample whose states at a layer are all zero."""
+def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, torch.Tensor]], where: str,
+                 storage: str = "bfloat16") -> None:
+    """Stop on NaN/Inf anywhere (also values the storage dtype cannot hold), or on a sample whose
+    states at a layer are all zero."""
+    limit = torch.finfo(STORAGE_DTYPES[storage]).max if storage != "fp8" else math.inf  # fp8: scaled per token
     for sample_id, layers in zip(sample_ids, states, strict=True):
         for layer_id, rows in sorted(layers.items()):
             low, high = torch.aminmax(rows)  # NaN propagates; cheap even on CPU
-            if not (torch.isfinite(low) and torch.isfinite(high)):
-                bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()[0].item()
+            if not (torch.isfinite(low) and torch.isfinite(high) and max(-low, high) <= limit):
+                bad = (~torch.isfinite(rows) | (rows.abs() > limit)).any(dim=-1).nonzero()[0].item()
                 raise ExtractionError(
-                    f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf (first at token {bad})",
+                    f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf, or values beyond "
+                    f"{storage}'s range (first at token {bad})",
                     where=where, fix="with extraction.dtype: float16, large states overflow: use bfloat16; "
                                      "otherwise run the target in bfloat16 or float32 (target.dtype) and check "
                                      "that its weights load correctly")
@@ -365,7 +370,7 @@ class _ShardWriter:
         try:
             if self._open is None:
                 self._open = self.store.open_shard(job.number, sum(len(s["input_ids"]) for s in samples))
-            check_states([s["id"] for s in job.samples], job.states, where=where)
+            check_states([s["id"] for s in job.samples], job.states, where=where, storage=self.store.meta["dtype"])
             # Each sample's rows are written as they are (views of the backend's batch buffer): no copy.
             self._open.append({i: [s[i] for s in job.states] for i in self.store.layer_ids})
             if self._open.rows < self._open.num_tokens:

@@ -112,7 +112,8 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
 def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with one float32 scale per token (row), so outlier tokens do not crush the rest."""
     scales = states.abs().amax(dim=-1).float().clamp(min=1e-12) / FP8_MAX
-    # One float32 copy, scaled in place: on a CPU the passes over the batch, not the math, cost.
+    # Few full-size temporaries (one float32 copy, scaled in place): on a CPU the passes over the
+    # batch and their fresh allocations, not the math, cost.
     values = states.to(torch.float32, copy=True).mul_(scales.reciprocal()[:, None]).to(torch.float8_e4m3fn)
     return values, scales
 
@@ -261,13 +262,14 @@ class ShardWriter:
                                   f"{self.store.layer_ids}", where=f"part {self.store.part}")
         blocks = {i: [t] if isinstance(t, torch.Tensor) else list(t) for i, t in states.items()}
         hidden = self.store.meta["hidden_size"]
-        counts = {sum(b.shape[0] for b in layer) for layer in blocks.values()}
-        rows = counts.pop() if len(counts) == 1 else -1
+        counts = {i: sum(b.shape[0] for b in layer) for i, layer in blocks.items()}
+        rows = next(iter(counts.values()))
         shapes = {tuple(b.shape[1:]) for layer in blocks.values() for b in layer}
-        if rows < 0 or shapes - {(hidden,)} or self.rows + rows > self.num_tokens:
+        if set(counts.values()) != {rows} or shapes != {(hidden,)} or self.rows + rows > self.num_tokens:
+            self.abort()
             raise ExtractionError(
-                f"shard {self.shard}: states of row shapes {sorted(shapes)} and {rows} rows do not fit the shard "
-                f"({self.rows} of {self.num_tokens} rows written, hidden {hidden})",
+                f"shard {self.shard}: rows per layer {counts} of widths {sorted(shapes)} do not fit the shard "
+                f"({self.rows} of {self.num_tokens} rows written, hidden {hidden}); the shard is dropped",
                 where=f"part {self.store.part} shard {self.shard}")
         storage = STORAGE_DTYPES[self.store.meta["dtype"]]
 
@@ -282,7 +284,11 @@ class ShardWriter:
                     stream.write(block.to(storage))
             stream.start_writeback()
 
-        list(self.pool.map(write, self.store.layer_ids))
+        try:
+            list(self.pool.map(write, self.store.layer_ids))
+        except BaseException:
+            self.abort()
+            raise
         self.rows += rows
 
     def commit(self, sample_ids: Sequence[str], input_ids: Sequence[Sequence[int]],
@@ -554,8 +560,9 @@ class SafetensorsStream:
         while self.current < len(self.ends) - 1 and self.written == self.ends[self.current]:
             self.current += 1
         if data.dtype != self.dtypes[self.current] or self.written + size > self.ends[self.current]:
-            raise ValueError(f"{self.file.name}: {size} bytes of {data.dtype} do not fit tensor {self.current} "
-                             f"({self.dtypes[self.current]}, {self.ends[self.current] - self.written} bytes left)")
+            raise ExtractionError(f"{size} bytes of {data.dtype} do not fit tensor {self.current} of the file "
+                                  f"({self.dtypes[self.current]}, {self.ends[self.current] - self.written} bytes left)",
+                                  where=self.file.name)
         self._put(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
         self.written += size
 
@@ -568,7 +575,7 @@ class SafetensorsStream:
 
     def close(self) -> str:
         if self.written != self.expected:
-            raise ValueError(f"{self.file.name}: {self.written} of {self.expected} data bytes written")
+            raise ExtractionError(f"{self.written} of {self.expected} data bytes written", where=self.file.name)
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
-DEFAULT_CHUNK_SIZE = 128  # conversations per resumable chunk (and per progress update)
+DEFAULT_CHUNK_SIZE = 128  # conversations per resumable chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,9 +340,10 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     started = time.perf_counter()
     work_dir, out_path = Path(work_dir), Path(out_path)
     _prepare_work_dir(work_dir, fingerprint)
-    rows = [row for row in load_conversations(sources) if not isinstance(row, BadRow)]
-    total, total_answers = len(rows), sum(_answer_count(row) for row in rows)
-    del rows
+    total = total_answers = 0
+    for row in load_conversations(sources):  # streamed: counts only
+        if not isinstance(row, BadRow):
+            total, total_answers = total + 1, total_answers + _answer_count(row)
     if total == 0:
         raise DataError(f"no usable conversations in {', '.join(map(str, sources))}",
                         where=", ".join(map(str, sources)),
@@ -355,23 +356,25 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                     mininterval=PROGRESS_INTERVAL_S)
     regenerator.on_answers = progress.update
     done_answers = 0
-    for index, chunk in enumerate(_chunks(load_conversations(sources), chunk_size, bad)):
-        path = _chunk_path(work_dir, index)
-        text_rows += sum(not c.is_chat for c in chunk)
-        if _read_chunk(path, [c.id for c in chunk]) is not None:
-            reused += 1
-        else:
-            chats = [c for c in chunk if c.is_chat]
-            messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index)
-            counts.add(chunk_counts)
-            answered = dict(zip(map(id, chats), messages))
-            rows = [_output_row(c, answered.get(id(c))) for c in chunk]
-            atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            written += 1
-        done_answers += sum(map(_answer_count, chunk))
-        progress.update(done_answers - progress.n)  # reused chunks, and answers left as they were
-    progress.close()
-    regenerator.on_answers = None
+    try:
+        for index, chunk in enumerate(_chunks(load_conversations(sources), chunk_size, bad)):
+            path = _chunk_path(work_dir, index)
+            text_rows += sum(not c.is_chat for c in chunk)
+            if _read_chunk(path, [c.id for c in chunk]) is not None:
+                reused += 1
+            else:
+                chats = [c for c in chunk if c.is_chat]
+                messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index)
+                counts.add(chunk_counts)
+                answered = dict(zip(map(id, chats), messages))
+                rows = [_output_row(c, answered.get(id(c))) for c in chunk]
+                atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+                written += 1
+            done_answers += sum(map(_answer_count, chunk))
+            progress.update(done_answers - progress.n)  # reused chunks, and answers left as they were
+    finally:
+        progress.close()
+        regenerator.on_answers = None
     num_chunks = reused + written
     _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
     stats = {

@@ -489,7 +489,9 @@ def scored_positions(valid: torch.Tensor) -> dict:
     ``teach_rows`` [N0]: the teacher's rows, the step-0 loss positions (step j at t is scored
     against the teacher at t+j, itself a step-0 loss position of the same sample); ``rows``: the
     positions of steps 0..K-1, concatenated, ``splits`` their counts; ``teach``: each position's
-    teacher as an index into ``teach_rows``.
+    teacher as an index into ``teach_rows``; ``keep``: per step, the rows whose output is used
+    (concatenated, ``keep_splits`` their counts); ``pick``: each scored position as an index into
+    its step's ``keep``.
     """
     valid = valid.cpu()
     t = valid.shape[1]
@@ -627,7 +629,8 @@ class TTTObjective(nn.Module):
         return self
 
     def compile_steps(self, backend: str = "inductor") -> TTTObjective:
-        """torch.compile the draft step (one fixed shape per TTT step on GPU batches) and the loss's row kernels."""
+        """torch.compile the draft step (one graph per TTT step: GPU batches have one padded length, and
+        the kept row count is marked dynamic) and the loss's row kernels."""
         self.step_fn = torch.compile(self.draft.advance, dynamic=False, backend=backend)
         self.kernels = LossKernels.compiled(backend)
         return self
@@ -652,8 +655,9 @@ class TTTObjective(nn.Module):
             out, normed = self.step_fn(hidden, ids[j], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t], attend, rows)
             attend.next_step()
             yield normed
-            # Rows dropped here are dropped at every later step too: zeros stand in for them.
-            hidden = out if rows is None else out.new_zeros(t, out.shape[1]).index_copy(0, rows, out)
+            if rows is not None and j + 1 < k:  # rows dropped here stay dropped: zeros stand in for them
+                out = out.new_zeros(t, out.shape[1]).index_copy(0, rows, out)
+            hidden = out
 
     @torch.no_grad()
     def _teacher(self, final: torch.Tensor, teach_rows: torch.Tensor, exact: bool):
@@ -1243,19 +1247,26 @@ def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
     return TrainSettings(**values)
 
 
+# Task layouts the batch step exports (the SLURM profile's GPU jobs get --ntasks-per-gpu): srun
+# reads them as options, and they contradict the one task per node a multi-node launch asks for.
+_SLURM_TASK_LAYOUT = ("SLURM_NTASKS_PER_GPU", "SLURM_TRES_PER_TASK", "SLURM_NTASKS", "SLURM_NPROCS",
+                      "SLURM_NTASKS_PER_NODE")
+
+
 def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int = 29400,
-                   env: dict[str, str] | None = None) -> list[str]:
-    """The command that starts training's processes, ``devices`` on each of ``nodes`` nodes.
+                   env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command, and its environment, that start training's processes: ``devices`` on each of
+    ``nodes`` nodes.
 
     One node: ``torchrun --standalone``. Several: inside a SLURM allocation of that many nodes
-    (the rule runs on its first node), ``srun`` starts one ``torchrun`` per node, and they meet at
-    a c10d rendezvous on this host named after the job.
+    (the rule runs on its first node), ``srun`` starts one ``torchrun`` per node with ``devices``
+    GPUs each, and they meet at a c10d rendezvous on this host named after the job.
     """
     env = dict(os.environ if env is None else env)
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}"]
     module = ["-m", "draftsmith.train", str(launch)]
     if nodes == 1:
-        return [*torchrun, "--standalone", *module]
+        return [*torchrun, "--standalone", *module], env
     job = env.get("SLURM_JOB_ID")
     if job is None:
         raise TrainingError(f"train.nodes is {nodes}, but this job is not a SLURM allocation",
@@ -1268,9 +1279,10 @@ def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int
                             where="train.nodes",
                             fix=f"give train_draft nodes: {nodes} in the profile's set-resources "
                                 f"(or --set-resources train_draft:nodes={nodes})")
-    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            *torchrun, f"--nnodes={nodes}", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint={socket.gethostname()}:{rdzv_port}", f"--rdzv_id=draftsmith-{job}", *module]
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={devices}",
+           "--kill-on-bad-exit=1", *torchrun, f"--nnodes={nodes}", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint={socket.gethostname()}:{rdzv_port}", f"--rdzv_id=draftsmith-{job}", *module]
+    return cmd, {k: v for k, v in env.items() if k not in _SLURM_TASK_LAYOUT}
 
 
 def run_training(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
@@ -1279,24 +1291,25 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
                  metrics_out: str | Path | None = None, summary_out: str | Path | None = None) -> dict:
     """Train in this process, or with ``devices`` processes on each of ``nodes`` nodes (DDP;
     ``launch_command``); then copy the metrics and summary from the work dir to the rule's outputs."""
+    work_dir = Path(work_dir)
+    launch = work_dir / "launch.json"
+    if devices * nodes > 1:  # a launch that cannot work stops before the store is read
+        cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port)
     if settings.verify_shards:
         # Every shard's checksums before any state is read (training reads them shuffled): a damaged
         # shard stops the run here, by name, and its part is queued for re-extraction.
         verify_store(index_path)
         settings = dataclasses.replace(settings, verify_shards=False)
-    work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     args = {"index_path": str(index_path), "mapping_path": str(mapping_path), "target_json": str(target_json),
             "out_dir": str(out_dir), "work_dir": str(work_dir), "settings": dataclasses.asdict(settings)}
     if devices * nodes > 1:
         import subprocess
 
-        launch = work_dir / "launch.json"
         atomic_write_json(launch, args)
-        cmd = launch_command(launch, devices, nodes, rdzv_port=rdzv_port)
         log.info("launching %s", " ".join(cmd))
         with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
-            code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None)
+            code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None, env=env)
         if code != 0:
             raise TrainingError(f"{devices * nodes} training processes ({nodes} node(s)) exited with status {code}",
                                 where=str(log_path or "stderr"),

@@ -238,12 +238,11 @@ from transformers import LlamaForCausalLM
 from draftsmith.extract import ExtractionSettings, extract_part
 
 # Slow the run down so the test can kill it mid-write and mid-compute.
-write = hs.write_safetensors
-def slow_write(path, tensors):
-    digest = write(path, tensors)
+append = hs.ShardWriter.append
+def slow_append(self, states):
+    append(self, states)
     time.sleep(0.03)
-    return digest
-hs.write_safetensors = slow_write
+hs.ShardWriter.append = slow_append
 capture = ex.capture_batches
 def slow_capture(backend, batches):
     for result in capture(backend, batches):
@@ -359,17 +358,23 @@ class _Faulty(CaptureBackend):
                 states[5] = torch.zeros(len(ids), 64) if self.fault == "zero" else states[5]
                 if self.fault in ("nan", "inf"):
                     states[5][len(ids) - 1, 3] = float(self.fault)
+                if self.fault == "huge":  # finite as captured, infinite once stored as float16
+                    states[5][len(ids) - 1, 3] = 1e5
             out.append(states)
         return out
 
 
-@pytest.mark.parametrize("fault, words", [("nan", "NaN or Inf"), ("inf", "NaN or Inf"), ("zero", "all zero")])
-def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, monkeypatch, fault, words):
+@pytest.mark.parametrize("fault, storage, words", [
+    ("nan", "bfloat16", "NaN or Inf"), ("inf", "bfloat16", "NaN or Inf"), ("zero", "bfloat16", "all zero"),
+    ("huge", "float16", "NaN or Inf, or values beyond float16's range"),
+])
+def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, monkeypatch, fault, storage, words):
     target_json, _ = target
     poison = _rows(36)[11]
     monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], fault))
     with pytest.raises(ExtractionError, match=f"sample 'sample-11': layer 5 states (hold|are) {words}"):
-        extract_part(train, target_json, 0, ExtractionSettings(**SMALL), tmp_path / "hs", tmp_path / "m.json")
+        extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": storage}), tmp_path / "hs",
+                     tmp_path / "m.json")
     assert not (tmp_path / "m.json").exists()
 
 

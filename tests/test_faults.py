@@ -204,7 +204,7 @@ def _arm(kind: str, k: int, events: Path | None, slow: bool) -> None:
             f = builtins.open(path, mode, *args, **kwargs)
             return _HalfWriter(f) if "w" in mode and tick() else f
 
-        hs.open = partial_open  # write_safetensors' open; nothing else in hidden_states opens for writing
+        hs.open = partial_open  # SafetensorsStream's open; nothing else in hidden_states opens for writing
     real_capture = extract.capture_batches
     log = open(events, "a", buffering=1) if events else None  # noqa: SIM115 - lives as long as the child
 

@@ -73,4 +73,6 @@ def test_an_unfinished_shard_is_refused_and_leaves_nothing(tmp_path):
         writer.commit(["a", "b"], [[1, 2, 3], [4, 5]], [[1, 1, 1], [1, 1]])
     with pytest.raises(ExtractionError, match="do not fit the shard"):
         store.open_shard(1, 2).append({1: torch.randn(3, 8), 3: torch.randn(3, 8)})
-    assert not list(tmp_path.glob("part-0/shard-*")) and not list(tmp_path.glob("part-0/.shard-00000*"))
+    with pytest.raises(ExtractionError, match=r"rows per layer \{1: 2, 3: 1\}"):
+        store.open_shard(2, 4).append({1: torch.randn(2, 8), 3: torch.randn(1, 8)})
+    assert not list(tmp_path.glob("part-0/shard-*")) and not list(tmp_path.glob("part-0/.shard-*"))

@@ -381,16 +381,20 @@ def test_multi_node_training_is_srun_starting_torchrun_at_a_rendezvous(inputs, t
     """The launch command per case, and its torchrun part run for real (one node, 2 gloo processes
     meeting at the c10d rendezvous instead of --standalone)."""
     launch = tmp_path / "launch.json"
-    assert launch_command(launch, 4)[-4:] == ["--standalone", "-m", "draftsmith.train", str(launch)]
+    assert launch_command(launch, 4)[0][-4:] == ["--standalone", "-m", "draftsmith.train", str(launch)]
     with pytest.raises(TrainingError, match="not a SLURM allocation") as error:
         launch_command(launch, 8, 2, env={})
     assert error.value.where == "train.nodes" and "profiles/slurm" in error.value.fix
     with pytest.raises(TrainingError, match="has 1 node") as error:
         launch_command(launch, 8, 2, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"})
     assert "train_draft:nodes=2" in error.value.fix
-    cmd = launch_command(launch, 2, 2, rdzv_port=29731, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"})
+    cmd, env = launch_command(launch, 2, 2, rdzv_port=29731, env={
+        "SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_GPU": "1", "SLURM_NTASKS": "16"})
     start = cmd.index(sys.executable)
-    assert cmd[:start] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert cmd[:start] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--gpus-per-node=2",
+                           "--kill-on-bad-exit=1"]
+    # the batch step's task layout (one task per GPU) would contradict srun's one task per node
+    assert env == {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}
     torchrun = cmd[start:]
     assert {"--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d", "--rdzv_id=draftsmith-7"} <= set(torchrun)
     assert any(a.startswith("--rdzv_endpoint=") and a.endswith(":29731") for a in torchrun)
