@@ -290,10 +290,10 @@ def run_pipeline(args: argparse.Namespace, budget: Budget, stages: Stages, summa
 
     with stages.stage("regenerate_responses"):
         settings = RegenerateSettings(enabled=True, max_new_tokens=budget.regen_max_new_tokens, temperature=0.0,
-                                      batch_size=budget.regen_batch_size)
+                                      batch_size=budget.regen_batch_size, chunk_size=budget.regen_chunk_size)
         regen = regenerate_responses([source], target["model_path"], regenerated, data_dir / "regenerate_work",
                                      settings, seed=SEED, dtype="auto", device=device,
-                                     trust_remote_code=target["trust_remote_code"], chunk_size=budget.regen_chunk_size)
+                                     trust_remote_code=target["trust_remote_code"])
         data["regenerated"] = pick(regen, ("conversations", "turns_generated", "tokens_generated", "turns_truncated",
                                            "empty_answers", "seconds"))
 

@@ -118,8 +118,9 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (values.float() * scales[:, None]).to(torch.bfloat16)
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows of e4m3 values [T, H] times their per-token scales [T], as ``dtype``."""
+    return (values.float() * scales[:, None]).to(dtype)
 
 
 def layer_file(layer_id: int) -> str:

@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
-DEFAULT_CHUNK_SIZE = 128  # conversations per resumable chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +93,7 @@ class RegenerateSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     batch_size: int = 16
+    chunk_size: int = 128  # conversations per resumable chunk
 
     def __post_init__(self) -> None:
         def bad(key: str, want: str) -> DataError:
@@ -108,6 +108,8 @@ class RegenerateSettings:
             raise bad("top_p", "a number in (0, 1]")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise bad("batch_size", "an integer >= 1")
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise bad("chunk_size", "an integer >= 1")
 
     @property
     def greedy(self) -> bool:
@@ -133,7 +135,7 @@ def _source_identity(source: Path) -> dict:
 
 
 def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path],
-                             seed: int, dtype: str, device: str, chunk_size: int) -> str:
+                             seed: int, dtype: str, device: str) -> str:
     """Hash of everything that decides the regenerated text; chunks written under another are stale."""
     from draftsmith.fingerprint import code_fingerprint
 
@@ -142,8 +144,9 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
     if settings.greedy:
         # Greedy answers depend on none of these; sampled ones on all (the random stream).
         generation.pop("top_p")
+        generation.pop("chunk_size")
     else:
-        generation.update(seed=seed, chunk_size=chunk_size)
+        generation.update(seed=seed)
     payload = {
         "format": REGENERATE_FORMAT,
         "generation": generation,
@@ -333,9 +336,9 @@ def _output_row(conv: Any, messages: list[dict] | None) -> dict:
 
 
 def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regenerator, out_path: str | Path,
-                             work_dir: str | Path, fingerprint: str, *,
-                             chunk_size: int = DEFAULT_CHUNK_SIZE) -> dict:
-    """Regenerate every conversation of ``sources`` chunk by chunk into ``work_dir``, then write
+                             work_dir: str | Path, fingerprint: str) -> dict:
+    """Regenerate every conversation of ``sources`` chunk by chunk (``regenerate.chunk_size``
+    conversations each) into ``work_dir``, then write
     them, in source order, to ``out_path``; chunks already there under ``fingerprint`` are kept."""
     started = time.perf_counter()
     work_dir, out_path = Path(work_dir), Path(out_path)
@@ -357,6 +360,7 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     regenerator.on_answers = progress.update
     done_answers = 0
     try:
+        chunk_size = regenerator.settings.chunk_size
         for index, chunk in enumerate(_chunks(load_conversations(sources), chunk_size, bad)):
             path = _chunk_path(work_dir, index)
             text_rows += sum(not c.is_chat for c in chunk)
@@ -412,8 +416,7 @@ def _concatenate(parts: list[Path], out_path: Path) -> None:
 
 def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, out_path: str | Path,
                          work_dir: str | Path, settings: RegenerateSettings, *, seed: int = 0,
-                         dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> dict:
+                         dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False) -> dict:
     """Load the target in ``model_path`` and write ``out_path``: the conversations of ``sources``
     with the target's own answers (OpenAI messages, same ids, plus ``source``)."""
     from transformers import AutoTokenizer
@@ -423,10 +426,10 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     torch_dtype = resolve_model_dtype(dtype, torch_device)
     fingerprint = regeneration_fingerprint(
         settings, model=_model_identity(model_path), sources=sources, seed=seed,
-        dtype=str(torch_dtype).replace("torch.", ""), device=torch_device.split(":")[0], chunk_size=chunk_size)
+        dtype=str(torch_dtype).replace("torch.", ""), device=torch_device.split(":")[0])
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype,
              "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}")
     regenerator = Regenerator(model, tokenizer, settings, seed=seed)
-    return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, chunk_size=chunk_size)
+    return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)

@@ -64,6 +64,7 @@ from draftsmith.errors import TrainingError
 from draftsmith.hidden_states import (
     HiddenStateIndex,
     ShardInfo,
+    dequantize_fp8,
     layer_file,
     read_shard,
     verify_store,
@@ -356,9 +357,9 @@ def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
         return batch
     scales = batch.pop("scales")
     t, a = scales.shape[0], scales.shape[1] - 1
-    aux = batch["aux"].float().view(t, a, -1) * scales[:, :a, None]
-    batch["aux"] = aux.view(t, -1).to(dtype)
-    batch["final"] = (batch["final"].float() * scales[:, a:]).to(dtype)
+    aux_rows = batch["aux"].view(t * a, -1)  # one row per (token, aux layer), each with its own scale
+    batch["aux"] = dequantize_fp8(aux_rows, scales[:, :a].reshape(-1), dtype).view(t, -1)
+    batch["final"] = dequantize_fp8(batch["final"], scales[:, a], dtype)
     return batch
 
 
@@ -1245,6 +1246,16 @@ def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
         raise TrainingError(f"unknown training settings {unknown}", where="config train:",
                             fix=f"use only {sorted(known)}")
     return TrainSettings(**values)
+
+
+LAUNCH_KEYS = ("devices", "nodes", "rdzv_port")  # train: keys that decide the processes, not the math
+
+
+def settings_and_launch(values: dict[str, Any]) -> tuple[TrainSettings, dict[str, int]]:
+    """The workflow's ``train:`` section split into TrainSettings and ``run_training``'s launch
+    arguments (``devices``, ``nodes``, ``rdzv_port``)."""
+    launch = {k: values[k] for k in LAUNCH_KEYS if k in values}
+    return settings_from_dict({k: v for k, v in values.items() if k not in launch}), launch
 
 
 # Task layouts the batch step exports (the SLURM profile's GPU jobs get --ntasks-per-gpu): srun

@@ -166,8 +166,8 @@ class _Countdown:
             return self.k == -1
 
 
-class _HalfWriter:
-    """A file that writes half of its first chunk, then the process dies: a partial file on disk."""
+class _FileProxy:
+    """A file object that passes everything through; subclasses change ``write``."""
 
     def __init__(self, f):
         self.f = f
@@ -176,15 +176,20 @@ class _HalfWriter:
         return self
 
     def __exit__(self, *exc):
-        self.f.close()
+        with contextlib.suppress(OSError):  # a full disk may refuse the final flush
+            self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+class _HalfWriter(_FileProxy):
+    """A file that writes half of its first chunk, then the process dies: a partial file on disk."""
 
     def write(self, data):
         self.f.write(bytes(data[: max(1, len(data) // 2)]))
         self.f.flush()
         _die()
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
 
 
 def _arm(kind: str, k: int, events: Path | None, slow: bool) -> None:
@@ -597,17 +602,7 @@ class _FullDisk:
         self.left = budget
         disk = self
 
-        class File:
-            def __init__(self, f):
-                self.f = f
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                with contextlib.suppress(OSError):
-                    self.f.close()
-
+        class File(_FileProxy):
             def write(self, data):
                 size = len(data) if isinstance(data, str) else memoryview(data).nbytes
                 if size > disk.left:
@@ -616,9 +611,6 @@ class _FullDisk:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 disk.left -= size
                 return self.f.write(data)
-
-            def __getattr__(self, name):
-                return getattr(self.f, name)
 
         real_open, real_fdopen = builtins.open, os.fdopen
         monkeypatch.setattr(hs, "open", lambda p, mode="r", *a, **k: File(real_open(p, mode, *a, **k))

@@ -6,17 +6,14 @@ from draftsmith.targets.inspect import read_target_json
 
 setup_logging(snakemake.log[0])
 target = read_target_json(snakemake.input.target)
-settings = dict(snakemake.params.settings)
-chunk_size = settings.pop("chunk_size")
 regenerate_responses(
     snakemake.input.sources,
     target["model_path"],
     snakemake.output.data,
     snakemake.params.work_dir,
-    RegenerateSettings(**settings),
+    RegenerateSettings(**snakemake.params.settings),
     seed=snakemake.params.seed,
     dtype=snakemake.params.dtype,
     device=snakemake.params.device,
     trust_remote_code=target["trust_remote_code"],
-    chunk_size=chunk_size,
 )

@@ -3,19 +3,18 @@
 from pathlib import Path
 
 from draftsmith.logs import setup_logging
-from draftsmith.train import run_training, settings_from_dict
+from draftsmith.train import run_training, settings_and_launch
 
 setup_logging(snakemake.log[0])
-values = dict(snakemake.params.settings)
-launch = {key: values.pop(key) for key in ("devices", "nodes", "rdzv_port") if key in values}
-device = snakemake.params.get("device", "auto")
+settings, launch = settings_and_launch({**snakemake.params.settings,
+                                        "device": snakemake.params.get("device", "auto")})
 run_training(
     snakemake.input.index,
     snakemake.input.mapping,
     snakemake.input.target,
     Path(snakemake.output.config).parent,
     snakemake.params.work_dir,
-    settings_from_dict({**values, "device": device}),
+    settings,
     **launch,
     log_path=snakemake.log[0],
     metrics_out=snakemake.output.metrics,
