@@ -758,7 +758,8 @@ def make_backend(target: dict, *, max_new_tokens: int, dtype: str = "auto", devi
 
     model = load_target_model(target["model_path"], dtype=dtype, device=device,
                               trust_remote_code=target.get("trust_remote_code", False))
-    tokenizer = AutoTokenizer.from_pretrained(target["model_path"])
+    tokenizer = AutoTokenizer.from_pretrained(target["model_path"],
+                                              trust_remote_code=target.get("trust_remote_code", False))
     return HFBackend(model, stop_token_ids(model, tokenizer), max_new_tokens,
                      layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
 
@@ -783,21 +784,10 @@ class VllmRun:
 
 
 def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = False) -> list[int]:
-    """``regenerate.stop_token_ids`` without loading weights: the generation config transformers
-    would give the model (its generation_config.json, else one derived from config.json) and the
-    tokenizer's EOS."""
-    from types import SimpleNamespace
+    """``draftsmith.regenerate.stop_ids_from_files``: the stop set without loading weights."""
+    from draftsmith.regenerate import stop_ids_from_files as from_files
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from draftsmith.regenerate import stop_token_ids
-
-    try:
-        generation = GenerationConfig.from_pretrained(model_path)
-    except OSError:
-        generation = GenerationConfig.from_model_config(
-            AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
-    return stop_token_ids(SimpleNamespace(generation_config=generation), AutoTokenizer.from_pretrained(model_path))
+    return from_files(model_path, trust_remote_code=trust_remote_code)
 
 
 def check_servable(target: dict, draft_dir: str | Path) -> None:

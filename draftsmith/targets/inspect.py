@@ -175,11 +175,11 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     return sorted(layer_ids)
 
 
-def inspect_tokenizer(model_path: Path, vocab_size: int) -> dict:
+def inspect_tokenizer(model_path: Path, vocab_size: int, trust_remote_code: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise TargetError(f"the target's tokenizer cannot be loaded: {e}", where=str(model_path),
                           fix="put the model's tokenizer files (tokenizer.json, tokenizer_config.json) in the folder") from e
@@ -221,7 +221,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
             raise TargetError(f"{layers_path} holds {len(layers)} modules, the config says {num_layers} layers",
                               where="target.layers_path")
     aux = check_layer_ids(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids, num_layers)
-    tokenizer = inspect_tokenizer(model_path, text_config.vocab_size)
+    tokenizer = inspect_tokenizer(model_path, text_config.vocab_size, trust_remote_code)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     info = {
