@@ -33,11 +33,15 @@ rule inspect_target:
         aux_layer_ids=config["target"]["aux_layer_ids"],
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],
+        dtype=config["target"]["dtype"],
+        hf_stages=hf_target_stages(),
         code=code("draftsmith.targets.inspect"),
     log:
         f"{LOGS}/inspect_target.log",
     threads: 1
     conda:
-        "../envs/trainer.yaml"
+        # the environment of the rules that run the target, so target.json records the support
+        # of the vLLM they will run, not of the trainer's (which has none)
+        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/inspect_target.py"

@@ -136,3 +136,26 @@ def test_remote_code_is_refused_unless_enabled(tmp_path):
     with pytest.raises(TargetError, match="configuration_custom.py") as info:
         inspect_target(folder)
     assert "trust_remote_code: true" in str(info.value)
+
+
+def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
+    from draftsmith.targets.inspect import check_fits_devices, weight_bytes
+
+    kimi = {"num_parameters": 1_030_000_000_000}
+    assert weight_bytes(kimi, "auto") == weight_bytes(kimi, "bfloat16") == 2_060_000_000_000
+    with pytest.raises(TargetError) as e:
+        check_fits_devices(kimi, {"regenerate_responses": 1, "evaluate_draft": 1}, dtype="bfloat16",
+                           device_bytes=141 * 10**9)
+    message = str(e.value)
+    assert "2,060 GB in bfloat16" in message and "1,030.0B parameters" in message
+    assert "regenerate.backend: vllm, eval.backend: vllm" in message
+    # extraction with device_map auto spreads the weights over its GPUs
+    check_fits_devices({"num_parameters": 100 * 10**9}, {"extract_hidden_states": 2}, device_bytes=141 * 10**9)
+    with pytest.raises(TargetError, match="extraction.backend: vllm"):
+        check_fits_devices({"num_parameters": 100 * 10**9}, {"extract_hidden_states": 1}, device_bytes=141 * 10**9)
+    check_fits_devices(kimi, {})  # every stage in vLLM: nothing to refuse
+    # no GPU in sight (a login node): only what fits no GPU made is refused
+    monkeypatch.setattr("draftsmith.placement.device_memory_bytes", lambda: None)
+    check_fits_devices({"num_parameters": 100 * 10**9}, {"evaluate_draft": 1})
+    with pytest.raises(TargetError, match="the largest GPU made"):
+        check_fits_devices(kimi, {"evaluate_draft": 1})

@@ -4,15 +4,17 @@ from pathlib import Path
 
 from draftsmith.evaluate import EvalSettings, evaluate_draft
 from draftsmith.logs import setup_logging
+from draftsmith.placement import engine_env, engine_placement
 
 setup_logging(snakemake.log[0])
-evaluate_draft(
-    Path(snakemake.input.draft).parent,
-    snakemake.input.target,
-    snakemake.input.heldout,
-    snakemake.output.acceptance,
-    EvalSettings(**snakemake.params.settings),
-    dtype=snakemake.params.dtype,
-    device=snakemake.params.device,
-    tensor_parallel_size=snakemake.params.tensor_parallel_size,
-)
+with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
+    evaluate_draft(
+        Path(snakemake.input.draft).parent,
+        snakemake.input.target,
+        snakemake.input.heldout,
+        snakemake.output.acceptance,
+        EvalSettings(**snakemake.params.settings),
+        dtype=snakemake.params.dtype,
+        device=snakemake.params.device,
+        tensor_parallel_size=snakemake.params.tensor_parallel_size,
+    )

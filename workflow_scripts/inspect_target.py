@@ -12,4 +12,6 @@ write_target_json(
     aux_layer_ids=snakemake.params.aux_layer_ids,
     trust_remote_code=snakemake.params.trust_remote_code,
     layers_path=snakemake.params.layers_path,
+    dtype=snakemake.params.dtype,
+    hf_stages=snakemake.params.hf_stages,
 )

@@ -22,6 +22,10 @@ from draftsmith.io import atomic_write_json
 log = logging.getLogger(__name__)
 
 TARGET_FORMAT = "draftsmith.target/1"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Where no GPU can be seen (a login node), the fit check assumes the largest memory one GPU has
+# today (NVIDIA B300, 288 GB): what does not fit there fits no single device.
+LARGEST_DEVICE_BYTES = 288 * 10**9
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -252,8 +256,45 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     return info
 
 
-def write_target_json(out_path: str | Path, model_path: str | Path, **kwargs) -> dict:
+def weight_bytes(info: dict, dtype: str = "auto") -> int:
+    """Bytes of the target's weights as the HF path loads them on a GPU: its parameter count (from
+    the config, on the meta device) times the size of ``dtype`` (``auto`` = bfloat16 on a GPU)."""
+    return int(info["num_parameters"]) * DTYPE_BYTES["bfloat16" if dtype == "auto" else dtype]
+
+
+def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "auto",
+                       device_bytes: int | None = None) -> None:
+    """Refuse a target whose weights alone exceed the devices an HF stage loads it on ({rule:
+    devices}); activations and KV cache need more still, so a pass is no promise, a refusal is sure."""
+    if not hf_stages:
+        return
+    from draftsmith.placement import device_memory_bytes
+
+    need = weight_bytes(info, dtype)
+    seen = device_bytes or device_memory_bytes()
+    capacity = seen or LARGEST_DEVICE_BYTES
+    too_big = {rule: n for rule, n in hf_stages.items() if need > n * capacity}
+    if not too_big:
+        return
+    keys = {"regenerate_responses": "regenerate.backend", "extract_hidden_states": "extraction.backend",
+            "evaluate_draft": "eval.backend"}
+    devices = f"{capacity / 1e9:.0f} GB per GPU ({'this machine' if seen else 'the largest GPU made'})"
+    raise TargetError(
+        f"the target's weights take {need / 1e9:,.0f} GB in {'bfloat16' if dtype == 'auto' else dtype} "
+        f"({info['num_parameters'] / 1e9:,.1f}B parameters from its config); "
+        + "; ".join(f"{rule} loads it with transformers on {n} GPU{'s' * (n > 1)}" for rule, n in too_big.items())
+        + f", {devices}",
+        where=", ".join(keys[r] for r in too_big),
+        fix="set " + ", ".join(f"{keys[r]}: vllm" for r in too_big)
+            + " (vLLM runs the target over extraction.tensor_parallel_size GPUs)")
+
+
+def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: str = "auto",
+                      hf_stages: dict[str, int] | None = None, **kwargs) -> dict:
+    """Inspect the target, refuse it where an HF stage cannot hold it, and write target.json."""
     info = inspect_target(model_path, **kwargs)
+    info["weight_bytes"] = weight_bytes(info, dtype)
+    check_fits_devices(info, dict(hf_stages or {}), dtype=dtype)
     atomic_write_json(out_path, info)
     log.info("target %s: %s, %d layers at %s, hidden %d, vocab %d, aux layers %s (+ final %d), %.1fB parameters",
              info["model_path"], info["architecture"], info["num_hidden_layers"], info["layers_path"],
