@@ -217,3 +217,19 @@ def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
     assert args["tensor_parallel_size"] == 8 and args["max_num_seqs"] == 256
     assert args["trust_remote_code"] is True and args["tokenizer"] == args["model"] == str(model_dir)
     assert args["generation_config"] == "vllm"  # the model's sampling defaults are not applied
+
+
+@_vllm_test
+def test_the_workflow_regenerates_through_vllm(tmp_path):
+    """The rule's script under Snakemake: vLLM's engine process starts (spawn re-runs the script as
+    __mp_main__), the config's engine_env reaches it, and the rows are written."""
+    from workflow_helpers import snakemake, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path)
+    config["regenerate"] = {"enabled": True, "backend": "vllm", "max_new_tokens": 4, "chunk_size": 64}
+    config["engine_env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "regenerate_responses": {"VLLM_ENABLE_V1_MULTIPROCESSING": 1}}
+    snakemake(workdir, "results/t/data/regenerated.jsonl", configfile=write_config(workdir, config))
+    rows = (workdir / "results/t/data/regenerated.jsonl").read_text().splitlines()
+    assert len(rows) == 40
+    log = (workdir / "logs/t/regenerate_responses.log").read_text()
+    assert "in vLLM, tensor parallel 1" in log and "40 turns" in log
