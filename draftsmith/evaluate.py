@@ -928,6 +928,11 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
+    if resolve_device(device).startswith("cuda") and "num_parameters" in target:
+        from draftsmith.targets.inspect import check_fits_devices
+
+        # Before any engine starts: the HF loop below runs with either backend.
+        check_fits_devices(target, {"evaluate_draft": 1}, dtype=dtype)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
     served = None
     if settings.backend == "vllm":

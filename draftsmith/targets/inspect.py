@@ -26,6 +26,16 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Where no GPU can be seen (a login node), the fit check assumes the largest memory one GPU has
 # today (NVIDIA B300, 288 GB): what does not fit there fits no single device.
 LARGEST_DEVICE_BYTES = 288 * 10**9
+HF_STAGE_KEYS = {"regenerate_responses": "regenerate.backend", "extract_hidden_states": "extraction.backend",
+                 "evaluate_draft": "eval.backend"}
+HF_STAGE_FIXES = {
+    "regenerate_responses": "set regenerate.backend: vllm (tensor parallel over extraction.tensor_parallel_size GPUs)",
+    "extract_hidden_states": "set extraction.backend: vllm (tensor parallel over extraction.tensor_parallel_size GPUs)",
+    # With either eval.backend the losslessness reference and the n-gram baseline run in the HF loop.
+    "evaluate_draft": "evaluation checks every output against the HF loop's greedy decoding, with either "
+                      "eval.backend, and has no vLLM-only mode yet: build the draft (snakemake ... train_draft) "
+                      "and measure it by serving it with vLLM (docs/runbook-kimi-k2.5.md)",
+}
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -276,17 +286,14 @@ def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "a
     too_big = {rule: n for rule, n in hf_stages.items() if need > n * capacity}
     if not too_big:
         return
-    keys = {"regenerate_responses": "regenerate.backend", "extract_hidden_states": "extraction.backend",
-            "evaluate_draft": "eval.backend"}
     devices = f"{capacity / 1e9:.0f} GB per GPU ({'this machine' if seen else 'the largest GPU made'})"
     raise TargetError(
         f"the target's weights take {need / 1e9:,.0f} GB in {'bfloat16' if dtype == 'auto' else dtype} "
         f"({info['num_parameters'] / 1e9:,.1f}B parameters from its config); "
         + "; ".join(f"{rule} loads it with transformers on {n} GPU{'s' * (n > 1)}" for rule, n in too_big.items())
         + f", {devices}",
-        where=", ".join(keys[r] for r in too_big),
-        fix="set " + ", ".join(f"{keys[r]}: vllm" for r in too_big)
-            + " (vLLM runs the target over extraction.tensor_parallel_size GPUs)")
+        where=", ".join(HF_STAGE_KEYS[r] for r in too_big),
+        fix="; ".join(HF_STAGE_FIXES[r] for r in too_big))
 
 
 def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: str = "auto",
