@@ -123,6 +123,10 @@ def run_one(args: argparse.Namespace, backend: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from draftsmith.placement import ENGINE_ENV_DEFAULTS
+
+    for key, value in ENGINE_ENV_DEFAULTS.items():  # as the workflow's engine jobs: no usage reports
+        os.environ.setdefault(key, value)
     args = parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.only:
