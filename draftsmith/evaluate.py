@@ -882,19 +882,25 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
     figures from its per-request step records, the HF loop's beside them, and vLLM's timing."""
     from draftsmith.targets.vllm_serving import vllm_version
 
-    per_request = acceptance_stats(run.draft, k)
-    for key in ("seconds", "tokens_per_second"):
-        per_request.pop(key)
+    recorded = all(g.accepted is not None for g in run.draft)
+    if recorded:
+        per_request = acceptance_stats(run.draft, k)
+        for key in ("seconds", "tokens_per_second"):
+            per_request.pop(key)
+        per_request["source"] = ("each output's spec_decode_metrics (per_request_spec_decode_metrics=detailed), "
+                                 "counted as the HF loop counts")
+        same = sum(a.accepted == b.accepted and a.proposed == b.proposed for a, b in zip(run.draft, hf_runs))
+    else:
+        per_request = {"tau": None, "source": f"vLLM {vllm_version()} keeps no per-request record of its steps"}
+        same = None
     tokens = sum(len(g.tokens) for g in run.draft)
     greedy_tokens = sum(len(g.tokens) for g in run.greedy)
-    same = sum(a.accepted == b.accepted and a.proposed == b.proposed for a, b in zip(run.draft, hf_runs))
     return {
         "version": vllm_version(),
         "speculative_config": run.speculative_config,
         **run.counters.summary(),
         "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over the timed call",
-        "per_request": {**per_request, "source": "each output's spec_decode_metrics (per_request_spec_decode_metrics"
-                                                 "=detailed), counted as the HF loop counts"},
+        "per_request": per_request,
         "hf_loop": {"tau": hf_result["tau"], "acceptance_rate_by_position": hf_result["acceptance_rate_by_position"],
                     "num_steps": hf_result["num_steps"]},
         "prompts_with_the_hf_loops_steps": same,
@@ -916,9 +922,9 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
 
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
                    out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
-                   device: str = "auto", tensor_parallel_size: int = 1) -> dict:
+                   device: str = "auto", tensor_parallel_size: int = 1, engine_kwargs: dict | None = None) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
-    prompts and write acceptance.json to ``out_path``.
+    prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
 
     With ``settings.backend == "vllm"`` the draft is first served by vLLM (``serve_with_vllm``; the
     engines are closed before the HF loop loads the target, so the two never share the GPU), its
@@ -942,7 +948,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
         vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
         stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
         served = serve_with_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
-                                 tensor_parallel_size=tensor_parallel_size)
+                                 tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
     backend = make_backend(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
     if served is not None and served.stop_ids != backend.stop_ids:
         raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "

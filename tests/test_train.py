@@ -245,6 +245,7 @@ def test_fused_kl_and_its_gradient_equal_plain_autograd(kernels):
         assert torch.equal(arg, z.detach().float().argmax(-1))
 
 
+@pytest.mark.gpu
 def test_compiled_objective_equals_eager(inputs):
     """compile_steps (the GPU configuration: compiled draft step and loss kernels) gives the eager
     loss, stats and gradients, on batches of different lengths and loss-position counts."""
@@ -317,6 +318,7 @@ def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs)
 # the training run
 
 
+@pytest.mark.gpu
 def test_loss_decreases_and_outputs_are_written(inputs, tmp_path):
     settings = dataclasses.replace(SETTINGS, epochs=4)
     summary = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "draft",
@@ -337,6 +339,7 @@ def test_loss_decreases_and_outputs_are_written(inputs, tmp_path):
     assert list((tmp_path / "work" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.gpu
 def test_training_from_fp8_states_learns_as_from_full_precision(inputs, tmp_path):
     fp8 = build_training_inputs(tmp_path / "fp8", storage_dtype="fp8")
     settings = dataclasses.replace(SETTINGS, epochs=4)
@@ -346,6 +349,7 @@ def test_training_from_fp8_states_learns_as_from_full_precision(inputs, tmp_path
         assert quantized["loss"][step] == pytest.approx(full["loss"][step], rel=0.05)
 
 
+@pytest.mark.gpu
 def test_an_fp8_batch_dequantised_on_the_device_holds_the_stored_states(tmp_path):
     fp8 = build_training_inputs(tmp_path / "fp8", storage_dtype="fp8", num_samples=8)
     _, meta, batch = objective_and_batches(fp8, ttt_steps=2)
@@ -451,6 +455,7 @@ def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_
     assert steps == sorted(set(steps)) and steps[-1] == 12
 
 
+@pytest.mark.gpu
 def test_checkpoint_from_other_settings_is_not_resumed(inputs, tmp_path):
     settings = dataclasses.replace(SETTINGS, max_steps=4, checkpoint_every=2)
     assert train(inputs, tmp_path, settings)["resumed_from_step"] == 0
@@ -493,6 +498,7 @@ def test_corrupt_shard_is_caught_before_a_draft_is_written(inputs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.gpu
 def test_trained_draft_is_served_by_vllm_eagle3(inputs, tmp_path):
     """vLLM's eagle3 loader takes the draft as written (weight names, fc width for 2 aux layers,
     d2t) and its proposer drafts with it."""

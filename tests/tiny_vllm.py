@@ -7,8 +7,10 @@ latent size kv_lora_rank + qk_rope_head_dim = 512 + 64 (the only size its CPU ke
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     DeepseekV3Config,
@@ -83,3 +85,30 @@ def build_idefics3(path: str | Path, seed: int = 0, **text_overrides) -> Path:
         image_token_id=text.vocab_size - 1, scale_factor=1, tie_word_embeddings=False, pad_token_id=0)
     torch.manual_seed(seed)
     return _save(Idefics3ForConditionalGeneration(config), path)
+
+
+# -- how the vLLM tests run here and on a CUDA machine (pytest -m gpu there) ----------------------
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+ON_CUDA = torch.cuda.is_available()
+# On a GPU several engines of one test module share the device: each takes a small slice of it.
+ENGINE_ARGS = {"gpu_memory_utilization": 0.2} if ON_CUDA else {}
+# The capture parity tests run the dtype a deployment runs: float32 on the CPU build (exact
+# comparisons), bfloat16 on CUDA (FlashAttention and MLA kernels take no float32).
+CAPTURE_DTYPE = "bfloat16" if ON_CUDA else "float32"
+
+
+def vllm_test(fn):
+    """Marks a test that starts vLLM: ``-m "not vllm"`` deselects them, ``-m gpu`` picks them (with
+    the training tests) on a CUDA machine; skipped without vLLM."""
+    for mark in (pytest.mark.vllm, pytest.mark.gpu, pytest.mark.slow,
+                 pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")):
+        fn = mark(fn)
+    return fn
+
+
+def per_request_records() -> bool:
+    """Whether the installed vLLM returns each output's own record of its verification steps."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return "per_request_spec_decode_metrics" in EngineArgs.__dataclass_fields__

@@ -1,21 +1,22 @@
 """Capture hidden states with vLLM: prefill-only requests, forward hooks in the workers.
 
-Each sample is one request with ``max_tokens=1``, so the model runs exactly the prompt's prefill
-(the one sampled token is never fed back). Prefix caching is off: a cached prefix is never
-computed, so its rows would be missing. Chunked prefill may stay on: the worker places each
-chunk's rows by their positions. vLLM must run eagerly (``enforce_eager=True``) so the Python
-hooks run as written. The hooks live in :mod:`draftsmith.targets.vllm_worker`; states come back
-to this process through ``LLM.collective_rpc`` (from TP rank 0; every TP rank holds the full
-hidden states), whether vLLM runs its engine in this process or in worker processes.
+Each distinct sample is one request with ``max_tokens=1``, so the model runs exactly the prompt's
+prefill (the one sampled token is never fed back). Prefix caching is off (a cached prefix is never
+computed, so its rows would be missing) and so is chunked prefill (each prompt is computed whole in
+one forward pass, which is how the workers recognise its rows: see
+:mod:`draftsmith.targets.vllm_worker`); the token budget of a pass is at least ``max_model_len``.
+vLLM must run eagerly (``enforce_eager=True``) so the Python hooks run as written. The workers
+spool each pass's states to files in a shared-memory folder; this process maps them.
 
 vLLM is imported only when a backend is created, so this module imports without it.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -26,7 +27,15 @@ from draftsmith.targets.backends import CaptureBackend
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "draftsmith.targets.vllm_worker.CaptureWorkerExtension"
-_instances = itertools.count()
+DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
+SPOOL_MIN_FREE = 8 << 30  # a batch's passes; containers often mount a 64 MiB /dev/shm
+
+
+def spool_folder() -> str:
+    """A fresh folder for the workers' captured passes: in shared memory where the machine has room."""
+    shm = "/dev/shm"
+    roomy = os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= SPOOL_MIN_FREE
+    return tempfile.mkdtemp(prefix="draftsmith-capture-", dir=shm if roomy else None)
 
 
 class VllmBackend(CaptureBackend):
@@ -36,10 +45,12 @@ class VllmBackend(CaptureBackend):
 
     def __init__(self, model_path: str, capture_layer_ids: list[int], *, tensor_parallel_size: int = 1,
                  dtype: str = "bfloat16", max_model_len: int, trust_remote_code: bool = False,
-                 layers_path: str | None = None, language_model_only: bool = True, **llm_kwargs) -> None:
+                 layers_path: str | None = None, language_model_only: bool = True,
+                 max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, **llm_kwargs) -> None:
+        from draftsmith.targets.vllm_compat import engine_kwargs
+
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
-        self._keys = (f"ds{next(_instances)}-{i}" for i in itertools.count())
         try:
             from vllm import LLM
         except ImportError as e:
@@ -48,46 +59,53 @@ class VllmBackend(CaptureBackend):
         if os.environ.get("VLLM_USE_V1") == "0":
             raise ExtractionError("the vLLM backend needs the V1 engine", where="VLLM_USE_V1",
                                   fix="unset VLLM_USE_V1")
+        if llm_kwargs.get("enable_expert_parallel") and tensor_parallel_size > 1:
+            raise ExtractionError("expert parallelism with tensor_parallel_size > 1 splits the residual stream "
+                                  "across ranks (sequence-parallel MoE); the capture hooks need every row",
+                                  where="vLLM engine arguments", fix="leave enable_expert_parallel off for extraction")
+        budget = max(int(max_num_batched_tokens), self.max_model_len)
         kwargs = dict(
             model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             max_model_len=self.max_model_len, trust_remote_code=trust_remote_code,
             enforce_eager=True,                 # hooks must run as Python, not be traced by torch.compile
             enable_prefix_caching=False,        # every prompt row must be computed
-            async_scheduling=False,             # the hooks read the runner's step state during the forward
+            enable_chunked_prefill=False,       # a prompt's rows all lie in one forward pass
+            max_num_batched_tokens=budget,
+            async_scheduling=False,             # no speculative extra steps beside the prefills
             worker_extension_cls=WORKER_EXTENSION,
+            language_model_only=language_model_only,  # text-only capture: no vision encoder in memory
             seed=0,
         )
-        if language_model_only:  # text-only capture: no image processor, no vision encoder in memory
-            kwargs["language_model_only"] = True
         kwargs.update(platform_workarounds())
         kwargs.update(llm_kwargs)
-        if kwargs.get("enable_expert_parallel") and tensor_parallel_size > 1:
-            raise ExtractionError("expert parallelism with tensor_parallel_size > 1 splits the residual stream "
-                                  "across ranks (sequence-parallel MoE); the capture hooks need every row",
-                                  where="vLLM engine arguments", fix="leave enable_expert_parallel off for extraction")
         # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the CPU worker runs in this process and replaces
         # torch.set_num_threads with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
+        self.spool = spool_folder()
         started = time.monotonic()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**engine_kwargs(kwargs))
+        except BaseException:
+            shutil.rmtree(self.spool, ignore_errors=True)
+            raise
         self.load_seconds = time.monotonic() - started
         try:
-            infos = self.llm.collective_rpc("draftsmith_install", args=(self.layer_ids, layers_path))
+            infos = self.llm.collective_rpc("draftsmith_install", args=(self.layer_ids, self.spool, layers_path, budget))
         except Exception as e:
             self.close()
             raise ExtractionError(f"cannot hook the decoder layers inside vLLM: {e}", where=str(model_path),
                                   fix="set target.layers_path to vLLM's module path of the decoder layers "
                                       "(e.g. language_model.model.layers)") from e
         self.info = infos[0]
-        log.info("vLLM loaded %s in %.1fs; hooked %s (%d layers, hidden %d) for layer ids %s",
+        log.info("vLLM loaded %s in %.1fs; hooked %s (%d layers, hidden %d, %s) for layer ids %s",
                  model_path, self.load_seconds, self.info["layers_path"], self.info["num_layers"],
-                 self.info["hidden_size"], self.layer_ids)
+                 self.info["hidden_size"], self.info["runner"], self.layer_ids)
 
     def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from draftsmith.targets.vllm_worker import decode_tensor
+        from draftsmith.targets.vllm_worker import read_pass
 
         if not batch:
             return []
@@ -96,38 +114,47 @@ class VllmBackend(CaptureBackend):
                 raise ExtractionError(f"sample {n} of the batch has {len(ids)} tokens; the vLLM backend takes "
                                       f"1..{self.max_model_len - 1} (max_model_len minus the one sampled token)",
                                       where="extraction.max_model_len", fix="raise max_model_len or drop long samples")
-        keys = [next(self._keys) for _ in batch]
-        prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in batch]
-        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                 extra_args={"draftsmith_capture": k}) for k in keys]
+        # Equal samples have equal states: each distinct prompt runs once.
+        distinct = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in batch))
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         try:
-            self.llm.generate(prompts, params, use_tqdm=False)
-            results = next(r for r in self.llm.collective_rpc("draftsmith_collect", args=(keys,))
-                           if r is not None)
+            self.llm.collective_rpc("draftsmith_expect", args=([list(p) for p in distinct],))
+            self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in distinct], params, use_tqdm=False)
+            result = next(r for r in self.llm.collective_rpc("draftsmith_collect") if r is not None)
         except BaseException:
             self.llm.collective_rpc("draftsmith_reset")
+            self._empty_spool()
             raise
-        out = []
-        for n, (key, ids) in enumerate(zip(keys, batch)):
-            r = results[key]
-            if r["error"]:
-                raise ExtractionError(f"vLLM capture of sample {n} is incomplete: {r['error']}",
-                                      where="vLLM backend")
-            if list(r["token_ids"]) != list(map(int, ids)):
-                raise ExtractionError(f"vLLM ran other tokens than sample {n} holds (a request-to-row mismatch)",
-                                      where="vLLM backend")
-            states = decode_tensor(r["states"])
-            out.append({lid: states[k] for k, lid in enumerate(self.layer_ids)})
-        return out
+        passes = [read_pass(info) for info in result["passes"]]
+        if result["error"]:
+            raise ExtractionError(f"vLLM capture failed: {result['error']}", where="vLLM backend")
+        states = {}
+        for index, prompt in enumerate(distinct):
+            where = result["found"][index]
+            if where is None:
+                raise ExtractionError(f"vLLM computed no forward pass holding the whole prompt of {len(prompt)} "
+                                      "tokens (prefix caching and chunked prefill must stay off)",
+                                      where="vLLM backend", fix="do not pass enable_prefix_caching or "
+                                      "enable_chunked_prefill to the extraction engine")
+            number, row0, row1 = where
+            rows = passes[number][:, row0:row1]
+            states[prompt] = {lid: rows[k] for k, lid in enumerate(self.layer_ids)}
+        return [states[tuple(int(t) for t in ids)] for ids in batch]
+
+    def _empty_spool(self) -> None:
+        for name in os.listdir(self.spool):
+            os.unlink(os.path.join(self.spool, name))
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             shutdown_llm(llm, self._set_num_threads)
+        if getattr(self, "spool", None):
+            shutil.rmtree(self.spool, ignore_errors=True)
 
 
 def platform_workarounds() -> dict:
-    """Engine arguments that keep vLLM 0.32 exact on this platform."""
+    """Engine arguments that keep vLLM exact on this platform."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

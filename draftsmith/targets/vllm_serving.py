@@ -2,10 +2,11 @@
 
 This is how the trained draft is deployed: vLLM runs the target with the draft folder as its
 EAGLE-3 speculator (``speculative_config={"method": "eagle3", "model": <draft>,
-"num_speculative_tokens": k}``), greedy, from token ids. Each request's output comes back with
-vLLM's own per-request record of its verification steps (``per_request_spec_decode_metrics=
-"detailed"``: accepted and proposed draft tokens per step), and the engine's aggregate counters
-(``LLM.get_metrics()``, which needs ``disable_log_stats=False``)::
+"num_speculative_tokens": k}``), greedy, from token ids. Where the release records them, each
+request's output comes back with vLLM's own per-request record of its verification steps
+(``per_request_spec_decode_metrics="detailed"``: accepted and proposed draft tokens per step;
+:mod:`draftsmith.targets.vllm_compat` drops the argument where vLLM lacks it), and always the
+engine's aggregate counters (``LLM.get_metrics()``, which needs ``disable_log_stats=False``)::
 
     vllm:spec_decode_num_drafts                   verification steps that had a draft
     vllm:spec_decode_num_draft_tokens             draft tokens proposed
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.errors import EvaluationError
+from draftsmith.targets.vllm_compat import engine_kwargs, spec_decode_record
 from draftsmith.targets.vllm_backend import platform_workarounds, shutdown_llm
 
 log = logging.getLogger(__name__)
@@ -72,11 +74,12 @@ class SpecCounters:
 @dataclass
 class Served:
     """One prompt's output: generated tokens (a stop token included), and per verification step
-    the draft tokens vLLM accepted and proposed (empty without a speculator)."""
+    the draft tokens vLLM accepted and proposed (empty without a speculator; None where the vLLM
+    release keeps no per-request record)."""
 
     tokens: list[int]
-    accepted: list[int]
-    proposed: list[int]
+    accepted: list[int] | None
+    proposed: list[int] | None
 
 
 def read_spec_counters(metrics) -> SpecCounters:
@@ -123,7 +126,7 @@ class VllmServer:
         if self.speculative_config:
             kwargs["speculative_config"] = self.speculative_config
             kwargs["per_request_spec_decode_metrics"] = "detailed"  # each output's accepted/proposed per step
-        kwargs.update(llm_kwargs)
+        kwargs = engine_kwargs({**kwargs, **llm_kwargs})
         self.settings = {"platform": current_platform.device_type,
                          **{k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}}
         # In-process CPU engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) replace torch.set_num_threads
@@ -166,10 +169,10 @@ class VllmServer:
         served = []
         for output in outputs:
             completion = output.outputs[0]
-            record = completion.spec_decode_metrics
-            served.append(Served([int(t) for t in completion.token_ids],
-                                 list(record.per_step_accepted) if record is not None else [],
-                                 list(record.per_step_drafted) if record is not None else []))
+            record = spec_decode_record(completion)
+            if record is None:
+                record = (None, None) if self.speculative_config else ([], [])
+            served.append(Served([int(t) for t in completion.token_ids], *record))
         return served, self.counters() - before, seconds
 
     def close(self) -> None:

