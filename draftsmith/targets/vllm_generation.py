@@ -1,9 +1,9 @@
 """Generate answers with vLLM's offline engine (``LLM.generate``), for regeneration at full tensor
 parallelism.
 
-Only vLLM's public API is used (``LLM``, ``SamplingParams``, ``TokensPrompt``), which every release
-the project runs provides; the engine arguments are built in one place (``engine_args``), so that
-the ones that differ between releases can be routed through one version table.
+Only vLLM's public API is used (``LLM``, ``SamplingParams``, ``TokensPrompt``), which every
+supported release provides; the engine arguments are built in one place (``engine_args``) and
+pass through the version table of :mod:`draftsmith.targets.vllm_compat`.
 
 Sampling is mapped one to one from the regenerate settings: ``temperature`` (0 = greedy),
 ``top_p``, ``max_new_tokens`` -> ``max_tokens``, and the run's seed -> a per-request ``seed``
@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "auto",
                 trust_remote_code: bool = False, max_num_seqs: int | None = None,
                 max_model_len: int | None = None, **overrides) -> dict:
-    """Every argument the regeneration engine is built with."""
+    """Every argument the regeneration engine is built with, as the installed vLLM takes them."""
     from vllm.platforms import current_platform
+
+    from draftsmith.targets.vllm_compat import engine_kwargs
 
     args = dict(
         model=str(model_path), tokenizer=str(model_path), tensor_parallel_size=int(tensor_parallel_size),
@@ -47,7 +49,7 @@ def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = 
         args["max_num_seqs"] = int(max_num_seqs)
     args.update(platform_workarounds())
     args.update(overrides)
-    return args
+    return engine_kwargs(args)
 
 
 class VllmGenerator:
