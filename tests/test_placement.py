@@ -120,3 +120,34 @@ def test_under_slurm_the_allocation_is_used_as_it_is(four_gpus, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert claim_devices(2).devices == []  # stand-in GPUs without device files
     assert claim_devices(0).devices == []
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices (the GPU lane on a 2-GPU machine)")
+def test_two_extraction_parts_run_on_different_gpus(tmp_path):
+    """Through snakemake on a real 2-GPU machine: two TP=1 parts, started together, each on a GPU
+    of its own, named by UUID in its log."""
+    import re
+
+    from workflow_helpers import snakemake, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path)
+    config["device"] = "cuda"
+    config["extraction"] = {"parts": 2, "tensor_parallel_size": 1}
+    parts = [f"results/t/hidden_states/part-{p}.json" for p in (0, 1)]
+    # targets first: --resources takes every word after it
+    snakemake(workdir, *parts, "--cores", "4", "--resources", "gpu=2", configfile=write_config(workdir, config))
+    uuids = []
+    for p in (0, 1):
+        log = (workdir / f"logs/t/extract_hidden_states/part-{p}.log").read_text()
+        found = re.search(r"CUDA_VISIBLE_DEVICES=(\S+); UUIDs (\S+)", log)
+        assert found, log[-2000:]
+        uuids.append(found.group(2))
+    assert uuids[0] != uuids[1], uuids
