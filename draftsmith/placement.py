@@ -126,8 +126,22 @@ class Claim:
 
 
 def _open_lock(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    """The lock file, created writable by every user of the machine; another user's file opens
+    read-only, which flock takes as well."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        return os.fdopen(os.open(path, os.O_RDONLY), "r")
+    if os.fstat(fd).st_uid == os.getuid():
+        os.fchmod(fd, 0o666)  # past the umask: the next user's job must open it too
     return os.fdopen(fd, "r+")
+
+
+def _shared_folder(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if folder.stat().st_uid == os.getuid():
+        folder.chmod(0o1777)  # every user may add locks, none may remove another's (sticky)
+    return folder
 
 
 def _try_lock(f) -> bool:
@@ -152,8 +166,7 @@ def claim_devices(count: int, *, timeout: float | None = None) -> Claim:
             f"({', '.join(d.index for d in devices) or 'none'})",
             where="resources gpu (tensor_parallel_size, train.devices)",
             fix="lower the tensor parallel size or run on a machine with more GPUs")
-    folder = lock_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _shared_folder(lock_dir())
     started = last_log = time.monotonic()
     while True:
         with _open_lock(folder / "claim.lock") as guard:
@@ -170,10 +183,11 @@ def claim_devices(count: int, *, timeout: float | None = None) -> Claim:
                     f.close()
             if len(held) == count:
                 for f in files:
-                    f.seek(0)
-                    f.truncate()
-                    f.write(f"{os.getpid()}\n")
-                    f.flush()
+                    if f.writable():  # who holds it, for a person looking
+                        f.seek(0)
+                        f.truncate()
+                        f.write(f"{os.getpid()}\n")
+                        f.flush()
                 return Claim(held, "lock", files)
             for f in files:
                 f.close()
