@@ -129,16 +129,16 @@ def main(argv=None) -> int:
         os.environ.setdefault(key, value)
     args = parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.only:
-        print(json.dumps(run_one(args, args.only)))
+    if args.only:  # a file, not stdout: vLLM logs to stdout, its workers even after we return
+        (args.work / f"result-{args.only}.json").write_text(json.dumps(run_one(args, args.only)))
         return 0
     build_target(args.work / "model", args.shape, args.dtype, args.device)
     write_conversations(args.work / "conversations.jsonl", args.conversations)
     results = []
     for backend in args.backends:
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--only", backend]
-        done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+        results.append(json.loads((args.work / f"result-{backend}.json").read_text()))
         print(json.dumps(results[-1]), file=sys.stderr)
     summary = {"shape": args.shape, "dtype": args.dtype, "conversations": args.conversations,
                "max_new_tokens": args.max_new_tokens, "results": results}
