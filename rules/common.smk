@@ -105,24 +105,6 @@ def job_threads(gpus):
     return workflow.cores
 
 
-def hf_target_stages():
-    """Stages that load the whole target with transformers, and the devices each spreads it over:
-    preflight refuses a target that cannot fit them (the fix: those stages' vLLM backend)."""
-    if not uses_gpu(config["device"]):
-        return {}
-    stages = {}
-    if config["regenerate"]["enabled"] and config["regenerate"]["backend"] == "hf":
-        stages["regenerate_responses"] = 1
-    extraction = config["extraction"]
-    if extraction["backend"] == "hf":
-        stages["extract_hidden_states"] = (
-            extraction["tensor_parallel_size"] if extraction["device_map"] else 1
-        )
-    if config["eval"]["backend"] == "hf":
-        stages["evaluate_draft"] = 1
-    return stages
-
-
 def extraction_parts():
     return range(config["extraction"]["parts"])
 

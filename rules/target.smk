@@ -33,8 +33,6 @@ rule inspect_target:
         aux_layer_ids=config["target"]["aux_layer_ids"],
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],
-        dtype=config["target"]["dtype"],
-        hf_stages=hf_target_stages(),
         code=code("draftsmith.targets.inspect"),
     log:
         f"{LOGS}/inspect_target.log",

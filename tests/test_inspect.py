@@ -159,3 +159,15 @@ def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
     check_fits_devices({"num_parameters": 100 * 10**9}, {"evaluate_draft": 1})
     with pytest.raises(TargetError, match="the largest GPU made"):
         check_fits_devices(kimi, {"evaluate_draft": 1})
+
+
+def test_the_hf_stages_follow_the_backends():
+    from draftsmith.targets.inspect import hf_stages
+
+    config = {"device": "cuda", "regenerate": {"enabled": True, "backend": "hf"},
+              "extraction": {"backend": "hf", "tensor_parallel_size": 2, "device_map": "auto"},
+              "eval": {"backend": "hf"}}
+    assert hf_stages(config) == {"regenerate_responses": 1, "extract_hidden_states": 2, "evaluate_draft": 1}
+    config["regenerate"]["backend"] = config["extraction"]["backend"] = config["eval"]["backend"] = "vllm"
+    assert hf_stages(config) == {}
+    assert hf_stages({**config, "device": "cpu"}) == {}

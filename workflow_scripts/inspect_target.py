@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from draftsmith.logs import setup_logging
-from draftsmith.targets.inspect import write_target_json
+from draftsmith.targets.inspect import hf_stages, write_target_json
 
 setup_logging(snakemake.log[0])
 write_target_json(
@@ -12,6 +12,8 @@ write_target_json(
     aux_layer_ids=snakemake.params.aux_layer_ids,
     trust_remote_code=snakemake.params.trust_remote_code,
     layers_path=snakemake.params.layers_path,
-    dtype=snakemake.params.dtype,
-    hf_stages=snakemake.params.hf_stages,
+    # read from the config, not params: a backend switched elsewhere must not rerun preflight and
+    # with it every stage downstream
+    dtype=snakemake.config["target"]["dtype"],
+    hf_stages=hf_stages(snakemake.config),
 )

@@ -272,6 +272,25 @@ def weight_bytes(info: dict, dtype: str = "auto") -> int:
     return int(info["num_parameters"]) * DTYPE_BYTES["bfloat16" if dtype == "auto" else dtype]
 
 
+def hf_stages(config: dict) -> dict[str, int]:
+    """The workflow's stages that load the whole target with transformers on GPUs, and the devices
+    each spreads it over (``{rule: devices}``), from the validated config."""
+    from draftsmith.config import cuda_present
+
+    device = config["device"]
+    if not (device == "cuda" or (device == "auto" and cuda_present())):
+        return {}  # on the CPU the target is held in host memory
+    stages = {}
+    if config["regenerate"]["enabled"] and config["regenerate"]["backend"] == "hf":
+        stages["regenerate_responses"] = 1
+    extraction = config["extraction"]
+    if extraction["backend"] == "hf":
+        stages["extract_hidden_states"] = extraction["tensor_parallel_size"] if extraction["device_map"] else 1
+    if config["eval"]["backend"] == "hf":
+        stages["evaluate_draft"] = 1
+    return stages
+
+
 def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "auto",
                        device_bytes: int | None = None) -> None:
     """Refuse a target whose weights alone exceed the devices an HF stage loads it on ({rule:
