@@ -1,7 +1,9 @@
 # The two commands of the README. Each sets up .venv first (once; see scripts/setup.sh).
 CORES ?= all
 
-.PHONY: setup demo test report
+PYTHON ?= .venv/bin/python
+
+.PHONY: setup demo test test-gpu report
 setup:
 	@scripts/setup.sh
 
@@ -11,3 +13,7 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest -q tests
+
+# The GPU lane (docs/gpu-tests.md): on a CUDA machine, in the environment that holds vLLM's CUDA build.
+test-gpu:
+	$(PYTHON) -m pytest -m gpu tests
