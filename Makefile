@@ -1,7 +1,9 @@
 # The commands of the README. Each sets up its venv first (once; see scripts/setup.sh).
 CORES ?= all
 
-.PHONY: setup setup-cuda lock-cuda demo test report
+PYTHON ?= .venv/bin/python
+
+.PHONY: setup setup-cuda lock-cuda demo test test-gpu report
 setup:
 	@scripts/setup.sh
 
@@ -21,3 +23,8 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest -q tests
+
+# The GPU lane (docs/gpu-tests.md): on a CUDA machine, in the environment that holds vLLM's CUDA build
+# (after `make setup-cuda`: make test-gpu PYTHON=.venv-cuda/bin/python).
+test-gpu:
+	$(PYTHON) -m pytest -m gpu tests

@@ -41,6 +41,7 @@ from draftsmith.train import (
 )
 from draftsmith.vocab import mapping_tensors
 from tests.tiny import build_llama
+from tests.tiny_vllm import ENGINE_ARGS
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = TrainSettings(batch_tokens=96, lr=3e-3, warmup_steps=2, epochs=2, log_every=2, checkpoint_every=4,
@@ -510,7 +511,7 @@ def test_trained_draft_is_served_by_vllm_eagle3(inputs, tmp_path):
         def main():
             from vllm import LLM, SamplingParams
             llm = LLM(model={str(Path(inputs["target"]).parent / "target")!r}, max_model_len=128, enforce_eager=True,
-                      dtype="float32", max_num_seqs=2, disable_log_stats=False,
+                      dtype="float32", max_num_seqs=2, disable_log_stats=False, **{ENGINE_ARGS!r},
                       speculative_config={{"model": {str(tmp_path / "run" / "draft")!r}, "method": "eagle3",
                                           "num_speculative_tokens": 3}})
             llm.generate(["Hello there, how are you"], SamplingParams(max_tokens=16, temperature=0))

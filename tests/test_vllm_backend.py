@@ -136,8 +136,11 @@ def test_idefics3_wrapper_matches_hf(tmp_path_factory, in_process_engine):
         backend.close()
 
 
-def _torchvision_importable() -> bool:
+def _llava_importable() -> bool:
+    """vLLM's llava module imports its Pixtral encoder (mistral_common) and transformers' Pixtral image
+    processor (torchvision)."""
     try:
+        import mistral_common  # noqa: F401
         import torchvision  # noqa: F401
     except Exception:  # noqa: BLE001 - a CUDA-built torchvision beside CPU torch raises RuntimeError
         return False
@@ -147,9 +150,9 @@ def _torchvision_importable() -> bool:
 @vllm_test
 def test_llava_wrapper_matches_hf(tmp_path_factory, in_process_engine):
     """Llava (vLLM: language_model.model.layers); the preflight's HF path is tried first, then found."""
-    if not _torchvision_importable():
-        pytest.skip("vLLM's llava module imports transformers' Pixtral image processor, which needs "
-                    "torchvision; this environment has none that loads beside CPU torch")
+    if not _llava_importable():
+        pytest.skip("vLLM's llava module needs mistral_common and a torchvision that loads beside this torch; "
+                    "this environment lacks one of them (Idefics3 covers the multimodal wrapper)")
     path = build_llava(tmp_path_factory.mktemp("vllm-llava") / "target", num_layers=4)
     layer_ids = [0, 1, 2, 4]
     backend = _engine(path, layer_ids, layers_path="model.language_model.layers")

@@ -115,7 +115,8 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
 
     assert support_range_problem(v["version"]) is None
     assert v["num_prompts"] == len(LLAMA_PROMPTS) and v["num_tokens"] == NEW_TOKENS * len(LLAMA_PROMPTS)
-    assert v["num_drafts"] > 0 and v["num_draft_tokens"] == K * v["num_drafts"]
+    # vLLM may propose fewer than k tokens in a step that nears max_model_len (0.24 on CUDA did)
+    assert v["num_drafts"] > 0 and K * v["num_drafts"] - len(LLAMA_PROMPTS) <= v["num_draft_tokens"] <= K * v["num_drafts"]
     assert v["tau"] == pytest.approx(1 + v["num_accepted_tokens"] / v["num_drafts"]) == pytest.approx(v["hf_loop"]["tau"])
     assert v["num_drafts"] == v["hf_loop"]["num_steps"]
     assert v["prompts_identical_to_vllm_greedy"] == len(LLAMA_PROMPTS)
