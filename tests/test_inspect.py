@@ -148,7 +148,7 @@ def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
                            device_bytes=141 * 10**9)
     message = str(e.value)
     assert "2,060 GB in bfloat16" in message and "1,030.0B parameters" in message
-    assert "set regenerate.backend: vllm" in message and "no vLLM-only mode yet" in message
+    assert "set regenerate.backend: vllm" in message and "set eval.backend: vllm" in message
     # extraction with device_map auto spreads the weights over its GPUs
     check_fits_devices({"num_parameters": 100 * 10**9}, {"extract_hidden_states": 2}, device_bytes=141 * 10**9)
     with pytest.raises(TargetError, match="extraction.backend: vllm"):

@@ -31,10 +31,8 @@ HF_STAGE_KEYS = {"regenerate_responses": "regenerate.backend", "extract_hidden_s
 HF_STAGE_FIXES = {
     "regenerate_responses": "set regenerate.backend: vllm (tensor parallel over extraction.tensor_parallel_size GPUs)",
     "extract_hidden_states": "set extraction.backend: vllm (tensor parallel over extraction.tensor_parallel_size GPUs)",
-    # With either eval.backend the losslessness reference and the n-gram baseline run in the HF loop.
-    "evaluate_draft": "evaluation checks every output against the HF loop's greedy decoding, with either "
-                      "eval.backend, and has no vLLM-only mode yet: build the draft (snakemake ... train_draft) "
-                      "and measure it by serving it with vLLM (docs/runbook-kimi-k2.5.md)",
+    "evaluate_draft": "set eval.backend: vllm (a target the HF loop cannot hold is then evaluated in vLLM "
+                      "alone, against vLLM's own greedy decoding)",
 }
 
 
