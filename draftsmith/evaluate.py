@@ -19,7 +19,9 @@ backend returns.
 its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.targets.vllm_serving), every output is
 checked against the HF loop's greedy decoding with the same near-tie rule, and vLLM's own
 acceptance counters go into acceptance.json under ``vllm``, beside the HF loop's figures for the
-same draft and prompts.
+same draft and prompts. A target whose weights exceed one GPU cannot run in the HF loop; with
+``eval.backend: vllm`` it is evaluated in vLLM alone (``evaluate_in_vllm``: vLLM's greedy decoding
+as the reference, both drafters as vLLM speculators at ``k``).
 """
 
 from __future__ import annotations
