@@ -4,7 +4,9 @@ import os
 from pathlib import Path
 
 from draftsmith.config import cuda_present
-from draftsmith.fingerprint import code_fingerprint
+from draftsmith.fingerprint import script_fingerprint
+from draftsmith.targets.identity import weights_fingerprint
+from draftsmith.targets.vllm_support import installed_vllm_version
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -12,15 +14,29 @@ LOGS = f"logs/{RUN}"
 BENCH = f"benchmarks/{RUN}"
 
 
-def code(*modules):
-    """A parameter that changes with the draftsmith code a stage imports (Snakemake tracks only scripts)."""
-    return code_fingerprint(*modules)
+def script_code(rule_name):
+    """A parameter that changes with workflow_scripts/<rule>.py and every draftsmith module it imports,
+    transitively (Snakemake tracks the script, not the package code behind it)."""
+    return script_fingerprint(f"{workflow.basedir}/workflow_scripts/{rule_name}.py")
 
 
 def target_dir():
     if config["target"]["source"] == "demo":
         return f"{RESULTS}/target"
     return config["target"]["path"]
+
+
+def target_weights():
+    """A parameter of the rules that run the target's weights: their content's fingerprint, so
+    weights swapped in place rerun them. The demo target is a rule's output, tracked as such."""
+    if config["target"]["source"] == "demo":
+        return "demo_target"
+    return weights_fingerprint(target_dir())
+
+
+def engine_version():
+    """The installed vLLM (None when absent): target.json says what it can capture."""
+    return installed_vllm_version()
 
 
 def target_config():
@@ -56,6 +72,22 @@ def data_settings():
     return {**settings, "seed": config["seed"]}
 
 
+def preflight_format():
+    """How the stage after preflight reads the raw sources: regeneration reads any known format."""
+    return "auto" if config["regenerate"]["enabled"] else config["data"]["format"]
+
+
+def target_engines():
+    """Which engine each stage runs the target with (preflight refuses a vLLM that cannot)."""
+    engines = {
+        "extraction": config["extraction"]["backend"],
+        "eval": config["eval"]["backend"],
+    }
+    if config["regenerate"]["enabled"]:
+        engines["regenerate"] = config["regenerate"].get("backend", "hf")
+    return engines
+
+
 def uses_gpu(device):
     return device == "cuda" or (device == "auto" and cuda_present())
 
@@ -89,6 +121,7 @@ def extraction_parts():
 
 def final_outputs():
     return [
+        f"{RESULTS}/preflight.json",
         f"{RESULTS}/eval/acceptance.json",
         f"{RESULTS}/eval/acceptance_by_position.png",
         f"{RESULTS}/eval/tau_vs_k.png",
