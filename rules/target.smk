@@ -47,7 +47,8 @@ rule inspect_target:
 
 rule check_setup:
     input:
-        target=rules.inspect_target.output.target,
+        config=target_config(),
+        tokenizer=target_tokenizer_files(),
         sources=dataset_sources(),
     output:
         report=f"{RESULTS}/preflight.json",
@@ -56,6 +57,7 @@ rule check_setup:
         max_seq_len=config["data"]["max_seq_len"],
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         engines=target_engines(),
+        engine=engine_version(),
         code=script_code("check_setup"),
     log:
         f"{LOGS}/check_setup.log",
