@@ -44,7 +44,7 @@ def test_snakemake_plans_the_example(kimi_dir, tmp_path):
     config["data"]["sources"] = [str(data)]
     plan = snakemake(workdir, "-n", "--resources", "gpu=8", configfile=write_config(workdir, config))
     assert planned_rules(plan) == {
-        "inspect_target", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
+        "inspect_target", "check_setup", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
         "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
         "plot_training", "plot_evaluation"}
     text = plan.stdout
