@@ -44,10 +44,14 @@ def target_config():
 
 
 def target_tokenizer_files():
-    """The tokenizer files preflight reads (never the weights); the demo's appear with its config."""
+    """The tokenizer and chat template files preflight reads (never the weights), so a
+    new chat template reruns preflight and what follows; the demo's appear with its config."""
     if config["target"]["source"] == "demo":
         return []
-    return [str(p) for p in Path(target_dir()).glob("tokenizer*") if p.is_file()]
+    patterns = ("tokenizer*", "chat_template*", "special_tokens_map.json", "vocab.*", "merges.txt",
+                "*.tiktoken", "tiktoken.model")
+    folder = Path(target_dir())
+    return sorted({str(p) for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
 
 
 def dataset_sources():
