@@ -6,7 +6,8 @@ fresh process as a user would start it:
 
   preflight        `snakemake preflight --configfile=kimi.yaml --cores 2` from nothing (goal < 10 s)
   no-op rerun      the same command again: 0 jobs
-  64-part plan     `snakemake -n` of the whole workflow with extraction.parts: 64 (goal < 3 s)
+  64-part plan     `snakemake -n` of the whole workflow with extraction.parts: 64 (goal < 3 s; the
+                   jobs left once preflight has run)
   inspect_target   the inspect_target job's own Python process (imports included)
 
     .venv/bin/python bench/preflight.py                 # best of 3 for each
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -32,18 +34,29 @@ sys.path.insert(0, str(ROOT / "tests"))
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
 
+CPU = {"seconds": 0.0}  # CPU time (user + system) of the last command and its jobs
+
+
 def _run(cmd: list[str], cwd: Path) -> tuple[float, str]:
     env = {**os.environ, "PYTHONPATH": str(cwd)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU["seconds"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return seconds, done.stdout + done.stderr
 
 
 def _jobs(output: str) -> int:
-    return len(re.findall(r"^(?:local)?rule \w+:", output, flags=re.M)) - output.count("rule preflight:")
+    """Jobs planned or run, from Snakemake's job stats table (the target rules all/preflight not counted)."""
+    table = output.split("Job stats:", 1)
+    if len(table) < 2:
+        return 0  # "Nothing to be done"
+    counts = re.findall(r"^(\w+)\s+(\d+)$", table[1].split("total", 1)[0], flags=re.M)
+    return sum(int(n) for rule, n in counts if rule not in ("all", "preflight", "job"))
 
 
 def main() -> None:
@@ -69,32 +82,38 @@ def main() -> None:
 
         preflight = [SNAKEMAKE, "preflight", "--configfile=kimi.yaml", "--cores", "2"]
         results: dict[str, list[float]] = {"preflight": [], "no-op rerun": [], "64-part plan": [], "inspect_target": []}
+        cpu: dict[str, list[float]] = {name: [] for name in results}
         jobs = {}
         for _ in range(args.repeats):
             shutil.rmtree(workdir / "results", ignore_errors=True)
             shutil.rmtree(workdir / ".snakemake", ignore_errors=True)
             seconds, out = _run(preflight, workdir)
             results["preflight"].append(seconds)
+            cpu["preflight"].append(CPU["seconds"])
             jobs["preflight"] = _jobs(out)
             seconds, out = _run(preflight, workdir)
             results["no-op rerun"].append(seconds)
+            cpu["no-op rerun"].append(CPU["seconds"])
             jobs["no-op rerun"] = _jobs(out)
             seconds, out = _run([SNAKEMAKE, "-n", "--configfile=kimi64.yaml", "--cores", "2",
                                  "--resources", "gpu=8"], workdir)
             results["64-part plan"].append(seconds)
+            cpu["64-part plan"].append(CPU["seconds"])
             jobs["64-part plan"] = _jobs(out)
             code = ("from draftsmith.targets.inspect import write_target_json; "
                     f"write_target_json({str(tmp / 't.json')!r}, {str(kimi)!r}, aux_layer_ids=[2, 30, 58], "
                     "trust_remote_code=True)")
             seconds, _ = _run([sys.executable, "-c", code], workdir)
             results["inspect_target"].append(seconds)
+            cpu["inspect_target"].append(CPU["seconds"])
             jobs["inspect_target"] = 1
 
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} after the runs")
-    print(f"{'what':<16} {'best s':>7} {'all runs (s)':<24} jobs")
+    print(f"{'what':<16} {'best s':>7} {'all runs (s)':<24} {'CPU s (best)':>12} jobs")
     for name, times in results.items():
-        print(f"{name:<16} {min(times):7.2f} {' '.join(f'{t:.2f}' for t in times):<24} {jobs[name]}")
+        print(f"{name:<16} {min(times):7.2f} {' '.join(f'{t:.2f}' for t in times):<24} {min(cpu[name]):12.2f} "
+              f"{jobs[name]}")
 
 
 if __name__ == "__main__":
