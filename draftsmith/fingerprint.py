@@ -10,6 +10,7 @@ chunks): a resume is only ever a resume of the same code.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -31,8 +32,16 @@ def _module_file(module: str) -> Path | None:
 
 def _imports(file: Path, package: str | None) -> set[str]:
     """Every module ``file`` names in an import statement; relative ones resolved against ``package``."""
+    stat = file.stat()
+    return set(_parsed_imports(file, package, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed_imports(file: Path, package: str | None, mtime_ns: int, size: int) -> frozenset[str]:
+    # Parsing is most of a fingerprint's cost, and every rule's closure shares most files; the
+    # file's modification time and size in the key let an edited file be parsed again.
     found = set()
-    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+    for node in _statements(ast.parse(file.read_text(encoding="utf-8")).body):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -45,7 +54,18 @@ def _imports(file: Path, package: str | None) -> set[str]:
             found.add(base)
             # `from draftsmith.targets import inspect` imports a module, not a name
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
+
+
+def _statements(nodes: list) -> Iterable[ast.AST]:
+    """Every statement, nested ones (in functions, classes, if/try/with blocks) included: imports
+    are statements, so expressions need no visit."""
+    for node in nodes:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            children = getattr(node, field, None)
+            if isinstance(children, list):
+                yield from _statements(children)
 
 
 def _imported_modules(file: Path, module: str) -> set[str]:
