@@ -46,3 +46,31 @@ def test_hidden_folders_are_not_part_of_the_model(tmp_path):
     (folder / ".cache" / "download.lock").write_text("x")
     assert weights_fingerprint(folder) == before
     assert set(weights_identity(folder)["files"]) == {"config.json", "model.safetensors"}
+
+
+def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatch):
+    """Extraction shards and regeneration chunks are keyed by the weights' identity and by the
+    code that makes them: new weights or a patched capture are never resumed from old work."""
+    from draftsmith.extract import ExtractionSettings, part_fingerprint
+    from draftsmith.regenerate import RegenerateSettings, regeneration_fingerprint
+
+    folder = _folder(tmp_path / "model", 1.0)
+    target = {"model_path": str(folder), "layers_path": "model.layers", "captured_layer_ids": [1, 2],
+              "hidden_size": 4}
+    shards = [[{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}]]
+    settings = ExtractionSettings(device="cpu")
+
+    def keys() -> tuple[str, str]:
+        return (part_fingerprint(target, shards, settings),
+                regeneration_fingerprint(RegenerateSettings(), model=weights_identity(folder), sources=[],
+                                         seed=0, dtype="float32", device="cpu"))
+
+    before = keys()
+    stat = (folder / "model.safetensors").stat()
+    save_file({"w": torch.full((4, 4), 2.0)}, folder / "model.safetensors")
+    os.utime(folder / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    swapped = keys()
+    assert swapped[0] != before[0] and swapped[1] != before[1]
+    monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "patched")
+    patched = keys()
+    assert patched[0] != swapped[0] and patched[1] != swapped[1]
