@@ -35,7 +35,11 @@ def target_weights():
 
 
 def engine_version():
-    """The installed vLLM (None when absent): target.json says what it can capture."""
+    """The installed vLLM, when a stage runs the target through it: target.json says what that vLLM
+    can capture, so an upgrade reruns preflight and what follows. A workflow that never uses vLLM
+    does not rerun when it changes."""
+    if "vllm" not in target_engines().values():
+        return None
     return installed_vllm_version()
 
 
