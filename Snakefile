@@ -38,8 +38,7 @@ rule all:
 rule preflight:
     input:
         rules.inspect_target.output,
-        rules.prepare_dataset.output,
-        rules.build_vocab_mapping.output,
+        rules.check_setup.output,
 
 
 rule extract:

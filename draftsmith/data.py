@@ -1,9 +1,9 @@
 """Stage prepare_dataset: read conversations, apply the target's chat template, mask the
 assistant's tokens, and split off held-out prompts.
 
-Data flows top-down through this module: sources are read row by row (``load_conversations``),
-each row is normalized to OpenAI-style messages or plain text (or reported as a bad row with
-its reason), ids are collected and split (``split_heldout``), and a second pass tokenizes the
+Data flows top-down through this module: sources are read row by row by
+``draftsmith.conversations.load_conversations`` (each row normalized to OpenAI-style messages or
+plain text, or reported as a bad row with its reason), ids are collected and split (``split_heldout``), and a second pass tokenizes the
 rows that are kept (``tokenize_conversation``) and streams them to ``train.jsonl`` and
 ``heldout.jsonl``.
 """
@@ -23,39 +23,28 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence, Union
+from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
 
+from draftsmith.conversations import (  # noqa: F401 - Conversation is part of this stage's API too
+    FORMATS,
+    READ_REASONS,
+    BadRow,
+    Conversation,
+    Row,
+    load_conversations,
+    max_line_bytes,
+    row_where,
+)
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, fsync_dir, storage_error
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "messages", "conversations", "text")
-
 # Every reason a row can be dropped for; stats.json lists them all, zeros included, so its
 # schema does not depend on the data.
-REASONS = (
-    "line_too_long",
-    "not_utf8",
-    "invalid_json",
-    "unknown_format",
-    "missing_turns",
-    "empty_turn",
-    "unknown_role",
-    "non_text_content",
-    "no_assistant_turn",
-    "too_long_prompt",
-    "template_error",
-)
-
-ROLES = {
-    # OpenAI
-    "system": "system", "user": "user", "assistant": "assistant",
-    # ShareGPT
-    "human": "user", "gpt": "assistant",
-}
+REASONS = (*READ_REASONS, "too_long_prompt", "template_error")
 
 # How to fix the rows dropped for a reason, added to the error when too many rows are bad.
 REASON_FIXES = {
@@ -68,9 +57,6 @@ REASON_FIXES = {
     "too_long_prompt": "raise data.max_seq_len",
 }
 
-# A jsonl line longer than this is not loaded: it is a bad row, not a reason to run out of memory.
-MIN_MAX_LINE_BYTES = 16 << 20
-LINE_BYTES_PER_TOKEN = 64
 
 MAX_LOGGED_BAD_ROWS = 10
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
@@ -109,259 +95,10 @@ class DataSettings:
             raise bad("format", self.format, "one of " + ", ".join(FORMATS))
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """A usable row: ``messages`` ([{role, content}], roles system/user/assistant, ending with an
-    assistant turn) for chat rows, or ``text`` for plain-text rows. ``id`` is the row's own id,
-    not yet made unique across sources."""
-
-    id: str
-    file: str
-    line: int
-    messages: list[dict[str, str]] | None = None
-    text: str | None = None
-
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None
-
-    @property
-    def where(self) -> str:
-        return _where(self.file, self.line)
-
-
-@dataclass(frozen=True)
-class BadRow:
-    """A row that cannot be used, with the reason (one of ``REASONS``) and a detail for the log."""
-
-    file: str
-    line: int
-    reason: str
-    detail: str = ""
-
-    @property
-    def where(self) -> str:
-        return _where(self.file, self.line)
-
-
-Row = Union[Conversation, BadRow]
 
 
 class ChatTemplateError(DataError):
     """The chat template cannot render a conversation, or its assistant tokens cannot be located."""
-
-
-def _where(file: str, line: int) -> str:
-    # jsonl rows are numbered by their 1-based line; json/parquet/datasets rows by their 0-based index.
-    return f"{file}:{line}" if file.endswith(".jsonl") else f"{file}[row {line}]"
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading sources
-
-
-def max_line_bytes(max_seq_len: int) -> int:
-    """The longest jsonl line read as a row: far more than ``max_seq_len`` tokens could take."""
-    return max(MIN_MAX_LINE_BYTES, LINE_BYTES_PER_TOKEN * max_seq_len)
-
-
-def load_conversations(sources: Sequence[str | Path], format: str = "auto",
-                       max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[Row]:
-    """Yield every row of ``sources`` in order, normalized to a ``Conversation`` or a ``BadRow``.
-
-    A missing or unreadable source, or one without any row, raises ``DataError``; a jsonl line
-    over ``max_line`` bytes is a bad row, skipped without being loaded.
-    """
-    if format not in FORMATS:
-        raise DataError(f"unknown data format {format!r}", where="config key data.format",
-                        fix="use one of " + ", ".join(FORMATS))
-    for source in sources:
-        path = Path(source)
-        rows = 0
-        for line, raw in _read_source(path, max_line):
-            rows += 1
-            yield raw if isinstance(raw, BadRow) else _normalize(raw, str(source), line, format)
-        if rows == 0:
-            raise DataError(f"data source {source} holds no rows", where=str(source),
-                            fix="fill it or remove it from data.sources")
-
-
-def _read_source(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
-    if not path.exists():
-        raise DataError(f"data source {path} does not exist", where=str(path),
-                        fix="check the path in data.sources (relative paths start at the workflow folder)")
-    if path.is_dir():
-        return _read_saved_dataset(path)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return _read_jsonl(path, max_line)
-    if suffix == ".json":
-        return _read_json(path)
-    if suffix == ".parquet":
-        return _read_parquet(path)
-    raise DataError(f"cannot read data source {path}: unsupported file type {suffix or '(none)'!r}",
-                    where=str(path),
-                    fix="give .jsonl, .json or .parquet files, or a folder written by datasets' save_to_disk")
-
-
-def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
-    file = str(path)
-    with path.open("rb") as f:
-        for lineno in itertools.count(1):
-            raw = f.readline(max_line + 1)
-            if not raw:
-                return
-            if len(raw) > max_line and not raw.endswith(b"\n"):
-                size = len(raw)
-                while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
-                    size += len(chunk)  # skip the rest of the line without keeping it
-                size += len(chunk)
-                yield lineno, BadRow(file, lineno, "line_too_long",
-                                     f"{size:,} bytes, over the {max_line:,}-byte limit")
-                continue
-            if not raw.strip():
-                continue
-            try:
-                # utf-8-sig on line 1: editors on Windows start files with a byte-order mark.
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, BadRow(file, lineno, "not_utf8", f"byte {e.start}: {e.reason}")
-                continue
-            try:
-                yield lineno, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield lineno, BadRow(file, lineno, "invalid_json", f"{e.msg} (column {e.colno})")
-
-
-def _read_json(path: Path) -> Iterator[tuple[int, Any]]:
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})", where=str(path),
-                        fix="re-save the file as UTF-8") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON: {e.msg}", where=f"{path}:{e.lineno}:{e.colno}",
-                        fix="repair the file, or write one row per line as .jsonl so a bad row "
-                            "costs only itself") from e
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if not isinstance(data, list):
-        raise DataError(f"{path} holds a JSON {type(data).__name__}, not a list of rows",
-                        where=str(path), fix='write a list of rows, or an object {"data": [rows]}')
-    yield from enumerate(data)
-
-
-def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path} cannot be read as parquet: {e}", where=str(path),
-                        fix="check the file is complete and really parquet") from e
-    index = itertools.count()
-    for batch in parquet.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield next(index), row
-
-
-def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"{path} is a folder but not one written by datasets' save_to_disk: {e}",
-                        where=str(path),
-                        fix="give a save_to_disk folder, or list the folder's .jsonl/.json/.parquet files "
-                            "in data.sources") from e
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{path} holds the splits {sorted(ds)} and none is named 'train'",
-                            where=str(path),
-                            fix=f"give the folder of the split to use, e.g. {path / sorted(ds)[0]}")
-        ds = ds["train"]
-    yield from enumerate(ds)
-
-
-# ---------------------------------------------------------------------------------------------
-# Normalizing rows
-
-
-def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
-    def bad(reason: str, detail: str) -> BadRow:
-        return BadRow(file, line, reason, detail)
-
-    if not isinstance(raw, dict):
-        return bad("unknown_format", f"a row must be an object, not a {type(raw).__name__}")
-    raw_id = raw.get("id")
-    row_id = str(raw_id) if raw_id not in (None, "") else f"{Path(file).stem}:{line}"
-
-    if fmt == "auto":
-        # A key holding null counts as absent: parquet and datasets fill columns a row lacks with null.
-        fmt = next((k for k in ("messages", "conversations", "text") if raw.get(k) is not None), "")
-        if not fmt:
-            keys = ", ".join(sorted(map(str, raw))) or "none"
-            return bad("unknown_format", f"no 'messages', 'conversations' or 'text' field (keys: {keys})")
-    value = raw.get(fmt)
-    if value is None:
-        return bad("missing_turns", f"no '{fmt}' field")
-
-    if fmt == "text":
-        if not isinstance(value, str):
-            return bad("non_text_content", f"'text' is a {type(value).__name__}, not a string")
-        if not value.strip():
-            return bad("empty_turn", "'text' is empty")
-        return Conversation(row_id, file, line, text=value)
-
-    # OpenAI rows use role/content, ShareGPT rows from/value; accept either in both, since
-    # many published datasets mix the two spellings.
-    keys = (("role", "content"), ("from", "value"))
-    if fmt == "conversations":
-        keys = keys[::-1]
-    if not isinstance(value, list) or not value:
-        return bad("missing_turns", f"'{fmt}' is {'empty' if value == [] else 'not a list'}")
-    messages: list[dict[str, str]] = []
-    for k, turn in enumerate(value):
-        if not isinstance(turn, dict):
-            return bad("unknown_format", f"turn {k} is a {type(turn).__name__}, not an object")
-        role_key, content_key = next(((r, c) for r, c in keys if r in turn), keys[0])
-        role = ROLES.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
-        if role is None:
-            return bad("unknown_role", f"turn {k} has {role_key}={turn.get(role_key)!r}")
-        content = _content_text(turn.get(content_key))
-        if isinstance(content, tuple):
-            return bad(content[0], f"turn {k} ({role}): {content[1]}")
-        if not content.strip():
-            return bad("empty_turn", f"turn {k} ({role}) is empty")
-        messages.append({"role": role, "content": content})
-
-    last_assistant = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    if last_assistant < 0:
-        return bad("no_assistant_turn", f"roles: {', '.join(m['role'] for m in messages)}")
-    # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
-    return Conversation(row_id, file, line, messages=messages[: last_assistant + 1])
-
-
-def _content_text(content: Any) -> str | tuple[str, str]:
-    """The text of a message's content, or (reason, detail) when it has none usable."""
-    if content is None:
-        return "empty_turn", "content is null"
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text" or not isinstance(part.get("text"), str):
-                return "non_text_content", f"a content part of type {kind!r}"
-            texts.append(part["text"])
-        # Joined without a separator, as chat templates that accept parts render them.
-        return "".join(texts)
-    return "non_text_content", f"content is a {type(content).__name__}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +156,7 @@ def load_tokenizer(tokenizer_dir: str | Path):
     return tokenizer
 
 
-def _require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:
+def require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:
     if not tokenizer.chat_template:
         raise DataError(f"the tokenizer in {tokenizer_dir} has no chat template, so conversations "
                         "cannot be rendered", where=str(tokenizer_dir),
@@ -564,7 +301,7 @@ class _Tally:
         raise DataError(
             f"{bad} of {self.read} rows ({bad / self.read:.1%}) are unusable, more than "
             f"data.max_bad_fraction={self.max_bad_fraction}: {counts}",
-            where=f"first bad row {_where(first['file'], first['line'])} "
+            where=f"first bad row {row_where(first['file'], first['line'])} "
                   f"({first['reason']}: {first['detail']})",
             fix=fix)
 
@@ -669,7 +406,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if chat_ids:
-        _require_chat_template(tokenizer, tokenizer_dir)
+        require_chat_template(tokenizer, tokenizer_dir)
     renderer = _ChatRenderer(tokenizer)
 
     heldout_ids = split_heldout(chat_ids, settings)

@@ -42,13 +42,11 @@ from draftsmith.hidden_states import (
     merge_parts,
     shard_dir_name,
 )
-from draftsmith.io import read_json, sha256_file, storage_error
+from draftsmith.io import read_json, storage_error
 from draftsmith.targets.backends import CaptureBackend
+from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
-
-# Bump when a change to capture alters the numbers stored, so old shards are not resumed.
-CAPTURE_VERSION = 2
 
 BACKENDS = ("hf", "vllm")
 MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -199,28 +197,19 @@ def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
     return batches
 
 
-def _model_fingerprint(model_path: Path) -> dict:
-    """What identifies the weights without reading them: the config's bytes, the weight files' sizes."""
-    config = model_path / "config.json"
-    files = sorted(p for p in model_path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")) \
-        if model_path.is_dir() else []
-    return {
-        "path": str(model_path),
-        "config_sha256": sha256_file(config) if config.is_file() else None,
-        "weights": [[p.name, p.stat().st_size] for p in files],
-    }
-
-
 def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settings: ExtractionSettings) -> str:
-    """Hash of everything the part's shards are made from: the model (path, config, weight files),
+    """Hash of everything the part's shards are made from: the capture code (this module and every
+    draftsmith module it imports: backends, the shard writer), the model (``weights_identity``),
     the samples of each shard (ids, tokens, loss masks), the layers, the storage and model dtypes."""
+    from draftsmith.fingerprint import code_fingerprint
+
     digest = hashlib.sha256()
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     head = {
-        "capture_version": CAPTURE_VERSION,
-        "model": _model_fingerprint(Path(target_info["model_path"])),
+        "code": code_fingerprint("draftsmith.extract"),
+        "model": weights_identity(target_info["model_path"]),
         "layers_path": target_info["layers_path"],
         "layer_ids": target_info["captured_layer_ids"],
         "hidden_size": target_info["hidden_size"],

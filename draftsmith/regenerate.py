@@ -1,7 +1,7 @@
 """Stage regenerate_responses: replace the assistant turns of the training conversations with the
 target's own answers, so the draft learns the distribution it will be asked to predict.
 
-Conversations are read with ``draftsmith.data.load_conversations`` (bad rows are skipped here and
+Conversations are read with ``draftsmith.conversations.load_conversations`` (bad rows are skipped here and
 counted by prepare_dataset), grouped into chunks of ``chunk_size`` conversations, and each chunk is
 regenerated turn by turn: round r answers the r-th assistant turn of every conversation in the
 chunk, conditioned on the original user turns and the answers regenerated in earlier rounds. A
@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from draftsmith.data import BadRow, load_conversations
+from draftsmith.conversations import BadRow, load_conversations
 from draftsmith.errors import DataError, TargetError
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
 from draftsmith.targets.hf_backend import load_hf_model, resolve_device, resolve_model_dtype
+from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -138,18 +139,6 @@ class RegenerateSettings:
         return self.temperature == 0
 
 
-def _model_identity(model_path: Path) -> dict:
-    """Cheap identity of a model folder: the small files hashed, the weight files by name and size
-    (hashing a trillion-parameter checkpoint would take longer than regenerating)."""
-    small, weights = {}, {}
-    for path in sorted(p for p in model_path.iterdir() if p.is_file()):
-        if path.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
-            weights[path.name] = path.stat().st_size
-        elif path.stat().st_size < (64 << 20):
-            small[path.name] = sha256_file(path)
-    return {"files": small, "weights": weights}
-
-
 def _source_identity(source: Path) -> dict:
     if source.is_dir():
         return {str(p.relative_to(source)): sha256_file(p) for p in sorted(source.rglob("*")) if p.is_file()}
@@ -175,6 +164,8 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
         "model": model,
         "numerics": {"dtype": dtype, "device": device, "tensor_parallel_size": tensor_parallel_size},
         "sources": [{"path": str(s), "content": _source_identity(Path(s))} for s in sources],
+        # this module and the draftsmith modules it imports (reading conversations, loading the target),
+        # not tokenising or masking: a patch to prepare_dataset keeps regenerated answers
         "code": code_fingerprint("draftsmith.regenerate"),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
@@ -473,7 +464,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     dtype_name = str(torch_dtype).replace("torch.", "")
     vllm = settings.backend == "vllm"
     fingerprint = regeneration_fingerprint(
-        settings, model=_model_identity(model_path), sources=sources, seed=seed, dtype=dtype_name,
+        settings, model=weights_identity(model_path), sources=sources, seed=seed, dtype=dtype_name,
         device=torch_device.split(":")[0], tensor_parallel_size=tensor_parallel_size if vllm else 1)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     sampling = "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}"

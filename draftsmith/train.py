@@ -73,7 +73,8 @@ from draftsmith.io import atomic_write_bytes, atomic_write_json, atomic_write_te
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = "draftsmith.train-checkpoint/1"
+CHECKPOINT_FORMAT = "draftsmith.train-checkpoint/2"
+FINISHED = "finished.json"  # in the work dir once the rule's outputs are written: its checkpoints are not resumed
 PAD_MULTIPLE = 128  # flex attention's block size: padded batches keep one compiled shape
 
 
@@ -754,18 +755,33 @@ def _init_distributed(cuda: bool) -> _Dist:
 # Checkpoints
 
 
-def _fingerprint(settings: TrainSettings, index_path: Path, mapping_path: Path, target: dict, group: int) -> str:
+def _checkpoint_key(settings: TrainSettings, index_path: Path, mapping_path: Path, target: dict,
+                    group: int) -> dict[str, str]:
+    """What a checkpoint was made from, part by part, so a refusal can say which part changed:
+    the training code (this module and every draftsmith module it imports), the settings that
+    change the math, the hidden states, the vocab mapping and the target."""
+    from draftsmith.fingerprint import code_fingerprint
+
     keys = ("model_path", "hidden_size", "vocab_size", "num_hidden_layers", "aux_layer_ids", "final_layer_id",
             "text_config")
-    payload = {
+
+    def digest(value) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    return {
         "format": CHECKPOINT_FORMAT,
-        "settings": settings.math_dict(),
+        "code": code_fingerprint("draftsmith.train"),
+        "settings": digest({"math": settings.math_dict(), "micro_batches_per_step": group}),
         "index": sha256_file(index_path),
         "mapping": sha256_file(mapping_path),
-        "target": {k: target.get(k) for k in keys},
-        "micro_batches_per_step": group,
+        "target": digest({k: target.get(k) for k in keys}),
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# What each part of the checkpoint key is, for the log.
+_KEY_PARTS = {"format": "the checkpoint format", "code": "the training code (draftsmith.train and its imports)",
+              "settings": "the training settings", "index": "the hidden states (index.json)",
+              "mapping": "the vocab mapping", "target": "the target"}
 
 
 def _trainable_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
@@ -835,21 +851,30 @@ def _remove_hidden(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _find_checkpoint(ckpt_root: Path, fingerprint: str) -> tuple[Path | None, dict | None]:
-    """The latest checkpoint if it was made from the same data and settings, else (None, None)."""
+def _find_checkpoint(work_dir: Path, key: dict[str, str]) -> tuple[Path | None, dict | None, str]:
+    """The latest checkpoint if it was made by the same code from the same inputs and settings by
+    a run that has not finished, else (None, None); and, for the log, why it is or is not resumed."""
+    ckpt_root = work_dir / "checkpoints"
     for stale in ckpt_root.glob(".step-*"):  # a checkpoint half-written or half-deleted by a kill
         shutil.rmtree(stale, ignore_errors=True)
     pointer = ckpt_root / "latest.json"
     if not pointer.exists():
-        return None, None
+        return None, None, f"no checkpoint in {ckpt_root}: training from step 0"
     path = ckpt_root / read_json(pointer)["path"]
     if not (path / "state.json").exists():
-        return None, None
+        return None, None, f"the checkpoint pointer in {ckpt_root} names no checkpoint: training from step 0"
     state = read_json(path / "state.json")
-    if state.get("fingerprint") != fingerprint:
-        log.warning("checkpoints in %s were made from other data or settings; starting over", ckpt_root)
-        return None, None
-    return path, state
+    old = state.get("key") or {}
+    changed = [_KEY_PARTS[part] for part in key if old.get(part) != key[part]]
+    if changed:
+        return None, None, (f"not resuming from {path.name} (step {state.get('step')}): "
+                            f"{', '.join(changed)} changed since it was written; training from step 0")
+    if (work_dir / FINISHED).exists():
+        # The run that wrote it delivered its draft: the rule runs again because it was told to
+        # (--forcerun) or its outputs were removed, and a rerun must train, not copy the old draft.
+        return None, None, (f"not resuming from {path.name}: it ends a finished run whose draft was delivered; "
+                            "training again from step 0")
+    return path, state, f"resuming from {path} (step {state['step']}): same code, settings and inputs"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -902,7 +927,9 @@ def train_draft(index_path: str | Path, mapping_path: str | Path, target_json: s
     """Train an EAGLE-3 draft and write it to ``out_dir`` in the speculators format; returns a summary.
 
     Resumable: checkpoints under ``work_dir`` (never the rule's output) are picked up when they
-    were made from the same data and settings. Under torchrun every process calls this function.
+    were made by the same code from the same data and settings, and the run that wrote them has not
+    delivered its draft (``run_training`` marks that); the log says why a checkpoint is or is not
+    resumed. Under torchrun every process calls this function.
     """
     settings.check()
     index_path, mapping_path, out_dir, work_dir = map(Path, (index_path, mapping_path, out_dir, work_dir))
@@ -962,9 +989,11 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
                             fix="check the dataset stage: every training sample needs a prompt and a reply")
     total = len(steps)
 
-    fingerprint = _fingerprint(settings, index_path, mapping_path, target, group)
+    key = _checkpoint_key(settings, index_path, mapping_path, target, group)
+    fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     ckpt_root = work_dir / "checkpoints"
-    ckpt_path, ckpt_state = _find_checkpoint(ckpt_root, fingerprint)
+    ckpt_path, ckpt_state, resume = _find_checkpoint(work_dir, key)
+    log.info("%s", resume)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
                                   fused=device.type == "cuda")
@@ -984,11 +1013,11 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         start = int(ckpt_state["step"])
-        log.info("resuming from %s (step %d of %d)", ckpt_path, start, total)
+        log.info("resuming at step %d of %d", start, total)
     if ddp.world > 1:
         dist.barrier()  # every rank has read the checkpoint pointer before rank 0 clears stale state
     if ckpt_path is None and ddp.main:
-        for stale in ("checkpoints", "tensorboard", "metrics.jsonl"):
+        for stale in ("checkpoints", "tensorboard", "metrics.jsonl", FINISHED):
             p = work_dir / stale
             if p.is_dir():
                 shutil.rmtree(p)
@@ -1118,7 +1147,7 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
                 window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
             if checkpoint_now:
                 if ddp.main:
-                    state = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "step": done,
+                    state = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "key": key, "step": done,
                              "epoch": step.epoch, "step_in_epoch": step.index + 1, "total_steps": total,
                              "tokens": tokens_done, "world_size": ddp.world, "settings": dataclasses.asdict(settings),
                              "metrics": last_log}
@@ -1146,7 +1175,7 @@ def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Pat
             writer.close()
 
     result = {
-        "steps": total, "tokens": tokens_done, "resumed_from_step": start,
+        "steps": total, "tokens": tokens_done, "resumed_from_step": start, "resume": resume,
         "seconds": round(time.perf_counter() - started, 3), "world_size": ddp.world,
         "final": last_log or (ckpt_state or {}).get("metrics", {}),
         "draft_vocab_size": config.draft_vocab_size, "aux_layer_ids": config.aux_layer_ids,
@@ -1333,6 +1362,9 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
         atomic_write_bytes(metrics_out, source.read_bytes() if source.exists() else b"")
     if summary_out is not None:
         atomic_write_json(summary_out, summary)
+    # The draft is delivered: a later run of the rule (--forcerun, outputs removed) trains again
+    # instead of resuming at the last step and re-saving this draft.
+    atomic_write_json(work_dir / FINISHED, {"checkpoint": summary.get("checkpoint"), "steps": summary.get("steps")})
     return summary
 
 

@@ -4,7 +4,9 @@ import os
 from pathlib import Path
 
 from draftsmith.config import cuda_present
-from draftsmith.fingerprint import code_fingerprint
+from draftsmith.fingerprint import script_fingerprint
+from draftsmith.targets.identity import weights_fingerprint
+from draftsmith.targets.vllm_support import installed_vllm_version
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -12,9 +14,10 @@ LOGS = f"logs/{RUN}"
 BENCH = f"benchmarks/{RUN}"
 
 
-def code(*modules):
-    """A parameter that changes with the draftsmith code a stage imports (Snakemake tracks only scripts)."""
-    return code_fingerprint(*modules)
+def script_code(rule_name):
+    """A parameter that changes with workflow_scripts/<rule>.py and every draftsmith module it imports,
+    transitively (Snakemake tracks the script, not the package code behind it)."""
+    return script_fingerprint(f"{workflow.basedir}/workflow_scripts/{rule_name}.py")
 
 
 def target_dir():
@@ -23,15 +26,36 @@ def target_dir():
     return config["target"]["path"]
 
 
+def target_weights():
+    """A parameter of the rules that run the target's weights: their content's fingerprint, so
+    weights swapped in place rerun them. The demo target is a rule's output, tracked as such."""
+    if config["target"]["source"] == "demo":
+        return "demo_target"
+    return weights_fingerprint(target_dir())
+
+
+def engine_version():
+    """The installed vLLM, when a stage runs the target through it: target.json says what that vLLM
+    can capture, so an upgrade reruns preflight and what follows. A workflow that never uses vLLM
+    does not rerun when it changes."""
+    if "vllm" not in target_engines().values():
+        return None
+    return installed_vllm_version()
+
+
 def target_config():
     return f"{target_dir()}/config.json"
 
 
 def target_tokenizer_files():
-    """The tokenizer files preflight reads (never the weights); the demo's appear with its config."""
+    """The tokenizer and chat template files preflight reads (never the weights), so a
+    new chat template reruns preflight and what follows; the demo's appear with its config."""
     if config["target"]["source"] == "demo":
         return []
-    return [str(p) for p in Path(target_dir()).glob("tokenizer*") if p.is_file()]
+    patterns = ("tokenizer*", "chat_template*", "special_tokens_map.json", "vocab.*", "merges.txt",
+                "*.tiktoken", "tiktoken.model")
+    folder = Path(target_dir())
+    return sorted({str(p) for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
 
 
 def dataset_sources():
@@ -54,6 +78,22 @@ def data_settings():
     if config["regenerate"]["enabled"]:
         settings["format"] = "auto"
     return {**settings, "seed": config["seed"]}
+
+
+def preflight_format():
+    """How the stage after preflight reads the raw sources: regeneration reads any known format."""
+    return "auto" if config["regenerate"]["enabled"] else config["data"]["format"]
+
+
+def target_engines():
+    """Which engine each stage runs the target with (preflight refuses a vLLM that cannot)."""
+    engines = {
+        "extraction": config["extraction"]["backend"],
+        "eval": config["eval"]["backend"],
+    }
+    if config["regenerate"]["enabled"]:
+        engines["regenerate"] = config["regenerate"].get("backend", "hf")
+    return engines
 
 
 def uses_gpu(device):
@@ -111,6 +151,7 @@ def extraction_parts():
 
 def final_outputs():
     return [
+        f"{RESULTS}/preflight.json",
         f"{RESULTS}/eval/acceptance.json",
         f"{RESULTS}/eval/acceptance_by_position.png",
         f"{RESULTS}/eval/tau_vs_k.png",

@@ -5,7 +5,7 @@ rule demo_dataset:
     output:
         data=f"{RESULTS}/data/demo_conversations.jsonl",
     params:
-        code=code("draftsmith.demo"),
+        code=script_code("demo_dataset"),
     log:
         f"{LOGS}/demo_dataset.log",
     threads: 1
@@ -28,7 +28,8 @@ rule regenerate_responses:
         seed=config["seed"],
         tensor_parallel_size=regenerate_tensor_parallel_size(),
         work_dir=f"{RESULTS}/data/regenerate_work",
-        code=code("draftsmith.regenerate"),
+        weights=target_weights(),
+        code=script_code("regenerate_responses"),
     log:
         f"{LOGS}/regenerate_responses.log",
     benchmark:
@@ -56,7 +57,7 @@ rule prepare_dataset:
         ),
     params:
         settings=data_settings(),
-        code=code("draftsmith.data"),
+        code=script_code("prepare_dataset"),
     log:
         f"{LOGS}/prepare_dataset.log",
     benchmark:
@@ -81,7 +82,7 @@ rule build_vocab_mapping:
         ),
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
-        code=code("draftsmith.vocab"),
+        code=script_code("build_vocab_mapping"),
     log:
         f"{LOGS}/build_vocab_mapping.log",
     threads: 1

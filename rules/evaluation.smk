@@ -18,7 +18,8 @@ rule evaluate_draft:
         dtype=config["target"]["dtype"],
         device=config["device"],
         tensor_parallel_size=eval_tensor_parallel_size(),
-        code=code("draftsmith.evaluate"),
+        weights=target_weights(),
+        code=script_code("evaluate_draft"),
     log:
         f"{LOGS}/evaluate_draft.log",
     benchmark:
@@ -47,7 +48,7 @@ rule plot_evaluation:
             category="4. Evaluation",
         ),
     params:
-        code=code("draftsmith.plots"),
+        code=script_code("plot_evaluation"),
     log:
         f"{LOGS}/plot_evaluation.log",
     threads: 1

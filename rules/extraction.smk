@@ -13,7 +13,8 @@ rule extract_hidden_states:
         settings=config["extraction"],
         model_dtype=config["target"]["dtype"],
         device=config["device"],
-        code=code("draftsmith.extract"),
+        weights=target_weights(),
+        code=script_code("extract_hidden_states"),
     log:
         f"{LOGS}/extract_hidden_states/part-{{part}}.log",
     benchmark:
@@ -35,7 +36,7 @@ rule merge_hidden_states:
     output:
         index=f"{RESULTS}/hidden_states/index.json",
     params:
-        code=code("draftsmith.hidden_states"),
+        code=script_code("merge_hidden_states"),
     log:
         f"{LOGS}/merge_hidden_states.log",
     threads: 1

@@ -1,4 +1,5 @@
-# The target model: the embedded demo model, and the preflight that reads no weights.
+# The target model: the embedded demo model, and the preflight that reads no weights and no
+# regenerated data (inspect_target, then check_setup for the data sources, vocab and engines).
 
 
 rule demo_target:
@@ -7,7 +8,7 @@ rule demo_target:
     params:
         folder=lambda wildcards, output: os.path.dirname(output.config),
         cache_dir="resources",
-        code=code("draftsmith.demo"),
+        code=script_code("demo_target"),
     log:
         f"{LOGS}/demo_target.log",
     benchmark:
@@ -33,7 +34,8 @@ rule inspect_target:
         aux_layer_ids=config["target"]["aux_layer_ids"],
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],
-        code=code("draftsmith.targets.inspect"),
+        engine=engine_version(),
+        code=script_code("inspect_target"),
     log:
         f"{LOGS}/inspect_target.log",
     threads: 1
@@ -43,3 +45,29 @@ rule inspect_target:
         "../envs/vllm.yaml"
     script:
         "../workflow_scripts/inspect_target.py"
+
+
+rule check_setup:
+    input:
+        config=target_config(),
+        tokenizer=target_tokenizer_files(),
+        sources=dataset_sources(),
+    output:
+        report=f"{RESULTS}/preflight.json",
+    params:
+        format=preflight_format(),
+        max_seq_len=config["data"]["max_seq_len"],
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        engines=target_engines(),
+        engine=engine_version(),
+        code=script_code("check_setup"),
+    log:
+        f"{LOGS}/check_setup.log",
+    # seconds, and it stops a run whose data or engine would fail hours later: first when it can
+    priority: 50
+    threads: 1
+    conda:
+        # where the engine rules run: the vLLM it checks is the one they will use
+        "../envs/vllm.yaml"
+    script:
+        "../workflow_scripts/check_setup.py"

@@ -20,7 +20,7 @@ rule train_draft:
         work_dir=f"{RESULTS}/train/state",
         settings={**config["train"], "seed": config["seed"]},
         device=config["device"],
-        code=code("draftsmith.train"),
+        code=script_code("train_draft"),
     log:
         f"{LOGS}/train_draft.log",
     benchmark:
@@ -44,7 +44,7 @@ rule plot_training:
             category="3. Training",
         ),
     params:
-        code=code("draftsmith.plots"),
+        code=script_code("plot_training"),
     log:
         f"{LOGS}/plot_training.log",
     threads: 1

@@ -30,3 +30,42 @@ def test_fingerprint_changes_with_the_code(tmp_path, monkeypatch):
     assert code_fingerprint("draftsmith.a") == before
     (package / "b.py").write_text("X = 2\n")
     assert code_fingerprint("draftsmith.a") != before
+
+
+def test_a_script_is_fingerprinted_with_the_modules_it_imports(tmp_path):
+    from draftsmith.fingerprint import script_closure, script_fingerprint
+
+    script = tmp_path / "prepare.py"
+    script.write_text("from draftsmith.data import prepare_dataset\nfrom draftsmith.logs import setup_logging\n")
+    closure = names(script_closure(script))
+    assert {"__init__.py", "data.py", "conversations.py", "logs.py", "errors.py", "io.py"} <= closure
+    assert "regenerate.py" not in closure and "train.py" not in closure
+    before = script_fingerprint(script)
+    script.write_text(script.read_text() + "# a comment\n")
+    assert script_fingerprint(script) != before
+
+
+def test_reading_conversations_does_not_pull_in_tokenising():
+    """Regeneration's code is what reads conversations, not what tokenises them: a patch to
+    prepare_dataset's masking keeps hours of regenerated answers."""
+    closure = names(module_closure("draftsmith.regenerate"))
+    assert "conversations.py" in closure and "data.py" not in closure
+
+
+def test_rerun_table_follows_imports_and_the_rule_graph(tmp_path, monkeypatch):
+    from draftsmith.fingerprint import rerun_table
+
+    package = tmp_path / "draftsmith"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from draftsmith import b\n")
+    (package / "b.py").write_text("X = 1\n")
+    (package / "c.py").write_text("Y = 1\n")
+    monkeypatch.setattr("draftsmith.fingerprint.PACKAGE_DIR", package)
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text("import draftsmith.c\n")
+    second.write_text("from draftsmith.a import X\n")
+    table = rerun_table({"first": first, "second": second, "third": first}, [("first", "second")])
+    assert table["draftsmith.b"] == ["second"]
+    assert table["draftsmith.c"] == ["first", "second", "third"]
+    assert table["draftsmith"] == ["first", "second", "third"]

@@ -1,10 +1,10 @@
 """The production example: Kimi-K2.5 (DeepSeek-V3 text model in a multimodal wrapper), planned and
-preflighted on a CPU machine from its config alone."""
+preflighted on a CPU machine from its config alone. How long that takes is measured by
+bench/preflight.py (docs/benchmarks.md), not asserted here: a busy machine must not fail a test."""
 
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -20,15 +20,12 @@ def kimi_dir(tmp_path_factory):
     return tiny.build_kimi_k25_config(tmp_path_factory.mktemp("kimi"))
 
 
-def test_preflight_resolves_the_wrapper_in_seconds_without_weights(kimi_dir, tmp_path):
+def test_preflight_resolves_the_wrapper_without_weights(kimi_dir, tmp_path):
     out = tmp_path / "target.json"
     code = ("from draftsmith.targets.inspect import write_target_json; "
             f"write_target_json({str(out)!r}, {str(kimi_dir)!r}, aux_layer_ids=[2, 30, 58], trust_remote_code=True)")
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-    seconds = time.perf_counter() - started  # a fresh interpreter: imports included
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)  # timed in bench/preflight.py
     info = json.loads(out.read_text())
-    assert seconds < 10, seconds
     assert info["architecture"] == "KimiK25ForConditionalGeneration" and info["wrapped"] is True
     assert info["text_model_type"] == "deepseek_v3"
     assert info["layers_path"].endswith("language_model.layers")
@@ -47,7 +44,7 @@ def test_snakemake_plans_the_example(kimi_dir, tmp_path):
     config["data"]["sources"] = [str(data)]
     plan = snakemake(workdir, "-n", "--cores", "8", "--resources", "gpu=8", configfile=write_config(workdir, config))
     assert planned_rules(plan) == {
-        "inspect_target", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
+        "inspect_target", "check_setup", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
         "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
         "plot_training", "plot_evaluation"}
     text = plan.stdout

@@ -50,8 +50,8 @@ def expected(rule: str) -> tuple[int, int, int, int]:
 
 
 PREFLIGHT_RULES = {"inspect_target", "prepare_dataset", "build_vocab_mapping", "extract_hidden_states"}
-ALL_RULES = PREFLIGHT_RULES | {"merge_hidden_states", "train_draft", "plot_training", "evaluate_draft",
-                               "plot_evaluation"}
+ALL_RULES = PREFLIGHT_RULES | {"check_setup", "merge_hidden_states", "train_draft", "plot_training",
+                               "evaluate_draft", "plot_evaluation"}
 SACCT_FIELDS = ["JobID", "JobName", "Comment", "State", "ExitCode", "Account", "Partition",
                 "NTasks", "AllocCPUS", "ReqMem", "TimelimitRaw", "ReqTRES", "AllocTRES"]
 

@@ -467,6 +467,29 @@ def test_checkpoint_from_other_settings_is_not_resumed(inputs, tmp_path):
     assert train(inputs, tmp_path, dataclasses.replace(settings, lr=1e-3, log_every=1))["resumed_from_step"] == 4
 
 
+def test_a_delivered_draft_is_trained_again_and_a_code_change_starts_at_step_0(inputs, tmp_path, monkeypatch):
+    """What the rule sees (run_training): a rerun after the draft was delivered (--forcerun) trains
+    from step 0, a run killed before delivering resumes, and other training code never resumes."""
+    settings = dataclasses.replace(SETTINGS, max_steps=4, checkpoint_every=2)
+
+    def run() -> dict:
+        return run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "draft",
+                            tmp_path / "work", settings)
+
+    first = run()
+    assert first["resumed_from_step"] == 0 and "no checkpoint" in first["resume"]
+    forced = run()
+    assert forced["resumed_from_step"] == 0 and "finished run" in forced["resume"]
+    (tmp_path / "work" / "finished.json").unlink()  # as if killed before the outputs were written
+    killed = run()
+    assert killed["resumed_from_step"] == 4 and "same code, settings and inputs" in killed["resume"]
+    (tmp_path / "work" / "finished.json").unlink()
+    monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "patched")
+    patched = run()
+    assert patched["resumed_from_step"] == 0
+    assert "the training code (draftsmith.train and its imports) changed" in patched["resume"]
+
+
 def test_non_finite_loss_stops_naming_the_step_and_last_good_checkpoint(tmp_path):
     inputs = build_training_inputs(tmp_path / "inputs", num_samples=16, samples_per_shard=2, poison_shard=5)
     settings = dataclasses.replace(SETTINGS, checkpoint_every=1, log_every=1, epochs=1)

@@ -12,12 +12,13 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from draftsmith.errors import TargetError
 from draftsmith.io import atomic_write_json
+
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def _known_model_types() -> set[str]:
 
 def build_meta_model(config, trust_remote_code: bool) -> nn.Module:
     """Instantiate the target's architecture with no storage (meta device)."""
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -119,6 +121,7 @@ def build_meta_model(config, trust_remote_code: bool) -> nn.Module:
     for arch in getattr(config, "architectures", None) or []:
         if hasattr(transformers, arch):
             candidates.append(getattr(transformers, arch))
+    candidates.extend(c for c in _auto_classes(config.model_type) if c not in candidates)
     auto_map = getattr(config, "auto_map", None) or {}
     errors = []
     with torch.device("meta"):
@@ -141,6 +144,20 @@ def build_meta_model(config, trust_remote_code: bool) -> nn.Module:
             "target.trust_remote_code for a model that ships its own code")
 
 
+def _auto_classes(model_type: str) -> list[type]:
+    """The classes the Auto factories would pick for ``model_type``, found in their name tables:
+    asking a factory that lacks the type costs seconds (its error message imports every config)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"):
+        name = getattr(modeling_auto, table, {}).get(model_type)
+        if isinstance(name, str) and hasattr(transformers, name):
+            found.append(getattr(transformers, name))
+    return found
+
+
 def module_path(root: nn.Module, target: nn.Module) -> str:
     for name, module in root.named_modules():
         if module is target:
@@ -154,6 +171,8 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> str:
     Prefer the decoder that the model itself names (``get_decoder()``); otherwise take the one
     ModuleList of ``num_layers`` layers that sits beside a token embedding.
     """
+    from torch import nn
+
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if decoder is not None and isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         if len(decoder.layers) == num_layers:

@@ -1,0 +1,138 @@
+"""Stage check_setup: the preflight checks that need no weights and no regenerated data.
+
+Beside inspect_target (which describes the target from its config in target.json), this stage
+checks the rest of what later stages will need, in seconds, so a mistake surfaces before any model
+loads: each raw data source is readable and in a known format, the target's chat template renders
+a sample and the sample tokenises with a loss mask on the assistant's tokens, the draft vocabulary
+fits the target's, and every stage that runs the target through vLLM has a vLLM that can capture
+it. It reads the target folder's config.json and tokenizer itself rather than target.json, so the
+two preflight jobs run side by side (each pays seconds of imports).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from draftsmith.conversations import BadRow, Conversation, load_conversations, max_line_bytes
+from draftsmith.errors import ConfigError, DataError, TargetError
+from draftsmith.io import atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS_READ = 256  # rows read per source: enough to see its format, cheap for any size
+
+
+def check_source(source: str | Path, format: str, max_seq_len: int,
+                 max_rows: int = MAX_ROWS_READ) -> tuple[Conversation, dict]:
+    """The first usable row of ``source`` (read as ``format``) and counts of the rows looked at;
+    a DataError when the source cannot be read or none of its first rows is usable."""
+    bad: Counter = Counter()
+    first_bad: BadRow | None = None
+    read = 0
+    for row in load_conversations([source], format, max_line_bytes(max_seq_len)):
+        read += 1
+        if isinstance(row, Conversation):
+            return row, {"rows_read": read, "bad_rows": dict(bad)}
+        bad[row.reason] += 1
+        first_bad = first_bad or row
+        if read >= max_rows:
+            break
+    raise DataError(f"none of the first {read} rows of {source} is usable: {dict(bad)}",
+                    where=f"{first_bad.where} ({first_bad.reason}: {first_bad.detail})" if first_bad else str(source),
+                    fix="check data.format and the rows' fields: rows need 'messages' (OpenAI), "
+                        "'conversations' (ShareGPT) or 'text'")
+
+
+def check_sample(tokenizer, row: Conversation, max_seq_len: int) -> dict:
+    """Render and tokenise one row as prepare_dataset will; a DataError when no token gets loss."""
+    from draftsmith.data import ChatTemplateError, tokenize_conversation
+
+    if row.is_chat:
+        try:
+            ids, mask = tokenize_conversation(tokenizer, row.messages)
+        except ChatTemplateError as e:
+            raise DataError(f"the target's chat template cannot render {row.where}: {e.what}", where=row.where,
+                            fix=e.fix or "check the chat template in the target folder") from e
+    else:
+        ids = list(tokenizer(row.text)["input_ids"])
+        mask = [1] * len(ids)
+    if not any(mask[:max_seq_len]):
+        raise DataError(f"{row.where} has no assistant token within data.max_seq_len={max_seq_len} tokens "
+                        f"({len(ids)} tokens rendered)", where=row.where,
+                        fix="raise data.max_seq_len, or check that the chat template marks the assistant's turns")
+    return {"id": row.id, "tokens": len(ids), "loss_tokens": sum(mask)}
+
+
+def read_config(model_path: str | Path) -> dict:
+    """The target's config.json as JSON (building the config class costs seconds of imports)."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise TargetError("the target folder has no config.json", where=str(model_path),
+                          fix="point target.path at a Hugging Face model folder (config.json, tokenizer, weights)")
+    return read_json(config_file)
+
+
+def text_config(raw: dict) -> dict:
+    """The config of the target's text model: the whole config, or the sub-config a multimodal
+    wrapper keeps it in."""
+    for key in ("text_config", "llm_config", "language_config", "text_model"):
+        if isinstance(raw.get(key), dict) and "vocab_size" in raw[key]:
+            return raw[key]
+    return raw
+
+
+def check_vocab(vocab_size: int | None, draft_vocab_size: int) -> None:
+    if vocab_size is not None and draft_vocab_size > vocab_size:
+        raise ConfigError(f"vocab.draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary "
+                          f"({vocab_size})", where="vocab.draft_vocab_size",
+                          fix=f"use at most {vocab_size} (32000 suits most targets)")
+
+
+def check_engines(architecture: str, engines: Mapping[str, str]) -> dict:
+    """Refuse a stage set to run the target through vLLM when the installed vLLM cannot capture it
+    (not installed, an untested release, no implementation of the architecture)."""
+    from draftsmith.targets.vllm_support import vllm_support
+
+    users = sorted(stage for stage, backend in engines.items() if backend == "vllm")
+    if not users:
+        return {"vllm": {"stages": []}}
+    vllm = vllm_support({"architecture": architecture}, None)
+    if not vllm.get("supported"):
+        raise TargetError(f"{', '.join(users)} run(s) the target through vLLM, which cannot: {vllm.get('reason')}",
+                          where=", ".join(f"{stage}.backend" for stage in users),
+                          fix=vllm.get("fix") or "use the hf backend")
+    return {"vllm": {"stages": users, **vllm}}
+
+
+def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path: str | Path, *,
+                format: str = "auto", max_seq_len: int = 2048, draft_vocab_size: int = 32000,
+                engines: Mapping[str, str] | None = None) -> dict:
+    """Run every weight-free check against the target folder ``model_path`` and write what was
+    checked to ``out_path``."""
+    from draftsmith.data import load_tokenizer, require_chat_template
+
+    raw = read_config(model_path)
+    text = text_config(raw)
+    check_vocab(text.get("vocab_size"), draft_vocab_size)
+    architecture = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
+    report = {"engines": check_engines(architecture, engines or {})}
+    if not sources:
+        raise DataError("no data sources given", where="config key data.sources",
+                        fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")
+    tokenizer = load_tokenizer(model_path)
+    checked = []
+    for source in sources:
+        row, counts = check_source(source, format, max_seq_len)
+        if row.is_chat:
+            require_chat_template(tokenizer, model_path)
+        checked.append({"source": str(source), **counts, "sample": check_sample(tokenizer, row, max_seq_len)})
+        log.info("%s: readable; %s renders to %d tokens, %d with loss", source, row.where,
+                 checked[-1]["sample"]["tokens"], checked[-1]["sample"]["loss_tokens"])
+    report.update(sources=checked, draft_vocab_size=draft_vocab_size, target_vocab_size=text.get("vocab_size"))
+    atomic_write_json(out_path, report)
+    log.info("preflight passed: %d data source(s), vocab, engines (vLLM for %s)", len(checked),
+             ", ".join(report["engines"]["vllm"]["stages"]) or "no stage")
+    return report

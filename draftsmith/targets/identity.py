@@ -1,0 +1,74 @@
+"""The target's identity is its content: a fingerprint of a model folder that changes when its
+weights, config or tokenizer change, computed in milliseconds without reading the weights.
+
+Hashing a trillion-parameter checkpoint would take longer than the work it guards, so weight files
+are identified by size, modification time (nanoseconds) and, for safetensors, a hash of the header
+(every tensor's name, dtype, shape and offsets); all other files of the folder (config, tokenizer,
+chat template, the safetensors index) are hashed whole. Weights replaced in place get a new
+modification time; copying a folder without keeping times (``cp`` without ``-p``) counts as new
+weights too, which costs a rerun, never a stale result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SMALL_FILE_BYTES = 64 << 20  # files up to this size (not weights) are hashed whole
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _safetensors_header(path: Path) -> str | None:
+    """The hash of a safetensors file's header, or None when the file has no valid header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        (size,) = struct.unpack("<Q", head)
+        if size > _MAX_HEADER_BYTES:
+            return None
+        return hashlib.sha256(f.read(size)).hexdigest()
+
+
+def weights_identity(model_path: str | Path) -> dict:
+    """What identifies a model folder's content: small files by hash, weights by size, modification
+    time and safetensors header. A missing folder has an empty identity."""
+    model_path = Path(model_path)
+    files: dict[str, dict] = {}
+    if not model_path.is_dir():
+        return {"path": str(model_path), "files": files}
+    for path in sorted(p for p in model_path.rglob("*") if p.is_file() and not _hidden(p, model_path)):
+        stat = path.stat()
+        name = str(path.relative_to(model_path))
+        if path.suffix in WEIGHT_SUFFIXES:
+            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            if path.suffix == ".safetensors":
+                entry["header"] = _safetensors_header(path)
+        elif stat.st_size <= SMALL_FILE_BYTES:
+            entry = {"sha256": _sha256(path)}
+        else:
+            entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        files[name] = entry
+    return {"path": str(model_path.resolve()), "files": files}
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    # .cache/ (huggingface_hub's download metadata), .git/: not part of the model
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def weights_fingerprint(model_path: str | Path) -> str:
+    """A short hash of ``weights_identity``: a parameter of every rule that runs the target's weights."""
+    payload = json.dumps(weights_identity(model_path), sort_keys=True).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]

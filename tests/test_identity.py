@@ -1,0 +1,76 @@
+"""The target's identity is its content: swapped weights, even of the same size, change it."""
+
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.targets.identity import weights_fingerprint, weights_identity
+
+
+def _folder(tmp_path, value: float):
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.full((4, 4), value)}, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def test_same_size_weights_written_again_change_the_fingerprint(tmp_path):
+    folder = _folder(tmp_path, 1.0)
+    before = weights_fingerprint(folder)
+    assert weights_fingerprint(folder) == before  # stable
+    size = (folder / "model.safetensors").stat().st_size
+    stat = (folder / "model.safetensors").stat()
+    save_file({"w": torch.full((4, 4), 2.0)}, folder / "model.safetensors")
+    os.utime(folder / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert (folder / "model.safetensors").stat().st_size == size
+    assert weights_fingerprint(folder) != before
+
+
+def test_a_changed_header_or_small_file_changes_it_even_with_the_same_mtime(tmp_path):
+    folder = _folder(tmp_path, 1.0)
+    stat = (folder / "model.safetensors").stat()
+    before = weights_fingerprint(folder)
+    save_file({"v": torch.full((4, 4), 1.0)}, folder / "model.safetensors")  # renamed tensor
+    os.utime(folder / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights_fingerprint(folder) != before
+    before = weights_fingerprint(folder)
+    (folder / "config.json").write_text('{"model_type": "mistral"}')
+    assert weights_fingerprint(folder) != before
+
+
+def test_hidden_folders_are_not_part_of_the_model(tmp_path):
+    folder = _folder(tmp_path, 1.0)
+    before = weights_fingerprint(folder)
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "download.lock").write_text("x")
+    assert weights_fingerprint(folder) == before
+    assert set(weights_identity(folder)["files"]) == {"config.json", "model.safetensors"}
+
+
+def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatch):
+    """Extraction shards and regeneration chunks are keyed by the weights' identity and by the
+    code that makes them: new weights or a patched capture are never resumed from old work."""
+    from draftsmith.extract import ExtractionSettings, part_fingerprint
+    from draftsmith.regenerate import RegenerateSettings, regeneration_fingerprint
+
+    folder = _folder(tmp_path / "model", 1.0)
+    target = {"model_path": str(folder), "layers_path": "model.layers", "captured_layer_ids": [1, 2],
+              "hidden_size": 4}
+    shards = [[{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}]]
+    settings = ExtractionSettings(device="cpu")
+
+    def keys() -> tuple[str, str]:
+        return (part_fingerprint(target, shards, settings),
+                regeneration_fingerprint(RegenerateSettings(), model=weights_identity(folder), sources=[],
+                                         seed=0, dtype="float32", device="cpu"))
+
+    before = keys()
+    stat = (folder / "model.safetensors").stat()
+    save_file({"w": torch.full((4, 4), 2.0)}, folder / "model.safetensors")
+    os.utime(folder / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    swapped = keys()
+    assert swapped[0] != before[0] and swapped[1] != before[1]
+    monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "patched")
+    patched = keys()
+    assert patched[0] != swapped[0] and patched[1] != swapped[1]

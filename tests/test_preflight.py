@@ -1,0 +1,101 @@
+"""Preflight without weights or regenerated data: data sources, chat template, vocab, engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import tiny
+from draftsmith.errors import ConfigError, DataError, TargetError
+from draftsmith.preflight import check_setup
+from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
+
+CHATS = [{"messages": [{"role": "user", "content": f"Hello {i}"},
+                       {"role": "assistant", "content": f"Fine, thanks {i}."}]} for i in range(4)]
+
+
+@pytest.fixture
+def target(chatml_tokenizer, tmp_path):
+    """A target folder with a config and a tokenizer, and no weights at all."""
+    folder = shutil.copytree(chatml_tokenizer, tmp_path / "target")
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384}))
+    return folder
+
+
+def test_a_good_setup_passes_and_says_what_it_checked(target, tmp_path):
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", [{"broken": True}, *CHATS])
+    report = check_setup(target, [source], tmp_path / "preflight.json", draft_vocab_size=64,
+                         engines={"extraction": "hf"})
+    (checked,) = report["sources"]
+    assert checked["rows_read"] == 2 and checked["bad_rows"] == {"unknown_format": 1}
+    assert 0 < checked["sample"]["loss_tokens"] < checked["sample"]["tokens"]
+    assert json.loads((tmp_path / "preflight.json").read_text()) == report
+
+
+def test_a_source_without_usable_rows_is_named(target, tmp_path):
+    source = tiny.write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}] * 3)
+    with pytest.raises(DataError) as error:
+        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64)
+    assert "bad.jsonl" in str(error.value) and "unknown_format" in str(error.value)
+    with pytest.raises(DataError, match="does not exist"):
+        check_setup(target, [tmp_path / "missing.jsonl"], tmp_path / "p.json", draft_vocab_size=64)
+
+
+def test_a_draft_vocab_larger_than_the_target_is_refused(target, tmp_path):
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    with pytest.raises(ConfigError, match="vocab.draft_vocab_size 32000 is larger"):
+        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=32000)
+
+
+def test_an_untested_vllm_is_refused_for_the_stages_that_use_it(target, tmp_path, monkeypatch):
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    monkeypatch.setattr("draftsmith.targets.vllm_support.installed_vllm_version", lambda: "0.10.1")
+    with pytest.raises(TargetError) as error:
+        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64,
+                    engines={"extraction": "vllm", "eval": "hf"})
+    assert "not a tested release" in str(error.value) and "extraction.backend" in str(error.value)
+    check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64, engines={"extraction": "hf"})
+
+
+@pytest.mark.slow
+def test_preflight_with_regeneration_on_needs_no_weights_and_no_regenerated_data(tmp_path):
+    workdir, config = tiny_workflow(tmp_path)
+    config.update(regenerate={"enabled": True}, vocab={"draft_vocab_size": 64})
+    configfile = write_config(workdir, config)
+    plan = snakemake(workdir, "-n", "preflight", configfile=configfile)
+    assert planned_rules(plan) == {"inspect_target", "check_setup"}
+    (tmp_path / "model" / "model.safetensors").unlink()  # preflight never reads the weights
+    snakemake(workdir, "preflight", configfile=configfile)
+    assert (workdir / "results/t/preflight.json").exists()
+    assert not (workdir / "results/t/data/regenerated.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_another_vllm_reruns_preflight_when_a_stage_uses_it(tmp_path):
+    import os
+    import subprocess
+
+    from workflow_helpers import SNAKEMAKE
+
+    workdir, config = tiny_workflow(tmp_path)
+    config.update(vocab={"draft_vocab_size": 64}, eval={"backend": "vllm"})
+    configfile = write_config(workdir, config)
+    snakemake(workdir, "preflight", configfile=configfile)
+    # another vLLM release, as importlib.metadata sees it first on the path
+    fake = tmp_path / "site" / "vllm-0.99.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{workdir}"}
+    plan = subprocess.run([SNAKEMAKE, "-n", "--cores", "1", "preflight", f"--configfile={configfile}"], cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert planned_rules(plan) == {"inspect_target", "check_setup"}
+    config["eval"] = {"backend": "hf"}  # no stage uses vLLM: its version is no reason to rerun
+    configfile = write_config(workdir, config)
+    snakemake(workdir, "preflight", configfile=configfile)
+    plan = subprocess.run([SNAKEMAKE, "-n", "--cores", "1", "preflight", f"--configfile={configfile}"], cwd=workdir,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert planned_rules(plan) == set(), plan.stdout[-3000:]

@@ -1,0 +1,175 @@
+"""The caching promise, module by module: after a patch to any draftsmith module, `snakemake -n`
+plans exactly the rules docs/reruns.md names for it (those whose script imports the module, and
+what depends on them), and running them recomputes: a patched trainer trains a different draft
+from step 0, a patched capture rewrites the shards, and nothing upstream of the patch runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from draftsmith.fingerprint import package_modules
+from draftsmith.io import read_json
+from workflow_helpers import ROOT, planned_rules, snakemake, tiny_workflow, write_config
+
+RESULTS = "results/t"
+# Rules only the embedded demo has (its model and conversations come from packages).
+DEMO_ONLY = {"demo_target", "demo_dataset"}
+
+
+def _rerun_table_script():
+    spec = importlib.util.spec_from_file_location("rerun_table", ROOT / "scripts" / "rerun_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _committed_table() -> dict[str, set[str]]:
+    rows = re.findall(r"^\| `([\w.]+)` \| (.*) \|$", (ROOT / "docs" / "reruns.md").read_text(), flags=re.M)
+    return {module: set(re.findall(r"`(\w+)`", rules)) for module, rules in rows}
+
+
+def test_each_rule_fingerprints_the_script_it_runs():
+    """A rule's code parameter names its own script: rule X runs workflow_scripts/X.py and takes
+    script_code("X"), so no rule can fingerprint code other than what it runs."""
+    for smk in sorted((ROOT / "rules").glob("*.smk")):
+        for rule, body in re.findall(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", smk.read_text(), flags=re.M):
+            script = re.search(r'script:\s*\n\s*"\.\./workflow_scripts/(\w+)\.py"', body)
+            if script is None:
+                continue
+            assert script.group(1) == rule, f"{smk.name}: rule {rule} runs {script.group(1)}.py"
+            assert f'code=script_code("{rule}")' in body, f"{smk.name}: rule {rule} lacks its code fingerprint"
+
+
+@pytest.mark.slow
+def test_the_committed_rerun_table_is_current():
+    script = _rerun_table_script()
+    assert (ROOT / "docs" / "reruns.md").read_text() == script.render(script.rerun_rows()), \
+        "docs/reruns.md is stale: run .venv/bin/python scripts/rerun_table.py"
+
+
+def test_the_table_lists_every_module():
+    assert set(_committed_table()) == set(package_modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny workflow, regeneration on, run once; then one patch at a time
+
+
+def _patch(workdir: Path, module: str, text: str = "\n# a patch\n") -> Path:
+    file = workdir / Path(*module.split(".")).with_suffix(".py")
+    if not file.exists():
+        file = workdir / Path(*module.split(".")) / "__init__.py"
+    file.write_text(file.read_text() + text)
+    return file
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The whole tiny workflow, regeneration on, run to the end once."""
+    workdir, config = tiny_workflow(tmp_path_factory.mktemp("reruns"))
+    config.update(
+        regenerate={"enabled": True, "max_new_tokens": 6, "batch_size": 16},
+        vocab={"draft_vocab_size": 64},
+        extraction={"shard_tokens": 256, "batch_tokens": 256},
+        train={"max_steps": 6, "epochs": 1, "batch_tokens": 128, "checkpoint_every": 3, "warmup_steps": 1},
+        eval={"max_prompts": 2, "max_new_tokens": 6, "k_sweep": [1, 2], "sweep_max_prompts": 1},
+    )
+    configfile = write_config(workdir, config)
+    snakemake(workdir, configfile=configfile)
+    assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == set()
+    return workdir, configfile
+
+
+@pytest.mark.slow
+def test_a_patch_to_each_module_reruns_exactly_the_rules_in_the_table(finished):
+    workdir, configfile = finished
+    # The table of this workflow (a target of its own: no demo rules), from its rule graph ...
+    table = {module: set(rules) for module, rules in _rerun_table_script().rerun_rows(workdir, configfile).items()}
+    # ... is the committed one wherever the demo's own rules play no part
+    committed = _committed_table()
+    present = planned_rules(snakemake(workdir, "-n", "--forceall", configfile=configfile))
+    for module, rules in committed.items():
+        if not rules & DEMO_ONLY:
+            assert table[module] == rules & present, module
+    wrong = {}
+    for module in package_modules():
+        file = _patch(workdir, module)
+        original = file.read_text()[: -len("\n# a patch\n")]
+        try:
+            planned = planned_rules(snakemake(workdir, "-n", configfile=configfile))
+        finally:
+            file.write_text(original)
+        if planned != table[module]:
+            wrong[module] = {"planned": sorted(planned), "expected": sorted(table[module])}
+    assert not wrong, wrong
+    assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == set()
+
+
+def _mtimes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_patched_trainer_trains_again_from_step_0_and_nothing_upstream_runs(finished):
+    workdir, configfile = finished
+    results = workdir / RESULTS
+    before = load_file(results / "draft" / "model.safetensors")
+    upstream = _mtimes(results / "hidden_states") | _mtimes(results / "data")
+    # the math: a draft initialised from another seed learns other weights
+    _patch(workdir, "draftsmith.train", "\n_SEED_SHIFT = 1\n_seed = torch.manual_seed\n"
+           "torch.manual_seed = lambda s: _seed(s + _SEED_SHIFT)\n")
+    assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == \
+        {"train_draft", "evaluate_draft", "plot_training", "plot_evaluation"}
+    snakemake(workdir, configfile=configfile)
+    after = load_file(results / "draft" / "model.safetensors")
+    assert any(not before[k].equal(after[k]) for k in before), "the patched trainer wrote the old weights"
+    summary = read_json(results / "train" / "summary.json")
+    assert summary["resumed_from_step"] == 0 and "training code" in summary["resume"]
+    assert "training code (draftsmith.train and its imports) changed" in \
+        (workdir / "logs" / "t" / "train_draft.log").read_text()
+    assert _mtimes(results / "hidden_states") | _mtimes(results / "data") == upstream
+
+    # --forcerun with the same code trains again instead of re-saving the last checkpoint
+    snakemake(workdir, "--forcerun", "train_draft", "--until", "train_draft", configfile=configfile)
+    summary = read_json(results / "train" / "summary.json")
+    assert summary["resumed_from_step"] == 0 and "finished run" in summary["resume"]
+
+
+@pytest.mark.slow
+def test_a_patched_capture_rewrites_the_shards_and_nothing_upstream_runs(finished):
+    workdir, configfile = finished
+    results = workdir / RESULTS
+    shards = {k: v for k, v in _mtimes(results / "hidden_states").items() if "/shard-" in k}
+    assert shards
+    data = _mtimes(results / "data")
+    _patch(workdir, "draftsmith.extract", "\nCAPTURE_PATCH = 1\n")
+    planned = planned_rules(snakemake(workdir, "-n", configfile=configfile))
+    assert planned == {"extract_hidden_states", "merge_hidden_states", "train_draft", "evaluate_draft",
+                       "plot_training", "plot_evaluation"}
+    snakemake(workdir, configfile=configfile)
+    rewritten = {k: v for k, v in _mtimes(results / "hidden_states").items() if "/shard-" in k}
+    assert rewritten.keys() == shards.keys() and all(rewritten[k] != shards[k] for k in shards), \
+        "shards were reused after a capture patch"
+    assert _mtimes(results / "data") == data
+
+
+@pytest.mark.slow
+def test_weights_swapped_in_place_rerun_the_stages_that_run_them(finished):
+    import torch
+    from safetensors.torch import save_file
+
+    workdir, configfile = finished
+    model = Path(read_json(workdir / RESULTS / "target.json")["model_path"])
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.endswith("layers.0.mlp.up_proj.weight"))
+    tensors[name] = torch.randn_like(tensors[name])  # same names, shapes and size: other weights
+    save_file(tensors, weights, metadata={"format": "pt"})
+    planned = planned_rules(snakemake(workdir, "-n", configfile=configfile))
+    assert {"regenerate_responses", "extract_hidden_states", "evaluate_draft"} <= planned
+    assert not planned & {"inspect_target", "check_setup"}
