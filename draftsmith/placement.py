@@ -90,18 +90,6 @@ def _nvidia_smi_devices() -> list[Device]:
     return devices
 
 
-def device_memory_bytes() -> int | None:
-    """Memory of the smallest GPU this machine shows (a job may land on any), or None without
-    nvidia-smi (a login node, a CPU machine)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    sizes = [int(float(v)) << 20 for v in out.split() if v.strip()]  # MiB
-    return min(sizes) if sizes else None
-
-
 def lock_dir() -> Path:
     """Machine-wide (not per checkout): every workflow on this machine shares its GPUs."""
     return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "draftsmith-gpus")

@@ -155,7 +155,7 @@ def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
         check_fits_devices({"num_parameters": 100 * 10**9}, {"extract_hidden_states": 1}, device_bytes=141 * 10**9)
     check_fits_devices(kimi, {})  # every stage in vLLM: nothing to refuse
     # no GPU in sight (a login node): only what fits no GPU made is refused
-    monkeypatch.setattr("draftsmith.placement.device_memory_bytes", lambda: None)
+    monkeypatch.setattr("draftsmith.targets.inspect.device_memory_bytes", lambda: None)
     check_fits_devices({"num_parameters": 100 * 10**9}, {"evaluate_draft": 1})
     with pytest.raises(TargetError, match="the largest GPU made"):
         check_fits_devices(kimi, {"evaluate_draft": 1})
@@ -164,10 +164,10 @@ def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
 def test_the_hf_stages_follow_the_backends():
     from draftsmith.targets.inspect import hf_stages
 
-    config = {"device": "cuda", "regenerate": {"enabled": True, "backend": "hf"},
+    config = {"regenerate": {"enabled": True, "backend": "hf"},
               "extraction": {"backend": "hf", "tensor_parallel_size": 2, "device_map": "auto"},
               "eval": {"backend": "hf"}}
-    assert hf_stages(config) == {"regenerate_responses": 1, "extract_hidden_states": 2, "evaluate_draft": 1}
+    assert hf_stages(config, gpu=True) == {"regenerate_responses": 1, "extract_hidden_states": 2, "evaluate_draft": 1}
+    assert hf_stages(config, gpu=False) == {}
     config["regenerate"]["backend"] = config["extraction"]["backend"] = config["eval"]["backend"] = "vllm"
-    assert hf_stages(config) == {}
-    assert hf_stages({**config, "device": "cpu"}) == {}
+    assert hf_stages(config, gpu=True) == {}

@@ -289,13 +289,25 @@ def weight_bytes(info: dict, dtype: str = "auto") -> int:
     return int(info["num_parameters"]) * DTYPE_BYTES["bfloat16" if dtype == "auto" else dtype]
 
 
-def hf_stages(config: dict) -> dict[str, int]:
-    """The workflow's stages that load the whole target with transformers on GPUs, and the devices
-    each spreads it over (``{rule: devices}``), from the validated config."""
-    from draftsmith.config import cuda_present
+def device_memory_bytes() -> int | None:
+    """Memory of the smallest GPU this machine shows (a job may land on any), or None without
+    nvidia-smi (a login node, a CPU machine)."""
+    import subprocess
 
-    device = config["device"]
-    if not (device == "cuda" or (device == "auto" and cuda_present())):
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [int(float(v)) << 20 for v in out.split() if v.strip()]  # MiB
+    return min(sizes) if sizes else None
+
+
+def hf_stages(config: dict, *, gpu: bool) -> dict[str, int]:
+    """The workflow's stages that load the whole target with transformers on GPUs (``gpu``: the
+    run's device is a GPU), and the devices each spreads it over (``{rule: devices}``), from the
+    validated config."""
+    if not gpu:
         return {}  # on the CPU the target is held in host memory
     stages = {}
     if config["regenerate"]["enabled"] and config["regenerate"]["backend"] == "hf":
@@ -314,8 +326,6 @@ def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "a
     devices}); activations and KV cache need more still, so a pass is no promise, a refusal is sure."""
     if not hf_stages:
         return
-    from draftsmith.placement import device_memory_bytes
-
     need = weight_bytes(info, dtype)
     seen = device_bytes or device_memory_bytes()
     capacity = seen or LARGEST_DEVICE_BYTES
