@@ -56,7 +56,7 @@ def test_an_untested_vllm_is_refused_for_the_stages_that_use_it(target, tmp_path
     with pytest.raises(TargetError) as error:
         check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64,
                     engines={"extraction": "vllm", "eval": "hf"})
-    assert "not a tested release" in str(error.value) and "extraction.backend" in str(error.value)
+    assert "outside the supported releases" in str(error.value) and "extraction.backend" in str(error.value)
     check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64, engines={"extraction": "hf"})
 
 
