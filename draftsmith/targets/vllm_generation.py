@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from draftsmith.errors import TargetError
-from draftsmith.targets.vllm_backend import platform_workarounds, shutdown_llm
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = 
                 max_model_len: int | None = None, **overrides) -> dict:
     """Every argument the regeneration engine is built with, as the installed vLLM takes them."""
     from vllm.platforms import current_platform
-
-    from draftsmith.targets.vllm_compat import engine_kwargs
 
     args = dict(
         model=str(model_path), tokenizer=str(model_path), tensor_parallel_size=int(tensor_parallel_size),
