@@ -89,7 +89,7 @@ class VllmBackend(CaptureBackend):
             raise
         self.load_seconds = time.monotonic() - started
         try:
-            infos = self.llm.collective_rpc("draftsmith_install", args=(self.layer_ids, self.spool, layers_path))
+            infos = self.llm.collective_rpc("draftsmith_install", args=(self.layer_ids, self.spool, layers_path, budget))
         except Exception as e:
             self.close()
             raise ExtractionError(f"cannot hook the decoder layers inside vLLM: {e}", where=str(model_path),

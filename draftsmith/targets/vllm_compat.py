@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 from functools import cache
 
 from packaging.version import InvalidVersion, Version
@@ -74,7 +75,8 @@ def spec_decode_record(completion) -> tuple[list[int], list[int]] | None:
 
 
 def platform_workarounds() -> dict:
-    """Engine arguments that keep vLLM exact on this platform."""
+    """Engine arguments that keep vLLM exact on this platform (and, on a GPU, the start method that
+    keeps its engine processes working)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -82,6 +84,10 @@ def platform_workarounds() -> dict:
         # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
         # The PyTorch-native rotary is exact.
         return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    # A driver that asked torch about CUDA (device checks) cannot fork a CUDA engine process; vLLM
+    # switches to spawn only when torch's CUDA is fully initialised. Every entry point has a
+    # __main__ guard, so spawn is always safe.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return {}
 
 

@@ -29,9 +29,9 @@ then updates both tensors in place). Hooks on the text model itself would not fi
 (``enforce_eager=True``) so that the hooks run as written.
 
 Only TP rank 0 keeps states (every rank holds the full residual stream). Per forward pass it gathers
-the captured rows of every hooked layer on the device, and a background thread copies them, on a
-CUDA stream of its own (overlapping the next pass), straight into one file per pass mapped from
-the driver's spool folder (``/dev/shm`` where it has room): gigabytes per batch reach the driver
+the captured rows of every hooked layer on the device, copies them to host memory without
+blocking the device, and a background thread writes them as one raw file per pass under the
+driver's spool folder (``/dev/shm`` where it exists): hundreds of MB per batch reach the driver
 through shared memory instead of the engine's RPC messages, which carry only where each prompt's
 rows are.
 """
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 _SKIP_PREFIXES = ("vision", "visual", "audio", "mm_", "multi_modal", "image", "encoder")
 _EMBEDDING_NAMES = ("embed_tokens", "embed_input_ids", "wte")
-_IN_FLIGHT = 3  # passes whose rows may wait on the device for their copy to the spool
+_HOST_BUFFERS = 3  # passes whose rows may be on their way to the spool at once
 
 
 def find_layers(model: nn.Module, num_layers: int, layers_path: str | None = None) -> tuple[str, nn.ModuleList]:
@@ -117,20 +117,21 @@ def prompt_runs(positions: list[int], token_ids: list[int]) -> list[tuple[int, i
 
 @dataclass
 class _Pass:
-    """One forward pass's captured rows on their way to the spool: [layers, rows, hidden] on the
-    device, readable once ``ready`` (recorded on the compute stream) has passed."""
+    """One forward pass's captured rows on their way to the spool: [layers, rows, hidden]."""
 
     path: str
-    states: torch.Tensor
-    ready: torch.cuda.Event | None
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    buffer: torch.Tensor
 
 
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker class; every method the driver calls starts with ``draftsmith_``."""
 
-    def draftsmith_install(self, layer_ids: list[int], spool_dir: str, layers_path: str | None = None
-                           ) -> dict[str, Any]:
-        """Hook the decoder layers for ``layer_ids`` (DESIGN numbering); returns what was resolved."""
+    def draftsmith_install(self, layer_ids: list[int], spool_dir: str, layers_path: str | None = None,
+                           max_rows: int = 0) -> dict[str, Any]:
+        """Hook the decoder layers for ``layer_ids`` (DESIGN numbering); returns what was resolved.
+        ``max_rows`` is the most rows one forward pass holds (the engine's token budget)."""
         model_config = self.model_runner.model_config
         model = self.model_runner.get_model()
         text_config = model_config.hf_text_config
@@ -155,7 +156,7 @@ class CaptureWorkerExtension:
         self._ds_keep = self.rank == 0  # every TP rank holds the same rows; one sends them
         self._ds_reset_state()
         if self._ds_keep:
-            self._ds_start_writer()
+            self._ds_start_writer(max(int(max_rows), 1))
 
         forward = inspect.signature(model.forward)
         handles = [model.register_forward_pre_hook(self._ds_begin_pass(forward), with_kwargs=True)]
@@ -282,50 +283,51 @@ class CaptureWorkerExtension:
         device = self._ds_rows[self._ds_layer_ids[0]].device
         gathered = torch.stack([self._ds_rows[lid].index_select(0, rows.to(device)) for lid in self._ds_layer_ids])
         self._ds_rows = {}
-        ready = None
+        buffer = self._ds_free.get()  # blocks while every host buffer is still being written
+        needed = gathered.numel()
+        if buffer.numel() < needed or buffer.dtype != gathered.dtype:
+            buffer = torch.empty(needed, dtype=gathered.dtype, pin_memory=device.type == "cuda")
+        host = buffer[:needed].view(gathered.shape)
+        host.copy_(gathered, non_blocking=device.type == "cuda")
+        done = None
         if device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+            done = torch.cuda.Event()
+            done.record()
         number = next(self._ds_numbers)
         offset = 0
         for index, r0, r1 in found:
             self._ds_found[index] = [number, offset, offset + r1 - r0]
             offset += r1 - r0
         path = os.path.join(self._ds_spool, f"pass-{number}.raw")
-        self._ds_queue.put(_Pass(path, gathered, ready))  # blocks while _IN_FLIGHT passes are being copied
-        self._ds_written[number] = {"file": path, "rows": total, "layers": len(self._ds_layer_ids),
-                                    "hidden": self._ds_hidden, "dtype": str(gathered.dtype).removeprefix("torch.")}
+        self._ds_queue.put(_Pass(path, host, done, buffer))
+        self._ds_written[number] = {"file": path, "rows": total, "layers": len(self._ds_layer_ids), "hidden": self._ds_hidden,
+                                    "dtype": str(gathered.dtype).removeprefix("torch.")}
 
     # -- the spool writer ----------------------------------------------------------------------
 
-    def _ds_start_writer(self) -> None:
+    def _ds_start_writer(self, max_rows: int) -> None:
         if getattr(self, "_ds_queue", None) is not None:
             return
-        self._ds_queue: queue.Queue[_Pass] = queue.Queue(maxsize=_IN_FLIGHT)
+        self._ds_queue: queue.Queue[_Pass] = queue.Queue()
+        self._ds_free: queue.Queue[torch.Tensor] = queue.Queue()
+        pin = torch.cuda.is_available() and self.model_runner.device.type == "cuda"
+        size = max_rows * len(self._ds_layer_ids) * self._ds_hidden
+        for _ in range(_HOST_BUFFERS):
+            self._ds_free.put(torch.empty(size, dtype=self._ds_dtype, pin_memory=pin))
         threading.Thread(target=self._ds_write_passes, name="draftsmith-spool", daemon=True).start()
 
     def _ds_write_passes(self) -> None:
-        """Copy each pass from the device straight into its spool file (mapped shared memory), on a
-        stream of its own, so the copy overlaps the next pass's compute."""
-        stream = torch.cuda.Stream() if self.model_runner.device.type == "cuda" else None
         while True:
             item = self._ds_queue.get()
             try:
+                if item.done is not None:
+                    item.done.synchronize()
                 with open(item.path, "wb") as f:
-                    f.truncate(item.states.numel() * item.states.element_size())
-                spooled = torch.from_file(item.path, shared=True, size=item.states.numel(),
-                                          dtype=item.states.dtype).view(item.states.shape)
-                if stream is None:
-                    spooled.copy_(item.states)
-                else:
-                    with torch.cuda.stream(stream):
-                        stream.wait_event(item.ready)
-                        spooled.copy_(item.states)
-                    stream.synchronize()
+                    f.write(item.host.reshape(-1).view(torch.uint8).numpy())
             except Exception as e:  # noqa: BLE001 - handed to the driver by draftsmith_collect
                 self._ds_writer_error = f"writing captured states to {self._ds_spool}: {type(e).__name__}: {e}"
             finally:
-                del item
+                self._ds_free.put(item.buffer)
                 self._ds_queue.task_done()
 
 
