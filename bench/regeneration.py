@@ -86,6 +86,8 @@ def build_target(folder: Path, shape: str, dtype: str, device: str) -> Path:
     model.generation_config = GenerationConfig(eos_token_id=eos)
     model.save_pretrained(tmp)
     del model
+    if device.startswith("cuda"):  # the engine processes started next need the whole device
+        torch.cuda.empty_cache()
     os.replace(tmp, folder)
     return folder
 
