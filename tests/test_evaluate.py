@@ -366,7 +366,9 @@ def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
     assert written["baseline"]["kind"] == "ngram" and written["baseline"]["num_prompts"] == 3
     assert written["tau_by_k"]["k"] == [1, 2, 3] and written["tau_by_k"]["num_prompts"] == 2
     assert all(t >= 1 for t in written["tau_by_k"]["draft"] + written["tau_by_k"]["baseline"])
-    assert written["speedup"]["draft"] > 0 and written["device"]["type"] == "cpu"
+    # three prompts are too few to time: no speedup, and acceptance.json says why
+    assert written["speedup"]["draft"] is None and written["speedup"]["num_prompts"] == 3
+    assert "fewer than" in written["speedup"]["measured"] and written["device"]["type"] == "cpu"
     assert written["lossless"]["numerical_ties"] == []
 
 
