@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -586,3 +587,60 @@ def test_dataset_files_are_written_with_the_mode_of_other_outputs(tmp_path, chat
     modes = {name: (tmp_path / "out" / name).stat().st_mode & 0o777
              for name in ("train.jsonl", "heldout.jsonl", "stats.json")}
     assert len(set(modes.values())) == 1 and modes["train.jsonl"] & 0o044, modes
+
+
+# --- fuzz: any row shape is a row or a bad row, never a crash ---------------------------------
+
+
+def _odd(rng: random.Random, depth: int = 0):
+    choices = [None, "", " ", "text", "\ud800", 0, -1, 2.5, True, [], {}, "[1, 2]", '{"a": 1}']
+    if depth < 3:
+        choices += [[_odd(rng, depth + 1) for _ in range(rng.randint(1, 3))],
+                    {rng.choice(["role", "content", "from", "value", "type", "text", "tool_calls", "function",
+                                 "name", "arguments", "tools", "id"]): _odd(rng, depth + 1)
+                     for _ in range(rng.randint(1, 3))}]
+    return rng.choice(choices)
+
+
+def _mutated_row(rng: random.Random) -> dict:
+    row = copy.deepcopy(tool_conversation(rng.randint(0, 99)) if rng.random() < 0.5 else {"messages": conversation(1)})
+    for _ in range(rng.randint(1, 3)):
+        target = row
+        path = rng.choice([("messages",), ("tools",), ("messages", "turn"), ("messages", "turn", "key")])
+        if path == ("messages",) or path == ("tools",):
+            row[path[0]] = _odd(rng)
+            continue
+        turns = row.get("messages")
+        if not isinstance(turns, list) or not turns:
+            continue
+        k = rng.randrange(len(turns))
+        if len(path) == 2:
+            turns[k] = _odd(rng)
+        elif isinstance(turns[k], dict):
+            target = turns[k]
+            target[rng.choice(["role", "content", "tool_calls", "tool_call_id", "name"])] = _odd(rng)
+    return row
+
+
+@pytest.mark.parametrize("template", ["chatml", "chatml_tools", "llama3_tools"])
+def test_fuzz_row_shapes_are_rows_or_bad_rows(template, tmp_path, request):
+    """Mutated rows (odd types, lone surrogates, broken tool calls) read as a usable row or a
+    counted bad row, and prepare_dataset finishes or raises a DataError, never another exception."""
+    rng = random.Random(template)
+    rows = [_mutated_row(rng) for _ in range(150)] + message_rows(10)
+    source = tmp_path / "fuzz.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    read = list(load_conversations([source]))
+    assert len(read) == len(rows) and all(isinstance(r, (Conversation, BadRow)) for r in read)
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(f"{template}_tokenizer"))
+    for row in read:
+        if isinstance(row, Conversation) and row.is_chat:
+            try:
+                tokenize_conversation(tokenizer, row.messages, row.tools)
+            except DataError:
+                pass
+    try:
+        prepare_dataset([source], request.getfixturevalue(f"{template}_tokenizer"), tmp_path / "out",
+                        DataSettings(max_seq_len=256, max_bad_fraction=1.0))
+    except DataError:
+        pass
