@@ -385,3 +385,16 @@ def test_eagle3_through_a_multimodal_wrapper(tmp_path):
     drafter = Eagle3Drafter(Eagle3Draft(Eagle3DraftConfig.from_target(info, draft_vocab_size=info["vocab_size"])))
     run = backend.speculate(PROMPTS[1], drafter, 3)
     assert run.tokens == backend.greedy(PROMPTS[1]).tokens
+
+
+def test_speedup_comes_with_its_spread_once_enough_prompts_are_timed(backend):
+    from draftsmith.evaluate import MIN_TIMED_PROMPTS
+
+    prompts = [Prompt(f"q{i}", [5 + i, 6, 7, 8 + i]) for i in range(MIN_TIMED_PROMPTS)]
+    settings = EvalSettings(k=2, k_sweep=(2,), max_new_tokens=4, sweep_max_prompts=1)
+    speedup = run_evaluation(backend, prompts, DrafterSpec("target"), DrafterSpec("ngram"), settings)["speedup"]
+    assert speedup["num_prompts"] == MIN_TIMED_PROMPTS and speedup["draft"] > 0
+    spread = speedup["draft_per_prompt"]
+    assert spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
+    few = run_evaluation(backend, prompts[:2], DrafterSpec("target"), DrafterSpec("ngram"), settings)["speedup"]
+    assert few["draft"] is None and few["draft_per_prompt"] is None and "fewer than" in few["measured"]
