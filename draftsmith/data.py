@@ -53,6 +53,10 @@ REASON_FIXES = {
     "not_utf8": "re-save the file as UTF-8",
     "invalid_json": "repair the lines named in the log (one JSON object per line)",
     "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
+    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations')",
+    "empty_turn": "fill or drop the empty turns (only a tool result may be empty)",
+    "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
+    "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
     "no_assistant_turn": "every conversation needs an assistant turn to learn from",
     "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
                        "truncating tool: repair or drop them at the source",
@@ -467,8 +471,13 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     del seen
     tally.check()  # fail before tokenizing anything
     if not ids:
-        raise DataError(f"no usable rows in {names}", where=names,
-                        fix="check data.format and the rows' fields (see the bad rows in the log)")
+        counts = ", ".join(f"{r}={n}" for r, n in tally.dropped.most_common())
+        top = tally.dropped.most_common(1)[0][0] if tally.dropped else ""
+        raise DataError(f"no usable rows in {names}: every row was dropped ({counts or 'none read'})",
+                        where=f"first bad row {row_where(tally.first_bad[0]['file'], tally.first_bad[0]['line'])}"
+                              if tally.first_bad else names,
+                        fix=REASON_FIXES.get(top, "check data.format and the rows' fields (see the bad rows in "
+                                                  "the log)"))
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if chat_ids:
