@@ -89,6 +89,11 @@ def setting_conflicts(config: dict) -> list[str]:
         lines.append(f"train.batch_tokens: {train['batch_tokens']} is smaller than data.max_seq_len "
                      f"({data['max_seq_len']}), so longer samples would be cut to the batch and most of their "
                      f"answer never trained; set train.batch_tokens >= {data['max_seq_len']} or lower data.max_seq_len")
+    regenerate = config["regenerate"]
+    if regenerate["enabled"] and regenerate["max_new_tokens"] >= data["max_seq_len"]:
+        lines.append(f"regenerate.max_new_tokens: {regenerate['max_new_tokens']} is not below data.max_seq_len "
+                     f"({data['max_seq_len']}): an answer that long could never be trained whole (samples are cut "
+                     f"to max_seq_len); lower it or raise data.max_seq_len")
     max_model_len = extraction["max_model_len"]
     if max_model_len is not None and max_model_len < data["max_seq_len"]:
         lines.append(f"extraction.max_model_len: {max_model_len} is smaller than data.max_seq_len ({data['max_seq_len']}), "

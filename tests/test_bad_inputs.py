@@ -147,6 +147,11 @@ def _(tmp, env):
     _check({"data": {"max_seq_len": 512}, "extraction": {"max_model_len": 256}})
 
 
+@case("config-answers-longer-than-samples", ConfigError, "regenerate.max_new_tokens: 512 is not below data.max_seq_len")
+def _(tmp, env):
+    _check({"data": {"max_seq_len": 256}, "regenerate": {"enabled": True, "max_new_tokens": 512}})
+
+
 @case("config-draft-vocab-below-floor", ConfigError, "vocab.draft_vocab_size: 1 is less than the minimum of 32")
 def _(tmp, env):
     _check({"vocab": {"draft_vocab_size": 1}})

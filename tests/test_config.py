@@ -119,6 +119,9 @@ def test_settings_that_cannot_work_together_are_refused(schema, tmp_path):
     config["train"]["batch_tokens"] = 2048
     config["extraction"]["max_model_len"] = None
     check_semantics(config)
+    config["regenerate"].update(enabled=True, max_new_tokens=4096)
+    with pytest.raises(ConfigError, match="regenerate.max_new_tokens: 4096 is not below data.max_seq_len"):
+        check_semantics(config)
 
 
 def test_data_sources_are_checked_by_type_and_content(schema, tmp_path):
