@@ -362,6 +362,10 @@ def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
     surrogate = _lone_surrogate([messages[: last_assistant + 1], tools])
     if surrogate:
         return bad("invalid_unicode", surrogate)
+    try:  # parquet and datasets can hold values JSON has no form for (bytes, timestamps) in tools or calls
+        json.dumps([messages, tools])
+    except (TypeError, ValueError) as e:
+        return bad("invalid_tool_call", f"a tool definition or call holds a value that is not JSON: {e}")
     # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
     return Conversation(row_id, file, line, messages=messages[: last_assistant + 1], tools=tools or None)
 

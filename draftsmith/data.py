@@ -166,7 +166,7 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise DataError(f"cannot load a tokenizer from {tokenizer_dir}: {e}", where=str(tokenizer_dir),
                         fix="point at the target model folder; it must hold tokenizer.json and "
                             "tokenizer_config.json") from e

@@ -73,7 +73,15 @@ def read_config(model_path: str | Path) -> dict:
     if not config_file.is_file():
         raise TargetError("the target folder has no config.json", where=str(model_path),
                           fix="point target.path at a Hugging Face model folder (config.json, tokenizer, weights)")
-    return read_json(config_file)
+    try:
+        raw = read_json(config_file)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TargetError(f"the target's config.json is not valid JSON: {e}", where=str(config_file),
+                          fix="restore config.json from the model's release") from e
+    if not isinstance(raw, dict):
+        raise TargetError(f"the target's config.json holds a JSON {type(raw).__name__}, not an object",
+                          where=str(config_file), fix="restore config.json from the model's release")
+    return raw
 
 
 def text_config(raw: dict) -> dict:

@@ -644,3 +644,13 @@ def test_fuzz_row_shapes_are_rows_or_bad_rows(template, tmp_path, request):
                         DataSettings(max_seq_len=256, max_bad_fraction=1.0))
     except DataError:
         pass
+
+
+def test_parquet_values_json_cannot_hold_make_a_bad_row(tmp_path):
+    import datetime
+
+    call = {"type": "function", "function": {"name": "remind", "arguments": {"when": datetime.datetime(2026, 1, 1)}}}
+    row = {"messages": [{"role": "user", "content": "Remind me.", "tool_calls": None},
+                        {"role": "assistant", "content": "", "tool_calls": [call]}]}
+    (got,) = load_conversations([write_parquet(tmp_path / "t.parquet", [row])])
+    assert isinstance(got, BadRow) and got.reason == "invalid_tool_call" and "not JSON" in got.detail

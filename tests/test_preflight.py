@@ -122,3 +122,11 @@ def test_compressed_and_agentic_sources_are_checked_at_preflight(chatml_tools_to
         else:  # a template that drops tool calls is caught before any job that costs
             with pytest.raises(DataError, match="does not render the assistant's tool calls"):
                 check_setup(folder, [source], tmp_path / "p.json", draft_vocab_size=64)
+
+
+def test_a_damaged_target_config_is_named_not_a_traceback(target, tmp_path):
+    (target / "config.json").write_text('{"model_type": "llama",')
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    with pytest.raises(TargetError, match="config.json is not valid JSON") as error:
+        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64)
+    assert error.value.fix
