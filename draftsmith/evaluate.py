@@ -19,7 +19,9 @@ backend returns.
 its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.targets.vllm_serving), every output is
 checked against the HF loop's greedy decoding with the same near-tie rule, and vLLM's own
 acceptance counters go into acceptance.json under ``vllm``, beside the HF loop's figures for the
-same draft and prompts.
+same draft and prompts. A target whose weights exceed one GPU cannot run in the HF loop; with
+``eval.backend: vllm`` it is evaluated in vLLM alone (``evaluate_in_vllm``: vLLM's greedy decoding
+as the reference, both drafters as vLLM speculators at ``k``).
 """
 
 from __future__ import annotations
@@ -777,7 +779,8 @@ def make_backend(target: dict, *, max_new_tokens: int, dtype: str = "auto", devi
 
     model = load_target_model(target["model_path"], dtype=dtype, device=device,
                               trust_remote_code=target.get("trust_remote_code", False))
-    tokenizer = AutoTokenizer.from_pretrained(target["model_path"])
+    tokenizer = AutoTokenizer.from_pretrained(target["model_path"],
+                                              trust_remote_code=target.get("trust_remote_code", False))
     return HFBackend(model, stop_token_ids(model, tokenizer), max_new_tokens,
                      layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
 
@@ -799,24 +802,18 @@ class VllmRun:
     speculative_config: dict
     engine: dict
     stop_ids: list[int]
+    # The n-gram baseline as vLLM's own speculator (``serve_with_vllm(..., baseline=True)``).
+    baseline: list[Generation] | None = None
+    baseline_counters: Any = None
+    baseline_seconds: float = 0.0
+    baseline_config: dict | None = None
 
 
 def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = False) -> list[int]:
-    """``regenerate.stop_token_ids`` without loading weights: the generation config transformers
-    would give the model (its generation_config.json, else one derived from config.json) and the
-    tokenizer's EOS."""
-    from types import SimpleNamespace
+    """``draftsmith.regenerate.stop_ids_from_files``: the stop set without loading weights."""
+    from draftsmith.regenerate import stop_ids_from_files as from_files
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from draftsmith.regenerate import stop_token_ids
-
-    try:
-        generation = GenerationConfig.from_pretrained(model_path)
-    except OSError:
-        generation = GenerationConfig.from_model_config(
-            AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
-    return stop_token_ids(SimpleNamespace(generation_config=generation), AutoTokenizer.from_pretrained(model_path))
+    return from_files(model_path, trust_remote_code=trust_remote_code)
 
 
 def check_servable(target: dict, draft_dir: str | Path) -> None:
@@ -850,10 +847,12 @@ def check_servable(target: dict, draft_dir: str | Path) -> None:
 
 
 def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
-                    dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, **engine_kwargs) -> VllmRun:
+                    dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, baseline: bool = False,
+                    **engine_kwargs) -> VllmRun:
     """Decode ``prompts`` in vLLM twice, greedily: the target alone, then with the draft in
-    ``draft_dir`` as its EAGLE-3 speculator at ``settings.k``; one engine at a time, each closed
-    before the next starts. Each timed call follows a short warm-up request."""
+    ``draft_dir`` as its EAGLE-3 speculator at ``settings.k`` (and with ``baseline``, a third time
+    with vLLM's n-gram speculator); one engine at a time, each closed before the next starts. Each
+    timed call follows a short warm-up request."""
     from draftsmith.targets.vllm_serving import VllmServer
 
     check_servable(target, draft_dir)
@@ -885,8 +884,17 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
         engine = {**server.settings, "load_seconds": round(server.load_seconds, 2)}
     log.info("vLLM: %d prompts in %.2fs greedy, %.2fs with the draft (k=%d); τ = %s by vLLM's counters",
              len(prompts), greedy_seconds, draft_seconds, settings.k, counters.summary()["tau"])
-    return VllmRun(generations(greedy), generations(served), counters, greedy_seconds, draft_seconds,
-                   speculative_config, engine, list(stop_ids))
+    run = VllmRun(generations(greedy), generations(served), counters, greedy_seconds, draft_seconds,
+                  speculative_config, engine, list(stop_ids))
+    if baseline:
+        # vLLM's prompt-lookup proposer: the longest suffix of up to ngram_max tokens found earlier.
+        run.baseline_config = {"method": "ngram", "num_speculative_tokens": settings.k,
+                               "prompt_lookup_max": settings.ngram_max, "prompt_lookup_min": 1}
+        with VllmServer(target["model_path"], speculative_config=run.baseline_config, **common) as server:
+            server.generate(ids[:1], **warm)
+            found, run.baseline_counters, run.baseline_seconds = server.generate(ids, **decode)
+        run.baseline = generations(found)
+    return run
 
 
 def vllm_outside_runs(run: VllmRun, k: int) -> list[OutsideRun]:
@@ -949,20 +957,108 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
     }
 
 
+def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
+                     dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, **engine_kwargs) -> dict:
+    """acceptance.json's figures from vLLM alone, for a target the HF loop cannot hold: vLLM's greedy
+    decoding of the target is the reference, the draft (EAGLE-3) and the n-gram baseline run as
+    vLLM's speculators at ``settings.k``, and the figures come from vLLM's per-request step records.
+
+    What the HF loop adds and this lacks: without the target's logits a near-tie cannot be told
+    from a bug, so outputs that differ from the reference are counted and listed
+    (``lossless.differing``) and logged, not raised; and τ is measured at ``k`` only (each k of the
+    sweep would be another load of the target).
+    """
+    started = time.perf_counter()
+    run = serve_with_vllm(target, draft_dir, prompts, settings, dtype=dtype, stop_ids=stop_ids,
+                          tensor_parallel_size=tensor_parallel_size, baseline=True, **engine_kwargs)
+    k = settings.k
+    figures = {}
+    for name, generations, seconds in (("draft", run.draft, run.draft_seconds),
+                                       ("baseline", run.baseline, run.baseline_seconds)):
+        stats = acceptance_stats(generations, k)
+        stats["seconds"] = round(seconds, 4)
+        stats["tokens_per_second"] = stats["num_tokens"] / seconds if seconds else None
+        figures[name] = stats
+    differing = []
+    for name, generations in (("draft", run.draft), ("baseline", run.baseline)):
+        for reference, candidate in zip(run.greedy, generations):
+            if candidate.tokens != reference.tokens:
+                at = next((j for j, (a, b) in enumerate(zip(reference.tokens, candidate.tokens)) if a != b),
+                          min(len(reference.tokens), len(candidate.tokens)))
+                differing.append({"prompt_id": reference.prompt_id, "drafter": name, "position": at})
+    if differing:
+        log.warning("%d speculative output(s) differ from vLLM's greedy decoding (first: %s); without the "
+                    "target's logits a near-tie cannot be told from a bug (lossless.differing)",
+                    len(differing), differing[0])
+    draft, baseline = figures["draft"], figures["baseline"]
+    result = {
+        "format": ACCEPTANCE_FORMAT,
+        **draft,
+        "draft": DrafterSpec("eagle3", path=str(draft_dir)).describe(),
+        "baseline": {**DrafterSpec("ngram", ngram_max=settings.ngram_max).describe(), **baseline,
+                     "speculative_config": run.baseline_config},
+        "tau_by_k": {"k": [k], "draft": [draft["tau"]], "baseline": [baseline["tau"]],
+                     "num_prompts": len(prompts), "prompts": "all"},
+        "speedup": {
+            "draft": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+            "baseline": run.greedy_seconds / run.baseline_seconds if run.baseline_seconds else None,
+            "greedy_seconds": round(run.greedy_seconds, 4),
+            "draft_seconds": round(run.draft_seconds, 4),
+            "baseline_seconds": round(run.baseline_seconds, 4),
+            "num_prompts": len(prompts),
+            "measured": "wall clock of one vLLM generate call over all prompts (batched), after a warm-up request",
+        },
+        "lossless": {
+            "reference": "vLLM's greedy decoding of the target (the HF loop cannot hold it)",
+            "checked_generations": len(run.draft) + len(run.baseline),
+            "checked_tokens": sum(len(g.tokens) for g in (*run.draft, *run.baseline)),
+            "differing_count": len(differing),
+            "differing": differing[:MAX_LISTED_TIES],
+        },
+        "reference": "vllm",
+        "vllm": {"speculative_config": run.speculative_config, **run.counters.summary(),
+                 "baseline": run.baseline_counters.summary(),
+                 "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over each timed call"},
+        "device": {"backend": "vllm", **run.engine},
+        "settings": {**asdict(settings), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log.info("τ = %.3f (draft) vs %.3f (n-gram baseline) at k=%d over %d prompts in vLLM alone; speedup over "
+             "vLLM's greedy decoding %.2fx (draft), %.2fx (baseline)", draft["tau"] or 0, baseline["tau"] or 0,
+             k, len(prompts), result["speedup"]["draft"] or 0, result["speedup"]["baseline"] or 0)
+    return result
+
+
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
                    out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
-                   device: str = "auto", tensor_parallel_size: int = 1, engine_kwargs: dict | None = None) -> dict:
+                   device: str = "auto", tensor_parallel_size: int = 1, engine_kwargs: dict | None = None,
+                   hf_reference: bool | None = None) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
     prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
 
     With ``settings.backend == "vllm"`` the draft is first served by vLLM (``serve_with_vllm``; the
     engines are closed before the HF loop loads the target, so the two never share the GPU), its
     outputs are checked against the HF loop's greedy decoding, and vLLM's figures go under ``vllm``.
+    A target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False`` forces it)
+    is evaluated in vLLM alone (``evaluate_in_vllm``), with the vllm backend only.
     """
     from draftsmith.targets.hf_backend import resolve_device, resolve_model_dtype
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
+    if hf_reference is None:
+        hf_reference = True
+        if resolve_device(device).startswith("cuda") and "num_parameters" in target:
+            from draftsmith.errors import TargetError
+            from draftsmith.targets.inspect import check_fits_devices
+
+            try:  # before any engine starts
+                check_fits_devices(target, {"evaluate_draft": 1}, dtype=dtype)
+            except TargetError as e:
+                if settings.backend != "vllm":
+                    raise
+                log.warning("the HF loop cannot hold the target (%s): evaluating in vLLM alone", e.what)
+                hf_reference = False
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
     served = None
     if settings.backend == "vllm":
@@ -971,8 +1067,17 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
                                   fix="raise data.heldout_fraction or data.max_heldout")
         vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
         stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
+        if not hf_reference:
+            result = evaluate_in_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
+                                      tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
+            result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
+            atomic_write_json(out_path, result)
+            return result
         served = serve_with_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
                                  tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
+    elif not hf_reference:
+        raise EvaluationError("evaluation without the HF loop needs eval.backend: vllm", where="eval.backend",
+                              fix="set eval.backend: vllm")
     backend = make_backend(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
     if served is not None and served.stop_ids != backend.stop_ids:
         raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "

@@ -13,7 +13,12 @@ def setup_logging(log_path: str | None) -> None:
     script is written to the log too, so the log alone says why the rule failed."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
-        handlers.append(logging.FileHandler(log_path, mode="w", encoding="utf-8"))
+        # Emptied here, then appended to: a library that reconfigures logging (logging.config's
+        # dictConfig closes every existing handler, as happens while vLLM starts its engine under
+        # Snakemake) leaves a closed handler, which reopens an "a" file on the next message but
+        # drops every message of a "w" one.
+        open(log_path, "w", encoding="utf-8").close()
+        handlers.append(logging.FileHandler(log_path, mode="a", encoding="utf-8"))
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.excepthook = _log_uncaught

@@ -5,7 +5,9 @@ Conversations are read with ``draftsmith.conversations.load_conversations`` (bad
 counted by prepare_dataset), grouped into chunks of ``chunk_size`` conversations, and each chunk is
 regenerated turn by turn: round r answers the r-th assistant turn of every conversation in the
 chunk, conditioned on the original user turns and the answers regenerated in earlier rounds. A
-round runs as left-padded ``model.generate`` batches sorted by prompt length. Each finished chunk
+round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
+as one ``LLM.generate`` call of vLLM's offline engine at full tensor parallelism (``backend: vllm``,
+draftsmith.targets.vllm_generation); both write the same rows. Each finished chunk
 is renamed into ``work_dir`` atomically, so a killed job resumes at the first missing chunk; a
 fingerprint of the settings, the model, the sources and this code guards the chunks against reuse
 under different conditions.
@@ -38,6 +40,7 @@ from draftsmith.targets.identity import weights_identity
 log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
+BACKENDS = ("hf", "vllm")
 PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
 
 
@@ -81,6 +84,22 @@ def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return ids
 
 
+def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = False) -> list[int]:
+    """``stop_token_ids`` without loading weights: the generation config transformers would give
+    the model (its generation_config.json, else one derived from config.json) and the tokenizer's EOS."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        generation = GenerationConfig.from_model_config(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    return stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
+
+
 # ---------------------------------------------------------------------------------------------
 # Settings and fingerprint
 
@@ -90,6 +109,7 @@ class RegenerateSettings:
     """The regenerate section of the config (``enabled`` is the workflow's switch, unused here)."""
 
     enabled: bool = True
+    backend: str = "hf"  # hf: transformers' generate on one device; vllm: vLLM's engine, tensor parallel
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -101,6 +121,8 @@ class RegenerateSettings:
             return DataError(f"regenerate.{key} is {getattr(self, key)!r}; it must be {want}",
                              where=f"config key regenerate.{key}", fix=f"set regenerate.{key} to {want}")
 
+        if self.backend not in BACKENDS:
+            raise bad("backend", "one of " + ", ".join(BACKENDS))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", "an integer >= 1")
         if self.temperature < 0:
@@ -124,7 +146,7 @@ def _source_identity(source: Path) -> dict:
 
 
 def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path],
-                             seed: int, dtype: str, device: str) -> str:
+                             seed: int, dtype: str, device: str, tensor_parallel_size: int = 1) -> str:
     """Hash of everything that decides the regenerated text; chunks written under another are stale."""
     from draftsmith.fingerprint import code_fingerprint
 
@@ -140,7 +162,7 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
         "format": REGENERATE_FORMAT,
         "generation": generation,
         "model": model,
-        "numerics": {"dtype": dtype, "device": device},
+        "numerics": {"dtype": dtype, "device": device, "tensor_parallel_size": tensor_parallel_size},
         "sources": [{"path": str(s), "content": _source_identity(Path(s))} for s in sources],
         # this module and the draftsmith modules it imports (reading conversations, loading the target),
         # not tokenising or masking: a patch to prepare_dataset keeps regenerated answers
@@ -260,6 +282,28 @@ class Regenerator:
             messages[c] = [dict(m) for m in conversations[c]]
         counts.unchanged += len(skipped)
         return messages, counts
+
+
+class VllmRegenerator(Regenerator):
+    """A ``Regenerator`` whose rounds run in vLLM's engine (``VllmGenerator``): one call per round,
+    vLLM batching the prompts itself (up to ``batch_size`` sequences at once, its max_num_seqs)."""
+
+    def __init__(self, generator: Any, tokenizer: Any, settings: RegenerateSettings, *, seed: int = 0,
+                 stop_ids: Sequence[int]) -> None:
+        self.generator, self.tokenizer, self.settings, self.seed = generator, tokenizer, settings, seed
+        self.stop_ids = list(stop_ids)
+        self.on_answers = None
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        s = self.settings
+        # One seed per request (vLLM samples each request from its own generator), derived from the
+        # chunk's and the round's, so a resumed run draws what an uninterrupted run would have drawn.
+        out = self.generator.generate(prompts, max_new_tokens=s.max_new_tokens, stop_ids=self.stop_ids,
+                                      temperature=s.temperature, top_p=s.top_p,
+                                      seeds=[_derived_seed(seed, n) for n in range(len(prompts))])
+        if self.on_answers is not None:
+            self.on_answers(len(prompts))
+        return out
 
 
 def _derived_seed(*parts: int) -> int:
@@ -409,20 +453,36 @@ def _concatenate(parts: list[Path], out_path: Path) -> None:
 
 def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, out_path: str | Path,
                          work_dir: str | Path, settings: RegenerateSettings, *, seed: int = 0,
-                         dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False) -> dict:
-    """Load the target in ``model_path`` and write ``out_path``: the conversations of ``sources``
-    with the target's own answers (OpenAI messages, same ids, plus ``source``)."""
+                         dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
+                         tensor_parallel_size: int = 1, engine_kwargs: dict | None = None) -> dict:
+    """Load the target in ``model_path`` (transformers or vLLM, per ``settings.backend``) and write
+    ``out_path``: the conversations of ``sources`` with the target's own answers (OpenAI messages,
+    same ids, plus ``source``). ``tensor_parallel_size`` and ``engine_kwargs`` are vLLM's."""
     from transformers import AutoTokenizer
 
     model_path = Path(model_path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_model_dtype(dtype, torch_device)
+    dtype_name = str(torch_dtype).replace("torch.", "")
+    vllm = settings.backend == "vllm"
     fingerprint = regeneration_fingerprint(
-        settings, model=weights_identity(model_path), sources=sources, seed=seed,
-        dtype=str(torch_dtype).replace("torch.", ""), device=torch_device.split(":")[0])
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype,
-             "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}")
-    regenerator = Regenerator(model, tokenizer, settings, seed=seed)
-    return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
+        settings, model=weights_identity(model_path), sources=sources, seed=seed, dtype=dtype_name,
+        device=torch_device.split(":")[0], tensor_parallel_size=tensor_parallel_size if vllm else 1)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    sampling = "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}"
+    if not vllm:
+        model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype, sampling)
+        regenerator = Regenerator(model, tokenizer, settings, seed=seed)
+        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
+
+    from draftsmith.targets.vllm_generation import VllmGenerator
+
+    stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
+    with VllmGenerator(str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype_name,
+                       trust_remote_code=trust_remote_code, max_num_seqs=settings.batch_size,
+                       **(engine_kwargs or {})) as generator:
+        log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path, tensor_parallel_size,
+                 dtype_name, sampling)
+        regenerator = VllmRegenerator(generator, tokenizer, settings, seed=seed, stop_ids=stop_ids)
+        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)

@@ -101,16 +101,28 @@ def uses_gpu(device):
 
 
 def target_gpus():
-    """GPUs one target instance needs (declared so Snakemake and cluster executors book them)."""
+    """GPUs one extraction part needs (declared so Snakemake and cluster executors book them)."""
     extraction = config["extraction"]
     return extraction["tensor_parallel_size"] if uses_gpu(config["device"]) else 0
 
 
-def eval_tensor_parallel_size():
-    """vLLM serves the target as extraction does; the HF loop runs it on one device."""
-    if config["eval"]["backend"] == "vllm":
+def engine_tensor_parallel_size(backend):
+    """vLLM runs the target at extraction's tensor parallel size in every stage; HF on one device."""
+    if backend == "vllm":
         return config["extraction"]["tensor_parallel_size"]
     return 1
+
+
+def regenerate_tensor_parallel_size():
+    return engine_tensor_parallel_size(config["regenerate"]["backend"])
+
+
+def regenerate_gpus():
+    return regenerate_tensor_parallel_size() if uses_gpu(config["device"]) else 0
+
+
+def eval_tensor_parallel_size():
+    return engine_tensor_parallel_size(config["eval"]["backend"])
 
 
 def eval_gpus():
@@ -121,6 +133,16 @@ def train_gpus():
     """GPUs of the whole training job: train.devices on each of train.nodes nodes."""
     train = config["train"]
     return train["devices"] * train["nodes"] if uses_gpu(config["device"]) else 0
+
+
+def job_threads(gpus):
+    """CPU threads of a job that runs the target or trains. On GPUs a few cores per device do its
+    CPU work (tokenising, scheduling, writing shards, loading batches); the rest stay free for the
+    CPU stages that run beside it (build_vocab_mapping, plots). On the CPU the math is the job: all
+    cores."""
+    if gpus:
+        return max(1, min(workflow.cores - 1, 4 * gpus))
+    return workflow.cores
 
 
 def extraction_parts():

@@ -26,6 +26,7 @@ rule regenerate_responses:
         dtype=config["target"]["dtype"],
         device=config["device"],
         seed=config["seed"],
+        tensor_parallel_size=regenerate_tensor_parallel_size(),
         work_dir=f"{RESULTS}/data/regenerate_work",
         weights=target_weights(),
         code=script_code("regenerate_responses"),
@@ -33,9 +34,9 @@ rule regenerate_responses:
         f"{LOGS}/regenerate_responses.log",
     benchmark:
         f"{BENCH}/regenerate_responses.tsv"
-    threads: workflow.cores
+    threads: job_threads(regenerate_gpus())
     resources:
-        gpu=target_gpus(),
+        gpu=regenerate_gpus(),
     conda:
         "../envs/vllm.yaml"
     script:

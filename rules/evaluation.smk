@@ -24,7 +24,7 @@ rule evaluate_draft:
         f"{LOGS}/evaluate_draft.log",
     benchmark:
         f"{BENCH}/evaluate_draft.tsv"
-    threads: workflow.cores
+    threads: job_threads(eval_gpus())
     resources:
         gpu=eval_gpus(),
     conda:

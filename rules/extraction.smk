@@ -19,7 +19,7 @@ rule extract_hidden_states:
         f"{LOGS}/extract_hidden_states/part-{{part}}.log",
     benchmark:
         f"{BENCH}/extract_hidden_states/part-{{part}}.tsv"
-    threads: workflow.cores
+    threads: job_threads(target_gpus())
     resources:
         gpu=target_gpus(),
     conda:

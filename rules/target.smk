@@ -40,7 +40,9 @@ rule inspect_target:
         f"{LOGS}/inspect_target.log",
     threads: 1
     conda:
-        "../envs/trainer.yaml"
+        # the environment of the rules that run the target, so target.json records the support
+        # of the vLLM they will run, not of the trainer's (which has none)
+        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/inspect_target.py"
 
@@ -65,6 +67,7 @@ rule check_setup:
     priority: 50
     threads: 1
     conda:
-        "../envs/trainer.yaml"
+        # where the engine rules run: the vLLM it checks is the one they will use
+        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/check_setup.py"

@@ -25,7 +25,7 @@ rule train_draft:
         f"{LOGS}/train_draft.log",
     benchmark:
         f"{BENCH}/train_draft.tsv"
-    threads: workflow.cores
+    threads: job_threads(train_gpus())
     resources:
         gpu=train_gpus(),
     conda:

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from draftsmith.config import check_config, check_semantics
 from draftsmith.data import DataSettings, prepare_dataset
 from draftsmith.errors import ConfigError, DataError, DraftsmithError, ExtractionError, StorageError, TargetError
 from draftsmith.extract import ExtractionSettings, extract_part
+from draftsmith.placement import DEVICES_ENV, PlacementError, claim_devices
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.vocab import build_vocab_mapping
 from workflow_helpers import ROOT, copy_workflow, snakemake, write_config
@@ -417,6 +419,28 @@ def _(tmp, env):
 @case("model-layer-repeated", TargetError, "repeat a layer", "target.json")
 def _(tmp, env):
     _inspect(tmp, env["model"], aux_layer_ids=[2, 2, 3])
+
+
+@case("model-too-large-for-the-hf-paths", TargetError, "set regenerate.backend: vllm", "target.json")
+def _(tmp, env):
+    folder = tmp / "m"
+    shutil.copytree(env["model"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=16384, intermediate_size=53248, num_hidden_layers=64, num_attention_heads=128,
+                  num_key_value_heads=8, head_dim=128)  # ~210B parameters: 420 GB in bf16
+    (folder / "config.json").write_text(json.dumps(config))
+    _inspect(tmp, folder, dtype="bfloat16", hf_stages={"regenerate_responses": 1})
+
+
+@case("gpus-more-than-the-machine", PlacementError, "the job needs 8 GPUs; this machine has 2")
+def _(tmp, env):
+    saved = {k: os.environ.pop(k, None) for k in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", DEVICES_ENV)}
+    os.environ[DEVICES_ENV] = "0,1"
+    try:
+        claim_devices(8)
+    finally:
+        os.environ.pop(DEVICES_ENV)
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
 @case("model-without-weights", TargetError, "cannot load the target's weights", "hs/part-0.json")

@@ -398,3 +398,41 @@ def test_speedup_comes_with_its_spread_once_enough_prompts_are_timed(backend):
     assert spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
     few = run_evaluation(backend, prompts[:2], DrafterSpec("target"), DrafterSpec("ngram"), settings)["speedup"]
     assert few["draft"] is None and few["draft_per_prompt"] is None and "fewer than" in few["measured"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A target the HF loop cannot hold: vLLM alone
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.usefixtures("in_process_engine")
+def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path):
+    """hf_reference=False is what evaluate_draft chooses on a GPU when the target's weights exceed
+    one device: the reference is vLLM's greedy decoding, both drafters run as vLLM speculators, and
+    acceptance.json keeps the shape the plots read."""
+    pytest.importorskip("vllm")
+    from test_vllm_serving import LLAMA_PROMPTS, random_draft
+    from tiny_vllm import ENGINE_ARGS
+
+    from draftsmith.plots import plot_evaluation
+
+    model = tiny.build_llama(tmp_path / "target", num_layers=4)
+    write_target_json(tmp_path / "target.json", model)
+    draft = random_draft(inspect_target(model), tmp_path / "draft")
+    heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
+        {"id": pid, "messages": [], "prompt_ids": ids, "source": {"file": "x.jsonl", "line": i}}
+        for i, (pid, ids) in enumerate(LLAMA_PROMPTS.items())])
+    settings = EvalSettings(backend="vllm", k=3, max_prompts=len(LLAMA_PROMPTS), max_new_tokens=16)
+    out = tmp_path / "eval" / "acceptance.json"
+    result = evaluate_draft(draft, tmp_path / "target.json", heldout, out, settings, dtype="float32",
+                            device="cpu", engine_kwargs=ENGINE_ARGS, hf_reference=False)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["reference"] == "vllm" and result["num_prompts"] == len(LLAMA_PROMPTS)
+    assert result["tau"] is not None and result["tau"] >= 1 and result["baseline"]["kind"] == "ngram"
+    assert result["tau_by_k"]["k"] == [3] and len(result["acceptance_rate_by_position"]) == 3
+    # float32 on the CPU: speculation in vLLM reproduces vLLM's greedy decoding exactly
+    assert result["lossless"]["differing_count"] == 0, result["lossless"]["differing"]
+    assert result["vllm"]["num_drafts"] == result["num_steps"]  # counters and per-request records agree
+    plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png")
+    assert (tmp_path / "tau_vs_k.png").stat().st_size > 0

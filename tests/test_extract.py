@@ -1,6 +1,7 @@
 """The extraction driver: its plan, what it stores, resume after a kill, parts, and its stops."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -384,3 +385,20 @@ def test_index_loads(train, target, tmp_path):
     index = HiddenStateIndex.load(tmp_path / "hs" / "index.json")
     raw = json.loads((tmp_path / "hs" / "index.json").read_text())
     assert raw["num_samples"] == 36 and index.final_layer_id == 8
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_extraction_rule_runs_through_vllm_under_snakemake(tmp_path):
+    """The rule as a user runs it: vLLM's engine process starts from the rule's script (spawn runs
+    it again as __mp_main__), the default context holds the longest sample plus the sampled token,
+    and the rule's log keeps the driver's lines after the engine starts."""
+    from workflow_helpers import snakemake, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path)
+    config["extraction"] = {"backend": "vllm", "shard_tokens": 512}
+    config["engine_env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 1}
+    snakemake(workdir, "results/t/hidden_states/part-0.json", configfile=write_config(workdir, config))
+    log = (workdir / "logs/t/extract_hidden_states/part-0.log").read_text()
+    assert "vllm backend ready" in log and "1600 tokens in" in log

@@ -160,3 +160,38 @@ def test_a_float8_checkpoint_config_passes_preflight(tmp_path, monkeypatch):
     _no_weights_read(monkeypatch)
     info = inspect_target(folder)
     assert info["torch_dtype"] == "float8_e4m3fn" and info["aux_layer_ids"] == [1, 2, 4]
+
+
+def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
+    from draftsmith.targets.inspect import check_fits_devices, weight_bytes
+
+    kimi = {"num_parameters": 1_030_000_000_000}
+    assert weight_bytes(kimi, "auto") == weight_bytes(kimi, "bfloat16") == 2_060_000_000_000
+    with pytest.raises(TargetError) as e:
+        check_fits_devices(kimi, {"regenerate_responses": 1, "evaluate_draft": 1}, dtype="bfloat16",
+                           device_bytes=141 * 10**9)
+    message = str(e.value)
+    assert "2,060 GB in bfloat16" in message and "1,030.0B parameters" in message
+    assert "set regenerate.backend: vllm" in message and "set eval.backend: vllm" in message
+    # extraction with device_map auto spreads the weights over its GPUs
+    check_fits_devices({"num_parameters": 100 * 10**9}, {"extract_hidden_states": 2}, device_bytes=141 * 10**9)
+    with pytest.raises(TargetError, match="extraction.backend: vllm"):
+        check_fits_devices({"num_parameters": 100 * 10**9}, {"extract_hidden_states": 1}, device_bytes=141 * 10**9)
+    check_fits_devices(kimi, {})  # every stage in vLLM: nothing to refuse
+    # no GPU in sight (a login node): only what fits no GPU made is refused
+    monkeypatch.setattr("draftsmith.targets.inspect.device_memory_bytes", lambda: None)
+    check_fits_devices({"num_parameters": 100 * 10**9}, {"evaluate_draft": 1})
+    with pytest.raises(TargetError, match="the largest GPU made"):
+        check_fits_devices(kimi, {"evaluate_draft": 1})
+
+
+def test_the_hf_stages_follow_the_backends():
+    from draftsmith.targets.inspect import hf_stages
+
+    config = {"regenerate": {"enabled": True, "backend": "hf"},
+              "extraction": {"backend": "hf", "tensor_parallel_size": 2, "device_map": "auto"},
+              "eval": {"backend": "hf"}}
+    assert hf_stages(config, gpu=True) == {"regenerate_responses": 1, "extract_hidden_states": 2, "evaluate_draft": 1}
+    assert hf_stages(config, gpu=False) == {}
+    config["regenerate"]["backend"] = config["extraction"]["backend"] = config["eval"]["backend"] = "vllm"
+    assert hf_stages(config, gpu=True) == {}

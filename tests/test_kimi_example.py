@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import tiny
-from workflow_helpers import ROOT, copy_workflow, planned_rules, snakemake, write_config
+from workflow_helpers import ROOT, copy_workflow, planned_jobs, planned_rules, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +42,18 @@ def test_snakemake_plans_the_example(kimi_dir, tmp_path):
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
     config["target"]["path"] = str(kimi_dir)
     config["data"]["sources"] = [str(data)]
-    plan = snakemake(workdir, "-n", "--resources", "gpu=8", configfile=write_config(workdir, config))
+    plan = snakemake(workdir, "-n", "--cores", "8", "--resources", "gpu=8", configfile=write_config(workdir, config))
     assert planned_rules(plan) == {
         "inspect_target", "check_setup", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
         "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
         "plot_training", "plot_evaluation"}
     text = plan.stdout
     assert text.count("rule extract_hidden_states:") == 4  # extraction.parts
-    assert text.count("gpu=8") >= 5  # each part (and training) books 8 GPUs
+    jobs = planned_jobs(plan)
+    for rule in ("regenerate_responses", "extract_hidden_states", "evaluate_draft", "train_draft"):
+        assert jobs[rule]["resources"]["gpu"] == 8, (rule, jobs[rule])  # each books its 8 GPUs
+        assert 1 <= jobs[rule]["threads"] <= 7, (rule, jobs[rule])  # cores left for the CPU stages
+    assert jobs["build_vocab_mapping"]["threads"] == 1
+    resolved = yaml.safe_load((ROOT / "config" / "examples" / "kimi-k2.5.yaml").read_text())
+    assert resolved["regenerate"]["backend"] == resolved["extraction"]["backend"] == resolved["eval"]["backend"] \
+        == "vllm"  # every stage that runs the target runs it in vLLM

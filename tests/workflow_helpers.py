@@ -69,3 +69,21 @@ def tiny_workflow(tmp_path: Path, **data: object) -> tuple[Path, dict]:
     config = {"run": "t", "device": "cpu", "target": {"source": "path", "path": str(model)},
               "data": {"sources": [str(source)], "max_seq_len": 64, "heldout_fraction": 0.1, **data}}
     return workdir, config
+
+
+def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, dict]:
+    """Per rule of a dry run's job table (the last job of a rule wins): its threads and resources."""
+    jobs: dict[str, dict] = {}
+    text = result.stdout + result.stderr
+    for block in re.split(r"\n(?=\[)|\n\s*\n", text):
+        match = re.search(r"^(?:local)?rule (\w+):", block, flags=re.M)
+        if not match:
+            continue
+        threads = re.search(r"^\s+threads: (\d+)", block, flags=re.M)
+        resources = re.search(r"^\s+resources: (.*)$", block, flags=re.M)
+        pairs = [p.split("=", 1) for p in resources.group(1).split(", ")] if resources else []
+        jobs[match.group(1)] = {
+            "threads": int(threads.group(1)) if threads else 1,
+            "resources": {k: int(v) if v.isdigit() else v for k, v in pairs},
+        }
+    return jobs

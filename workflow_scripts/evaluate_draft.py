@@ -4,15 +4,20 @@ from pathlib import Path
 
 from draftsmith.evaluate import EvalSettings, evaluate_draft
 from draftsmith.logs import setup_logging
+from draftsmith.placement import engine_env, engine_placement
 
-setup_logging(snakemake.log[0])
-evaluate_draft(
-    Path(snakemake.input.draft).parent,
-    snakemake.input.target,
-    snakemake.input.heldout,
-    snakemake.output.acceptance,
-    EvalSettings(**snakemake.params.settings),
-    dtype=snakemake.params.dtype,
-    device=snakemake.params.device,
-    tensor_parallel_size=snakemake.params.tensor_parallel_size,
-)
+# vLLM may start its engine with multiprocessing "spawn", which runs this file again as
+# __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
+if __name__ == "__main__":
+    setup_logging(snakemake.log[0])
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
+        evaluate_draft(
+            Path(snakemake.input.draft).parent,
+            snakemake.input.target,
+            snakemake.input.heldout,
+            snakemake.output.acceptance,
+            EvalSettings(**snakemake.params.settings),
+            dtype=snakemake.params.dtype,
+            device=snakemake.params.device,
+            tensor_parallel_size=snakemake.params.tensor_parallel_size,
+        )

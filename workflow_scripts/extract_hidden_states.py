@@ -4,17 +4,22 @@ from pathlib import Path
 
 from draftsmith.extract import ExtractionSettings, extract_part
 from draftsmith.logs import setup_logging
+from draftsmith.placement import engine_env, engine_placement
 
-setup_logging(snakemake.log[0])
-extract_part(
-    snakemake.input.train,
-    snakemake.input.target,
-    int(snakemake.wildcards.part),
-    ExtractionSettings.from_config(
-        snakemake.params.settings,
-        model_dtype=snakemake.params.model_dtype,
-        device=snakemake.params.device,
-    ),
-    store_root=Path(snakemake.output.manifest).parent,
-    manifest_path=snakemake.output.manifest,
-)
+# vLLM may start its engine with multiprocessing "spawn", which runs this file again as
+# __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
+if __name__ == "__main__":
+    setup_logging(snakemake.log[0])
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
+        extract_part(
+            snakemake.input.train,
+            snakemake.input.target,
+            int(snakemake.wildcards.part),
+            ExtractionSettings.from_config(
+                snakemake.params.settings,
+                model_dtype=snakemake.params.model_dtype,
+                device=snakemake.params.device,
+            ),
+            store_root=Path(snakemake.output.manifest).parent,
+            manifest_path=snakemake.output.manifest,
+        )

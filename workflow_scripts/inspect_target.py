@@ -2,8 +2,10 @@
 
 from pathlib import Path
 
+import torch
+
 from draftsmith.logs import setup_logging
-from draftsmith.targets.inspect import write_target_json
+from draftsmith.targets.inspect import hf_stages, write_target_json
 
 setup_logging(snakemake.log[0])
 write_target_json(
@@ -12,4 +14,9 @@ write_target_json(
     aux_layer_ids=snakemake.params.aux_layer_ids,
     trust_remote_code=snakemake.params.trust_remote_code,
     layers_path=snakemake.params.layers_path,
+    # read from the config, not params: a backend switched elsewhere must not rerun preflight and
+    # with it every stage downstream
+    dtype=snakemake.config["target"]["dtype"],
+    hf_stages=hf_stages(snakemake.config, gpu=snakemake.config["device"] == "cuda"
+                        or (snakemake.config["device"] == "auto" and torch.cuda.is_available())),
 )

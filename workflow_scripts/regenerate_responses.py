@@ -1,19 +1,25 @@
 """Snakemake entry: replace the training conversations' assistant turns with the target's answers."""
 
 from draftsmith.logs import setup_logging
+from draftsmith.placement import engine_env, engine_placement
 from draftsmith.regenerate import RegenerateSettings, regenerate_responses
 from draftsmith.targets.inspect import read_target_json
 
-setup_logging(snakemake.log[0])
-target = read_target_json(snakemake.input.target)
-regenerate_responses(
-    snakemake.input.sources,
-    target["model_path"],
-    snakemake.output.data,
-    snakemake.params.work_dir,
-    RegenerateSettings(**snakemake.params.settings),
-    seed=snakemake.params.seed,
-    dtype=snakemake.params.dtype,
-    device=snakemake.params.device,
-    trust_remote_code=target["trust_remote_code"],
-)
+# vLLM may start its engine with multiprocessing "spawn", which runs this file again as
+# __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
+if __name__ == "__main__":
+    setup_logging(snakemake.log[0])
+    target = read_target_json(snakemake.input.target)
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
+        regenerate_responses(
+            snakemake.input.sources,
+            target["model_path"],
+            snakemake.output.data,
+            snakemake.params.work_dir,
+            RegenerateSettings(**snakemake.params.settings),
+            seed=snakemake.params.seed,
+            dtype=snakemake.params.dtype,
+            device=snakemake.params.device,
+            trust_remote_code=target["trust_remote_code"],
+            tensor_parallel_size=snakemake.params.tensor_parallel_size,
+        )

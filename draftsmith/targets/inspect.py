@@ -23,6 +23,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TARGET_FORMAT = "draftsmith.target/1"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Where no GPU can be seen (a login node), the fit check assumes the largest memory one GPU has
+# today (NVIDIA B300, 288 GB): what does not fit there fits no single device.
+LARGEST_DEVICE_BYTES = 288 * 10**9
+HF_STAGE_KEYS = {"regenerate_responses": "regenerate.backend", "extract_hidden_states": "extraction.backend",
+                 "evaluate_draft": "eval.backend"}
+HF_STAGE_FIXES = {
+    "regenerate_responses": "set regenerate.backend: vllm (tensor parallel over extraction.tensor_parallel_size GPUs)",
+    "extract_hidden_states": "set extraction.backend: vllm (tensor parallel over extraction.tensor_parallel_size GPUs)",
+    "evaluate_draft": "set eval.backend: vllm (a target the HF loop cannot hold is then evaluated in vLLM "
+                      "alone, against vLLM's own greedy decoding)",
+}
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -207,11 +219,11 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     return sorted(layer_ids)
 
 
-def inspect_tokenizer(model_path: Path, vocab_size: int) -> dict:
+def inspect_tokenizer(model_path: Path, vocab_size: int, trust_remote_code: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise TargetError(f"the target's tokenizer cannot be loaded: {e}", where=str(model_path),
                           fix="put the model's tokenizer files (tokenizer.json, tokenizer_config.json) in the folder") from e
@@ -254,7 +266,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
             raise TargetError(f"{layers_path} holds {len(layers)} modules, the config says {num_layers} layers",
                               where="target.layers_path")
     aux = check_layer_ids(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids, num_layers)
-    tokenizer = inspect_tokenizer(model_path, text_config.vocab_size)
+    tokenizer = inspect_tokenizer(model_path, text_config.vocab_size, trust_remote_code)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     info = {
@@ -285,8 +297,71 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     return info
 
 
-def write_target_json(out_path: str | Path, model_path: str | Path, **kwargs) -> dict:
+def weight_bytes(info: dict, dtype: str = "auto") -> int:
+    """Bytes of the target's weights as the HF path loads them on a GPU: its parameter count (from
+    the config, on the meta device) times the size of ``dtype`` (``auto`` = bfloat16 on a GPU)."""
+    return int(info["num_parameters"]) * DTYPE_BYTES["bfloat16" if dtype == "auto" else dtype]
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the smallest GPU this machine shows (a job may land on any), or None without
+    nvidia-smi (a login node, a CPU machine)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = [int(float(v)) << 20 for v in out.split() if v.strip()]  # MiB
+    return min(sizes) if sizes else None
+
+
+def hf_stages(config: dict, *, gpu: bool) -> dict[str, int]:
+    """The workflow's stages that load the whole target with transformers on GPUs (``gpu``: the
+    run's device is a GPU), and the devices each spreads it over (``{rule: devices}``), from the
+    validated config."""
+    if not gpu:
+        return {}  # on the CPU the target is held in host memory
+    stages = {}
+    if config["regenerate"]["enabled"] and config["regenerate"]["backend"] == "hf":
+        stages["regenerate_responses"] = 1
+    extraction = config["extraction"]
+    if extraction["backend"] == "hf":
+        stages["extract_hidden_states"] = extraction["tensor_parallel_size"] if extraction["device_map"] else 1
+    if config["eval"]["backend"] == "hf":
+        stages["evaluate_draft"] = 1
+    return stages
+
+
+def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "auto",
+                       device_bytes: int | None = None) -> None:
+    """Refuse a target whose weights alone exceed the devices an HF stage loads it on ({rule:
+    devices}); activations and KV cache need more still, so a pass is no promise, a refusal is sure."""
+    if not hf_stages:
+        return
+    need = weight_bytes(info, dtype)
+    seen = device_bytes or device_memory_bytes()
+    capacity = seen or LARGEST_DEVICE_BYTES
+    too_big = {rule: n for rule, n in hf_stages.items() if need > n * capacity}
+    if not too_big:
+        return
+    devices = f"{capacity / 1e9:.0f} GB per GPU ({'this machine' if seen else 'the largest GPU made'})"
+    raise TargetError(
+        f"the target's weights take {need / 1e9:,.0f} GB in {'bfloat16' if dtype == 'auto' else dtype} "
+        f"({info['num_parameters'] / 1e9:,.1f}B parameters from its config); "
+        + "; ".join(f"{rule} loads it with transformers on {n} GPU{'s' * (n > 1)}" for rule, n in too_big.items())
+        + f", {devices}",
+        where=", ".join(HF_STAGE_KEYS[r] for r in too_big),
+        fix="; ".join(HF_STAGE_FIXES[r] for r in too_big))
+
+
+def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: str = "auto",
+                      hf_stages: dict[str, int] | None = None, **kwargs) -> dict:
+    """Inspect the target, refuse it where an HF stage cannot hold it, and write target.json."""
     info = inspect_target(model_path, **kwargs)
+    info["weight_bytes"] = weight_bytes(info, dtype)
+    check_fits_devices(info, dict(hf_stages or {}), dtype=dtype)
     atomic_write_json(out_path, info)
     log.info("target %s: %s, %d layers at %s, hidden %d, vocab %d, aux layers %s (+ final %d), %.1fB parameters",
              info["model_path"], info["architecture"], info["num_hidden_layers"], info["layers_path"],

@@ -23,6 +23,7 @@ import torch
 
 from draftsmith.errors import ExtractionError
 from draftsmith.targets.backends import CaptureBackend
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ class VllmBackend(CaptureBackend):
                  dtype: str = "bfloat16", max_model_len: int, trust_remote_code: bool = False,
                  layers_path: str | None = None, language_model_only: bool = True,
                  max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, **llm_kwargs) -> None:
-        from draftsmith.targets.vllm_compat import engine_kwargs
-
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
         try:
@@ -151,31 +150,3 @@ class VllmBackend(CaptureBackend):
             shutdown_llm(llm, self._set_num_threads)
         if getattr(self, "spool", None):
             shutil.rmtree(self.spool, ignore_errors=True)
-
-
-def platform_workarounds() -> dict:
-    """Engine arguments that keep vLLM exact on this platform."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        # The CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding) rotates
-        # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
-        # The PyTorch-native rotary is exact.
-        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
-    return {}
-
-
-def shutdown_llm(llm, set_num_threads) -> None:
-    """Stop an engine's workers and free its memory; put back the torch.set_num_threads that an
-    in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaced with a no-op."""
-    import gc
-
-    engine = getattr(llm, "llm_engine", None)
-    shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
-    try:
-        if shutdown is not None:
-            shutdown()
-    finally:
-        del llm, engine, shutdown
-        gc.collect()
-        torch.set_num_threads = set_num_threads

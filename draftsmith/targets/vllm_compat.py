@@ -1,4 +1,4 @@
-"""What differs between the vLLM releases Draftsmith supports, in one place.
+"""What differs between the vLLM releases (and platforms) Draftsmith supports, in one place.
 
 The capture hooks and the serving path use only what these releases share (``LLM``,
 ``SamplingParams``, ``TokensPrompt``, ``collective_rpc``, ``worker_extension_cls``, the model's
@@ -10,6 +10,7 @@ reads a release-specific output goes through a function here too.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from functools import cache
 
@@ -70,3 +71,31 @@ def spec_decode_record(completion) -> tuple[list[int], list[int]] | None:
     if record is None:
         return None
     return list(record.per_step_accepted), list(record.per_step_drafted)
+
+
+def platform_workarounds() -> dict:
+    """Engine arguments that keep vLLM exact on this platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # The CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding) rotates
+        # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
+        # The PyTorch-native rotary is exact.
+        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+    return {}
+
+
+def shutdown_llm(llm, set_num_threads) -> None:
+    """Stop an engine's workers and free its memory; put back the torch.set_num_threads that an
+    in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaced with a no-op."""
+    import torch  # here, not at the top: preflight imports this module and must stay fast
+
+    engine = getattr(llm, "llm_engine", None)
+    shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()
+    finally:
+        del llm, engine, shutdown
+        gc.collect()
+        torch.set_num_threads = set_num_threads

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.errors import EvaluationError
-from draftsmith.targets.vllm_compat import engine_kwargs, spec_decode_record
-from draftsmith.targets.vllm_backend import platform_workarounds, shutdown_llm
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm, spec_decode_record
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,131 @@
+"""Generate answers with vLLM's offline engine (``LLM.generate``), for regeneration at full tensor
+parallelism.
+
+Only vLLM's public API is used (``LLM``, ``SamplingParams``, ``TokensPrompt``), which every
+supported release provides; the engine arguments are built in one place (``engine_args``) and
+pass through the version table of :mod:`draftsmith.targets.vllm_compat`.
+
+Sampling is mapped one to one from the regenerate settings: ``temperature`` (0 = greedy),
+``top_p``, ``max_new_tokens`` -> ``max_tokens``, and the run's seed -> a per-request ``seed``
+derived like the HF path's batch seeds, so a resumed chunk draws what an uninterrupted one would
+have drawn. The model folder's generation_config.json is ignored (``generation_config="vllm"``), as
+the HF path replaces it: "greedy" means argmax, "temperature t" only that. Generation stops at
+exactly the stop set given (``ignore_eos`` plus ``stop_token_ids``), as HF's ``eos_token_id``.
+
+vLLM is imported only when an engine is created, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from draftsmith.errors import TargetError
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "auto",
+                trust_remote_code: bool = False, max_num_seqs: int | None = None,
+                max_model_len: int | None = None, **overrides) -> dict:
+    """Every argument the regeneration engine is built with, as the installed vLLM takes them."""
+    from vllm.platforms import current_platform
+
+    args = dict(
+        model=str(model_path), tokenizer=str(model_path), tensor_parallel_size=int(tensor_parallel_size),
+        dtype=dtype, trust_remote_code=bool(trust_remote_code), max_model_len=max_model_len,
+        generation_config="vllm",       # the model's sampling defaults would change what "greedy" means
+        seed=0,
+        # On the CPU torch.compile costs half a minute per engine and gains nothing.
+        enforce_eager=current_platform.is_cpu(),
+    )
+    if max_num_seqs is not None:
+        args["max_num_seqs"] = int(max_num_seqs)
+    args.update(platform_workarounds())
+    args.update(overrides)
+    return engine_kwargs(args)
+
+
+class VllmGenerator:
+    """The target loaded once in vLLM; ``generate`` returns the new token ids of each prompt."""
+
+    def __init__(self, model_path: str, **kwargs) -> None:
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise TargetError(f"vLLM cannot be imported: {e}", where="regenerate.backend",
+                              fix="run in the vLLM environment (envs/vllm.yaml, or scripts/setup.sh --cuda) "
+                                  "or set regenerate.backend: hf") from e
+        self.args = engine_args(model_path, **kwargs)
+        # An in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaces torch.set_num_threads
+        # with a no-op; close() puts it back.
+        self._set_num_threads = torch.set_num_threads
+        started = time.monotonic()
+        try:
+            self.llm = LLM(**self.args)
+        except Exception as e:
+            torch.set_num_threads = self._set_num_threads
+            raise TargetError(f"vLLM cannot load {model_path}: {type(e).__name__}: {e}", where=str(model_path),
+                              fix="see docs/adapting-a-target.md (vLLM versions and known limits), "
+                                  "or set regenerate.backend: hf for a target that fits one device") from e
+        self.max_model_len = _max_model_len(self.llm, self.args.get("max_model_len"))
+        self.load_seconds = time.monotonic() - started
+        log.info("vLLM loaded %s in %.1fs (tensor_parallel_size %d, max_model_len %d)", model_path,
+                 self.load_seconds, self.args["tensor_parallel_size"], self.max_model_len)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+                 temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None
+                 ) -> list[list[int]]:
+        """New tokens per prompt, in prompt order, all prompts in one call (vLLM batches them).
+
+        A prompt too long for the engine's context gets as many new tokens as fit, down to none.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = temperature == 0
+        params, inputs, fits = [], [], []
+        for n, ids in enumerate(prompts):
+            room = self.max_model_len - len(ids)
+            if room < max_new_tokens:
+                log.warning("a prompt of %d tokens leaves room for %d of max_new_tokens=%d in the engine's %d "
+                            "positions", len(ids), max(room, 0), max_new_tokens, self.max_model_len)
+            if room < 1:
+                continue  # nothing fits: an empty answer, dropped and counted by prepare_dataset
+            fits.append(n)
+            params.append(SamplingParams(
+                max_tokens=min(max_new_tokens, room), temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p, seed=None if greedy or seeds is None else int(seeds[n]),
+                ignore_eos=True, stop_token_ids=[int(t) for t in stop_ids], detokenize=False))
+            inputs.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
+        out: list[list[int]] = [[] for _ in prompts]
+        if inputs:
+            for n, output in zip(fits, self.llm.generate(inputs, params, use_tqdm=False)):
+                out[n] = [int(t) for t in output.outputs[0].token_ids]
+        return out
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown_llm(llm, self._set_num_threads)
+
+    def __enter__(self) -> VllmGenerator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _max_model_len(llm, asked: int | None) -> int:
+    """The context length the engine settled on (the model's own when none was asked for)."""
+    engine = getattr(llm, "llm_engine", None)
+    config = getattr(engine, "model_config", None) or getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    value = getattr(config, "max_model_len", None) or asked
+    if value is None:
+        raise TargetError("cannot read the vLLM engine's max_model_len", where="vLLM engine",
+                          fix="set the engine's max_model_len explicitly")
+    return int(value)
