@@ -8,6 +8,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from draftsmith.conversations import source_problem
 from draftsmith.errors import ConfigError
 
 
@@ -65,13 +66,39 @@ def semantic_errors(config: dict) -> list[str]:
     if aux is not None and len(set(aux)) != len(aux):
         lines.append(f"target.aux_layer_ids: {aux} repeats a layer; list each layer once")
     for source in config["data"]["sources"]:
-        if source != "demo" and not Path(source).exists():
-            lines.append(f"data.sources: {source!r} does not exist")
+        problem = None if source == "demo" else source_problem(source)
+        if problem:
+            lines.append(f"data.sources: {source!r} {problem}")
+    lines += setting_conflicts(config)
     for folder in ("results", "logs", "benchmarks"):
         problem = unwritable(Path(folder) / config["run"])
         if problem:
             lines.append(f"run: the workflow writes to {folder}/{config['run']}/, but {problem}; make it writable "
                          "(or run the workflow from a folder you can write to)")
+    return lines
+
+
+def setting_conflicts(config: dict) -> list[str]:
+    """Combinations of keys that each pass the schema but cannot work together, or would waste the
+    run (each line names the keys and the fix)."""
+    lines = []
+    data, train, extraction = config["data"], config["train"], config["extraction"]
+    if train["batch_tokens"] < data["max_seq_len"]:
+        # A sample is never split across micro-batches: a longer one would be cut to the batch,
+        # training on its first batch_tokens positions only.
+        lines.append(f"train.batch_tokens: {train['batch_tokens']} is smaller than data.max_seq_len "
+                     f"({data['max_seq_len']}), so longer samples would be cut to the batch and most of their "
+                     f"answer never trained; set train.batch_tokens >= {data['max_seq_len']} or lower data.max_seq_len")
+    regenerate = config["regenerate"]
+    if regenerate["enabled"] and regenerate["max_new_tokens"] >= data["max_seq_len"]:
+        lines.append(f"regenerate.max_new_tokens: {regenerate['max_new_tokens']} is not below data.max_seq_len "
+                     f"({data['max_seq_len']}): an answer that long could never be trained whole (samples are cut "
+                     f"to max_seq_len); lower it or raise data.max_seq_len")
+    max_model_len = extraction["max_model_len"]
+    if max_model_len is not None and max_model_len < data["max_seq_len"]:
+        lines.append(f"extraction.max_model_len: {max_model_len} is smaller than data.max_seq_len ({data['max_seq_len']}), "
+                     f"so the engine would refuse the longer samples; set it to at least {data['max_seq_len']} "
+                     "(or null: the longest sample)")
     return lines
 
 

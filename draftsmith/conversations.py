@@ -1,6 +1,7 @@
-"""Reading conversations: every row of the data sources (jsonl, json, parquet, datasets'
-save_to_disk folders), normalized to OpenAI-style messages or plain text, or reported as a bad row
-with its reason.
+"""Reading conversations: every row of the data sources (jsonl, json, parquet, each optionally
+gzip-compressed as .jsonl.gz/.json.gz; datasets' save_to_disk folders), normalized to OpenAI-style
+messages (system, user, assistant with optional tool calls, tool results; plus the row's tool
+definitions) or plain text, or reported as a bad row with its reason.
 
 This is all that regeneration needs of the data; tokenising and masking live in
 ``draftsmith.data`` (prepare_dataset), so a change there does not discard regenerated answers.
@@ -8,6 +9,7 @@ This is all that regeneration needs of the data; tokenising and masking live in
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 from dataclasses import dataclass
@@ -28,15 +30,22 @@ READ_REASONS = (
     "empty_turn",
     "unknown_role",
     "non_text_content",
+    "invalid_unicode",
+    "invalid_tool_call",
     "no_assistant_turn",
 )
 
 ROLES = {
-    # OpenAI
-    "system": "system", "user": "user", "assistant": "assistant",
-    # ShareGPT
-    "human": "user", "gpt": "assistant",
+    # OpenAI (function: the legacy name of tool results)
+    "system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "function": "tool",
+    # ShareGPT (observation: tool results in glaive-style function-calling sets)
+    "human": "user", "gpt": "assistant", "observation": "tool",
+    # Llama 3.1 names tool results ipython
+    "ipython": "tool",
 }
+
+# The source file types read, each with its gzip-compressed form (parquet compresses inside).
+SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 
 # A jsonl line longer than this is not loaded: it is a bad row, not a reason to run out of memory.
 MIN_MAX_LINE_BYTES = 16 << 20
@@ -45,15 +54,17 @@ LINE_BYTES_PER_TOKEN = 64
 
 @dataclass(frozen=True)
 class Conversation:
-    """A usable row: ``messages`` ([{role, content}], roles system/user/assistant, ending with an
-    assistant turn) for chat rows, or ``text`` for plain-text rows. ``id`` is the row's own id,
-    not yet made unique across sources."""
+    """A usable row: ``messages`` (OpenAI-style [{role, content, ...}], roles system/user/assistant/
+    tool, ending with an assistant turn; an assistant turn may carry ``tool_calls``, a tool turn
+    ``tool_call_id``/``name``) and ``tools`` (the row's tool definitions, or None) for chat rows, or
+    ``text`` for plain-text rows. ``id`` is the row's own id, not yet made unique across sources."""
 
     id: str
     file: str
     line: int
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     text: str | None = None
+    tools: list[dict] | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -84,7 +95,39 @@ Row = Union[Conversation, BadRow]
 def row_where(file: str, line: int) -> str:
     """Where a row is, for messages: ``file:line`` for jsonl, ``file[row i]`` otherwise."""
     # jsonl rows are numbered by their 1-based line; json/parquet/datasets rows by their 0-based index.
-    return f"{file}:{line}" if file.endswith(".jsonl") else f"{file}[row {line}]"
+    return f"{file}:{line}" if file.endswith((".jsonl", ".jsonl.gz")) else f"{file}[row {line}]"
+
+
+def source_type(path: str | Path) -> str | None:
+    """The supported suffix ``path`` ends with (``.jsonl.gz`` before ``.jsonl``), or None."""
+    name = str(path).lower()
+    return next((s for s in sorted(SOURCE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+
+
+def source_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as a data source, judged from its name and first bytes (no rows
+    are parsed), or None; for the config check."""
+    path = Path(path)
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return None  # a save_to_disk folder: checked when read
+    kind = source_type(path)
+    if kind is None:
+        return (f"unsupported file type {''.join(path.suffixes[-2:]) or '(none)'!r}; give "
+                + ", ".join(SOURCE_SUFFIXES) + " files, or a folder written by datasets' save_to_disk")
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    if kind.endswith(".gz") and head[:2] != b"\x1f\x8b":
+        return f"is named {kind} but is not gzip-compressed; rename it to {kind[:-3]} or compress it"
+    if kind == ".parquet" and head != b"PAR1":
+        return "is named .parquet but is not a parquet file"
+    if not kind.endswith(".gz") and head[:2] == b"\x1f\x8b":
+        return f"is gzip-compressed but named {kind}; rename it to {kind}.gz"
+    return None
 
 
 
@@ -124,23 +167,36 @@ def _read_source(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tup
                         fix="check the path in data.sources (relative paths start at the workflow folder)")
     if path.is_dir():
         return _read_saved_dataset(path)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
+    kind = source_type(path)
+    problem = source_problem(path)
+    if problem and kind is not None:
+        raise DataError(f"cannot read data source {path}: it {problem}", where=str(path),
+                        fix="give the file the name of its format (.jsonl, .json, .parquet, .jsonl.gz, .json.gz)")
+    if kind in (".jsonl", ".jsonl.gz"):
         return _read_jsonl(path, max_line)
-    if suffix == ".json":
+    if kind in (".json", ".json.gz"):
         return _read_json(path)
-    if suffix == ".parquet":
+    if kind == ".parquet":
         return _read_parquet(path)
+    suffix = "".join(path.suffixes[-2:]).lower()
     raise DataError(f"cannot read data source {path}: unsupported file type {suffix or '(none)'!r}",
                     where=str(path),
-                    fix="give .jsonl, .json or .parquet files, or a folder written by datasets' save_to_disk")
+                    fix="give " + ", ".join(SOURCE_SUFFIXES) + " files, or a folder written by datasets' save_to_disk")
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if source_type(path).endswith(".gz") else path.open("rb")
 
 
 def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
     file = str(path)
-    with path.open("rb") as f:
+    with _open_binary(path) as f:
         for lineno in itertools.count(1):
-            raw = f.readline(max_line + 1)
+            try:
+                raw = f.readline(max_line + 1)
+            except (OSError, EOFError) as e:  # a truncated or damaged gzip stream
+                raise DataError(f"{path} cannot be decompressed after line {lineno - 1}: {e}", where=f"{file}:{lineno}",
+                                fix="re-create the .gz file (it is truncated or damaged)") from e
             if not raw:
                 return
             if len(raw) > max_line and not raw.endswith(b"\n"):
@@ -167,7 +223,13 @@ def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tupl
 
 def _read_json(path: Path) -> Iterator[tuple[int, Any]]:
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        with _open_binary(path) as f:
+            data = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path} cannot be read: {e}", where=str(path),
+                        fix="re-create the file (a .gz file may be truncated or damaged)") from e
+    try:
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})", where=str(path),
                         fix="re-save the file as UTF-8") from e
@@ -195,9 +257,14 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{path} cannot be read as parquet: {e}", where=str(path),
                         fix="check the file is complete and really parquet") from e
     index = itertools.count()
-    for batch in parquet.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield next(index), row
+    try:
+        for batch in parquet.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield next(index), row
+    except (pa.ArrowException, OSError) as e:  # a codec this pyarrow lacks, a damaged page
+        raise DataError(f"{path} cannot be read as parquet after row {next(index)}: {e}", where=str(path),
+                        fix="re-write the file with a codec pyarrow reads (snappy, gzip, zstd, brotli, lz4), "
+                            "or check it is complete") from e
 
 
 def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
@@ -247,6 +314,8 @@ def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
             return bad("non_text_content", f"'text' is a {type(value).__name__}, not a string")
         if not value.strip():
             return bad("empty_turn", "'text' is empty")
+        if surrogate := _lone_surrogate(value):
+            return bad("invalid_unicode", surrogate)
         return Conversation(row_id, file, line, text=value)
 
     # OpenAI rows use role/content, ShareGPT rows from/value; accept either in both, since
@@ -256,7 +325,10 @@ def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
         keys = keys[::-1]
     if not isinstance(value, list) or not value:
         return bad("missing_turns", f"'{fmt}' is {'empty' if value == [] else 'not a list'}")
-    messages: list[dict[str, str]] = []
+    tools = _parse_json_field(raw.get("tools"))
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return bad("invalid_tool_call", "'tools' is not a list of tool definitions (objects)")
+    messages: list[dict[str, Any]] = []
     for k, turn in enumerate(value):
         if not isinstance(turn, dict):
             return bad("unknown_format", f"turn {k} is a {type(turn).__name__}, not an object")
@@ -264,18 +336,88 @@ def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
         role = ROLES.get(turn.get(role_key)) if isinstance(turn.get(role_key), str) else None
         if role is None:
             return bad("unknown_role", f"turn {k} has {role_key}={turn.get(role_key)!r}")
+        message: dict[str, Any] = {"role": role}
+        calls = _tool_calls(turn.get("tool_calls")) if role == "assistant" else None
+        if isinstance(calls, str):
+            return bad("invalid_tool_call", f"turn {k} (assistant): {calls}")
         content = _content_text(turn.get(content_key))
+        if (calls or role == "tool") and content == ("empty_turn", "content is null"):
+            content = ""  # a turn of tool calls only (OpenAI writes content: null), a silent tool
         if isinstance(content, tuple):
             return bad(content[0], f"turn {k} ({role}): {content[1]}")
-        if not content.strip():
+        if not content.strip() and not calls and role != "tool":  # a tool may return nothing
             return bad("empty_turn", f"turn {k} ({role}) is empty")
-        messages.append({"role": role, "content": content})
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(turn.get(key), str):
+                    message[key] = turn[key]
+        messages.append(message)
 
     last_assistant = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     if last_assistant < 0:
         return bad("no_assistant_turn", f"roles: {', '.join(m['role'] for m in messages)}")
+    surrogate = _lone_surrogate([messages[: last_assistant + 1], tools])
+    if surrogate:
+        return bad("invalid_unicode", surrogate)
+    try:  # parquet and datasets can hold values JSON has no form for (bytes, timestamps) in tools or calls
+        json.dumps([messages, tools])
+    except (TypeError, ValueError) as e:
+        return bad("invalid_tool_call", f"a tool definition or call holds a value that is not JSON: {e}")
     # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
-    return Conversation(row_id, file, line, messages=messages[: last_assistant + 1])
+    return Conversation(row_id, file, line, messages=messages[: last_assistant + 1], tools=tools or None)
+
+
+def _parse_json_field(value: Any) -> Any:
+    """A field that datasets often store as a JSON string (tools, tool call arguments), parsed;
+    the value itself when it is not a string or not JSON."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _tool_calls(calls: Any) -> list[dict] | str | None:
+    """An assistant turn's tool calls in OpenAI's shape, ``{"type": "function", "function":
+    {"name", "arguments"}}`` with the arguments as an object (as chat templates expect them), or a
+    string saying why they are unusable."""
+    calls = _parse_json_field(calls)
+    if calls is None or calls == []:
+        return None
+    if not isinstance(calls, list):
+        return f"tool_calls is a {type(calls).__name__}, not a list"
+    out = []
+    for n, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            return f"tool call {n} has no function name"
+        arguments = _parse_json_field(function.get("arguments", {}))
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            return f"tool call {n} ({function['name']}): arguments are not a JSON object"
+        normalized = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            normalized["id"] = call["id"]
+        out.append(normalized)
+    return out
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where ``value`` holds a string that is not valid Unicode (a lone surrogate such as "\\ud800",
+    which JSON allows and no tokenizer takes), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"a lone surrogate {value[e.start]!r} at character {e.start}"
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for item in items if (found := _lone_surrogate(item))), None)
 
 
 def _content_text(content: Any) -> str | tuple[str, str]:

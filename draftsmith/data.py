@@ -38,13 +38,13 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation is part of t
     row_where,
 )
 from draftsmith.errors import DataError
-from draftsmith.io import atomic_write_json, fsync_dir, storage_error
+from draftsmith.io import atomic_write_json, fsync_dir, share_mode, storage_error
 
 log = logging.getLogger(__name__)
 
 # Every reason a row can be dropped for; stats.json lists them all, zeros included, so its
 # schema does not depend on the data.
-REASONS = (*READ_REASONS, "too_long_prompt", "template_error")
+REASONS = (*READ_REASONS, "too_long_prompt", "template_error", "tokenizer_error")
 
 # How to fix the rows dropped for a reason, added to the error when too many rows are bad.
 REASON_FIXES = {
@@ -53,7 +53,16 @@ REASON_FIXES = {
     "not_utf8": "re-save the file as UTF-8",
     "invalid_json": "repair the lines named in the log (one JSON object per line)",
     "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
+    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations')",
+    "empty_turn": "fill or drop the empty turns (only a tool result may be empty)",
+    "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
+    "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
     "no_assistant_turn": "every conversation needs an assistant turn to learn from",
+    "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
+                       "truncating tool: repair or drop them at the source",
+    "invalid_tool_call": "assistant tool_calls need a function name and JSON-object arguments (OpenAI's shape); "
+                         "'tools' must be a list of tool definitions",
+    "tokenizer_error": "the tokenizer rejected the text (the log names the rows and the error)",
     "too_long_prompt": "raise data.max_seq_len",
 }
 
@@ -101,6 +110,18 @@ class ChatTemplateError(DataError):
     """The chat template cannot render a conversation, or its assistant tokens cannot be located."""
 
 
+class TokenizerFailure(DataError):
+    """The tokenizer raised on a row's text: the row is bad, not the stage."""
+
+
+def encode_text(tokenizer, text: str, **kwargs):
+    """``tokenizer(text, **kwargs)``, with whatever the tokenizer raises as a TokenizerFailure."""
+    try:
+        return tokenizer(text, **kwargs)
+    except Exception as e:  # Rust tokenizers raise TypeError, ValueError, pyo3 panics, ...
+        raise TokenizerFailure(f"the tokenizer failed: {type(e).__name__}: {e}") from e
+
+
 # ---------------------------------------------------------------------------------------------
 # Held-out split
 
@@ -110,10 +131,11 @@ def _score(seed: int, salt: str, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def _prompt_key(messages: list[dict]) -> bytes:
-    """Identifies a conversation's prompt: its turns before the first assistant turn."""
+def _prompt_key(messages: list[dict], tools: list[dict] | None = None) -> bytes:
+    """Identifies a conversation's prompt: its turns before the first assistant turn (and its tools)."""
     first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    return hashlib.sha256(json.dumps(messages[:first_answer], sort_keys=True).encode("utf-8")).digest()[:16]
+    prompt = messages[:first_answer] if tools is None else [tools, messages[:first_answer]]
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode("utf-8")).digest()[:16]
 
 
 def split_heldout(ids: Sequence[str], settings: DataSettings) -> set[str]:
@@ -144,7 +166,7 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise DataError(f"cannot load a tokenizer from {tokenizer_dir}: {e}", where=str(tokenizer_dir),
                         fix="point at the target model folder; it must hold tokenizer.json and "
                             "tokenizer_config.json") from e
@@ -176,28 +198,31 @@ class _ChatRenderer:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.has_generation_tags = bool(_GENERATION_TAG.search(template))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:  # Jinja templates raise anything (raise_exception, TypeError, ...)
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"the chat template rendered a {type(text).__name__}, not text")
+        return text
 
     def encode(self, text: str, offsets: bool = False):
-        return self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
+        return encode_text(self.tokenizer, text, add_special_tokens=False, return_offsets_mapping=offsets)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of the turns before the first assistant turn, ending in the generation prompt."""
         first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
         if first == 0:
             raise ChatTemplateError("the conversation opens with an assistant turn: there is no prompt")
-        return self.encode(self.render(messages[:first], add_generation_prompt=True))["input_ids"]
+        return list(self.encode(self.render(messages[:first], True, tools))["input_ids"])
 
-    def tokenize(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        full = self.render(messages, add_generation_prompt=False)
-        spans = self._assistant_spans(messages, full)
+    def tokenize(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+        full = self.render(messages, add_generation_prompt=False, tools=tools)
+        spans = self._assistant_spans(messages, full, tools)
         if spans is None:
-            return self._generation_tag_mask(messages)
+            return self._generation_tag_mask(messages, tools)
         enc = self.encode(full, offsets=True)
         marked = [0] * (len(full) + 1)  # marked[c] = 1 when character c is the assistant's
         for start, end in spans:
@@ -209,9 +234,10 @@ class _ChatRenderer:
             mask.append(1 if (covered[e] - covered[s] if e > s else marked[s]) else 0)
         return list(enc["input_ids"]), mask
 
-    def _assistant_spans(self, messages: list[dict], full: str) -> list[tuple[int, int]] | None:
-        """Character spans of the assistant's text plus the token that closes its turn, or None
-        when a prefix of the conversation does not render as a prefix of the whole."""
+    def _assistant_spans(self, messages: list[dict], full: str,
+                         tools: list[dict] | None = None) -> list[tuple[int, int]] | None:
+        """Character spans of the assistant's text (and tool calls) plus the token that closes its
+        turn, or None when a prefix of the conversation does not render as a prefix of the whole."""
         spans = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -219,8 +245,8 @@ class _ChatRenderer:
             if k == 0:
                 raise ChatTemplateError("the conversation opens with an assistant turn: the chat template "
                                         "cannot render the prompt before it")
-            before = self.render(messages[:k], add_generation_prompt=True)
-            through = self.render(messages[: k + 1], add_generation_prompt=False)
+            before = self.render(messages[:k], add_generation_prompt=True, tools=tools)
+            through = self.render(messages[: k + 1], add_generation_prompt=False, tools=tools)
             if not full.startswith(before):
                 return None
             # Some templates close the last message differently (e.g. append an EOS): the turn
@@ -235,6 +261,21 @@ class _ChatRenderer:
             if found < 0:
                 return None  # the template rewrote this turn
             cut = found + len(content)
+            if message.get("tool_calls"):
+                # The calls follow the text in the template's own syntax (<tool_call>{json}</tool_call>,
+                # a bare JSON object, ...): the assistant wrote all of the turn up to and including
+                # its closing special token.
+                missing = [c["function"]["name"] for c in message["tool_calls"]
+                           if c["function"]["name"] not in turn[cut:]]
+                if missing:
+                    raise ChatTemplateError(
+                        f"the chat template does not render the assistant's tool calls ({', '.join(missing)} "
+                        "is missing from the rendered turn)",
+                        fix="use the target's tool-use chat template (one that renders message.tool_calls), "
+                            "or drop the tool-call rows")
+                closes = list(self.special.finditer(turn, cut)) if self.special else []
+                spans.append((len(before) + found, len(before) + (closes[-1].end() if closes else len(turn))))
+                continue
             spans.append((len(before), len(before) + cut))
             # The turn's end-of-turn token (<|im_end|>, <|eot_id|>, </s>): the assistant emits it.
             close = self.special.search(turn, cut) if self.special else None
@@ -242,7 +283,8 @@ class _ChatRenderer:
                 spans.append((len(before) + close.start(), len(before) + close.end()))
         return spans
 
-    def _generation_tag_mask(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def _generation_tag_mask(self, messages: list[dict],
+                             tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         if not self.has_generation_tags:
             raise ChatTemplateError(
                 "the chat template rewrites earlier turns (rendering the turns before an assistant "
@@ -252,17 +294,19 @@ class _ChatRenderer:
                     "{% endgeneration %} in the chat template, or use a template that renders a "
                     "conversation prefix by prefix")
         try:
-            out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+            out = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                                      return_assistant_tokens_mask=True)
         except Exception as e:  # as in render(): a template can raise anything
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
         return list(out["input_ids"]), list(out["assistant_masks"])
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and its loss mask: 1 exactly on the tokens each
-    assistant turn wrote, its end-of-turn token included; 0 on headers, system and user text."""
-    return _ChatRenderer(tokenizer).tokenize(messages)
+def tokenize_conversation(tokenizer, messages: list[dict],
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation (with ``tools`` given to the chat template) and its
+    loss mask: 1 exactly on the tokens each assistant turn wrote (its text, its tool calls and its
+    end-of-turn token); 0 on headers, system, user text, tool definitions and tool results."""
+    return _ChatRenderer(tokenizer).tokenize(messages, tools)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +363,7 @@ class _PendingFile:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            share_mode(fd)
         except OSError as e:
             raise storage_error(path, e) from e
         self.file = os.fdopen(fd, "w", encoding="utf-8")
@@ -364,6 +409,31 @@ def _progress(rows: Iterable[Row], desc: str, total: int | None = None) -> Itera
                 mininterval=PROGRESS_INTERVAL_S)
 
 
+def _nothing_to_train(names: str, tally: _Tally, counts: Counter, heldout: int,
+                      settings: DataSettings) -> DataError:
+    """Why no train row is left, naming the cause that removed the most rows and its fix."""
+    causes = {f"held out for evaluation: {heldout}": heldout,
+              f"same prompt as a held-out row: {counts['same_prompt_as_heldout']}": counts["same_prompt_as_heldout"],
+              **{f"{reason}: {n}": n for reason, n in tally.dropped.items() if n}}
+    summary = ", ".join(c for c, n in causes.items() if n)
+    if counts["same_prompt_as_heldout"] and counts["same_prompt_as_heldout"] >= max(tally.dropped.values(), default=0):
+        return DataError(
+            f"no trainable rows in {names}: every row that is not held out shares its prompt (the turns "
+            f"before the first answer) with a held-out row, and is kept out of training so the evaluation "
+            f"prompts stay unseen ({summary})", where=names,
+            fix="give conversations with more distinct prompts (many answers to one prompt leave nothing "
+                "to train on once that prompt is held out)")
+    reason, _ = tally.dropped.most_common(1)[0] if tally.dropped else ("", 0)
+    fix = {**REASON_FIXES, **tally.fixes}.get(reason, "see the bad rows in the log")
+    if reason == "too_long_prompt":
+        fix = f"raise data.max_seq_len (now {settings.max_seq_len})"
+    first = tally.first_bad[0] if tally.first_bad else None
+    return DataError(f"no trainable rows in {names} ({summary or 'every row was held out'})",
+                     where=f"first bad row {row_where(first['file'], first['line'])} ({first['reason']}: "
+                           f"{first['detail']})" if first else names,
+                     fix=fix if reason else "give more usable rows")
+
+
 def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path,
                     settings: DataSettings) -> dict:
     """Write ``out_dir``/train.jsonl, heldout.jsonl and stats.json from ``sources`` rendered with the
@@ -397,12 +467,17 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
         ids.append(row_id)
         if row.is_chat:
             chat_ids.append(row_id)
-            prompt_keys[row_id] = _prompt_key(row.messages)
+            prompt_keys[row_id] = _prompt_key(row.messages, row.tools)
     del seen
     tally.check()  # fail before tokenizing anything
     if not ids:
-        raise DataError(f"no usable rows in {names}", where=names,
-                        fix="check data.format and the rows' fields (see the bad rows in the log)")
+        counts = ", ".join(f"{r}={n}" for r, n in tally.dropped.most_common())
+        top = tally.dropped.most_common(1)[0][0] if tally.dropped else ""
+        raise DataError(f"no usable rows in {names}: every row was dropped ({counts or 'none read'})",
+                        where=f"first bad row {row_where(tally.first_bad[0]['file'], tally.first_bad[0]['line'])}"
+                              if tally.first_bad else names,
+                        fix=REASON_FIXES.get(top, "check data.format and the rows' fields (see the bad rows in "
+                                                  "the log)"))
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if chat_ids:
@@ -442,20 +517,20 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
             source = {"file": row.file, "line": row.line}
             try:
                 if row_id in heldout_ids:
-                    prompt = renderer.prompt_ids(row.messages)
+                    prompt = renderer.prompt_ids(row.messages, row.tools)
                     if len(prompt) >= settings.max_seq_len:
                         raise _TooLong()
                     held.write_row({"id": row_id, "messages": row.messages, "prompt_ids": prompt,
-                                    "source": source})
+                                    **({"tools": row.tools} if row.tools else {}), "source": source})
                     counts["heldout_rows"] += 1
                     counts["heldout_prompt_tokens"] += len(prompt)
                     continue
                 if row.is_chat:
-                    input_ids, loss_mask = renderer.tokenize(row.messages)
+                    input_ids, loss_mask = renderer.tokenize(row.messages, row.tools)
                     if not any(loss_mask):
                         raise ChatTemplateError("no assistant token found in the rendered conversation")
                 else:
-                    input_ids = list(tokenizer(row.text)["input_ids"])  # with BOS etc., as text is fed
+                    input_ids = list(encode_text(tokenizer, row.text)["input_ids"])  # with BOS etc., as text is fed
                     loss_mask = [1] * len(input_ids)
                 if len(input_ids) > settings.max_seq_len:
                     input_ids = input_ids[: settings.max_seq_len]
@@ -463,10 +538,11 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
                     if not any(loss_mask):
                         raise _TooLong()
                     counts["truncated_rows"] += 1
-            except ChatTemplateError as e:
-                tally.bad(BadRow(row.file, row.line, "template_error", e.what))
+            except (ChatTemplateError, TokenizerFailure) as e:
+                reason = "template_error" if isinstance(e, ChatTemplateError) else "tokenizer_error"
+                tally.bad(BadRow(row.file, row.line, reason, e.what))
                 if e.fix:
-                    tally.fixes.setdefault("template_error", e.fix)
+                    tally.fixes.setdefault(reason, e.fix)
                 continue
             except _TooLong:
                 tally.bad(BadRow(row.file, row.line, "too_long_prompt",
@@ -482,8 +558,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
                             fix="do not modify the data sources while the workflow runs")
         tally.check()
         if counts["train_rows"] == 0:
-            raise DataError(f"no trainable rows in {names}", where=names,
-                            fix="see the bad rows in the log; too_long_prompt: raise data.max_seq_len")
+            raise _nothing_to_train(names, tally, counts, len(heldout_ids), settings)
         train.commit()
         held.commit()
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import statistics
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -51,6 +52,9 @@ PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log s
 BACKENDS = ("hf", "vllm")
 DRAFTER_KINDS = ("eagle3", "ngram", "target")
 MAX_LISTED_TIES = 100  # acceptance.json lists this many near-ties and counts them all
+# The wall-clock speedup is reported from at least this many timed prompts: one prompt's timing
+# swings with the machine's load (3.8x and 0.5x were both seen for one draft).
+MIN_TIMED_PROMPTS = 8
 
 # The target scores a token one position at a time in greedy decoding and k+1 positions at a time
 # when verifying; different matmul shapes round differently, so where its two best logits are
@@ -668,6 +672,18 @@ def _evaluate(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Drafte
     main = {name: acceptance_stats(runs[name, settings.k], settings.k) for name in drafters}
     greedy_seconds = sum(g.seconds for g in greedy)
     greedy_tokens = sum(len(g.tokens) for g in greedy)
+    timed = len(prompts) >= MIN_TIMED_PROMPTS
+
+    def speedup(name: str) -> float | None:
+        return greedy_seconds / main[name]["seconds"] if timed and main[name]["seconds"] else None
+
+    def spread(name: str) -> dict | None:
+        """Quartiles of the per-prompt speedups: how much one prompt's timing varies."""
+        ratios = [g.seconds / s.seconds for g, s in zip(greedy, runs[name, settings.k]) if s.seconds > 0]
+        if not timed or not ratios:
+            return None
+        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        return {"min": min(ratios), "q1": q1, "median": median, "q3": q3, "max": max(ratios)}
     result = {
         "format": ACCEPTANCE_FORMAT,
         **main["draft"],
@@ -681,14 +697,17 @@ def _evaluate(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Drafte
             "prompts": "all" if n_sweep == len(prompts) else f"the first {n_sweep} of {len(prompts)}",
         },
         "speedup": {
-            "draft": greedy_seconds / main["draft"]["seconds"] if main["draft"]["seconds"] else None,
-            "baseline": greedy_seconds / main["baseline"]["seconds"] if main["baseline"]["seconds"] else None,
+            "draft": speedup("draft"),
+            "baseline": speedup("baseline"),
+            "draft_per_prompt": spread("draft"),
+            "baseline_per_prompt": spread("baseline"),
             "greedy_seconds": round(greedy_seconds, 4),
             "draft_seconds": main["draft"]["seconds"],
             "baseline_seconds": main["baseline"]["seconds"],
             "greedy_tokens_per_second": greedy_tokens / greedy_seconds if greedy_seconds else None,
             "num_prompts": len(prompts),
-            "measured": f"wall clock of the {backend.name} loops, one prompt at a time, on the same prompts",
+            "measured": f"wall clock of the {backend.name} loops, one prompt at a time, on the same prompts"
+                        + ("" if timed else f"; not reported: fewer than {MIN_TIMED_PROMPTS} prompts timed"),
         },
         "lossless": {
             "checked_generations": sum(len(v) for v in runs.values()) + sum(len(r.generations) for r in outside),

@@ -446,7 +446,7 @@ def _check_disk(folder: Path, needed: int, alternative: tuple[str, int], setting
             f"(+ {_gib(settings.min_free_bytes)} kept free), the disk has {_gib(free)} free",
             where=str(folder),
             fix=f"free space or move the results folder to a larger disk; extraction.dtype: {other} would "
-                f"need {_gib(other_bytes)}; fewer samples (extraction.max_samples) need less")
+                f"need {_gib(other_bytes)}; fewer samples (data.max_samples) or a lower data.max_seq_len need less")
 
 
 def _verify_shards(store: PartStore, count: int) -> dict[int, ShardInfo]:

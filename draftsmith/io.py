@@ -46,6 +46,12 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+def share_mode(fd: int) -> None:
+    """Give a file made by mkstemp (0600) the mode of any file the user writes (0644 under umask 022):
+    results are shared artifacts."""
+    os.fchmod(fd, 0o666 & ~_UMASK)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part.
 
@@ -58,8 +64,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except OSError as e:
         raise storage_error(path, e) from e
     try:
-        # mkstemp creates 0600; results are shared artifacts, readable like any file the user writes
-        os.fchmod(fd, 0o666 & ~_UMASK)
+        share_mode(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -48,17 +48,18 @@ def check_source(source: str | Path, format: str, max_seq_len: int,
 
 def check_sample(tokenizer, row: Conversation, max_seq_len: int) -> dict:
     """Render and tokenise one row as prepare_dataset will; a DataError when no token gets loss."""
-    from draftsmith.data import ChatTemplateError, tokenize_conversation
+    from draftsmith.data import ChatTemplateError, TokenizerFailure, encode_text, tokenize_conversation
 
-    if row.is_chat:
-        try:
-            ids, mask = tokenize_conversation(tokenizer, row.messages)
-        except ChatTemplateError as e:
-            raise DataError(f"the target's chat template cannot render {row.where}: {e.what}", where=row.where,
-                            fix=e.fix or "check the chat template in the target folder") from e
-    else:
-        ids = list(tokenizer(row.text)["input_ids"])
-        mask = [1] * len(ids)
+    try:
+        if row.is_chat:
+            ids, mask = tokenize_conversation(tokenizer, row.messages, row.tools)
+        else:
+            ids = list(encode_text(tokenizer, row.text)["input_ids"])
+            mask = [1] * len(ids)
+    except (ChatTemplateError, TokenizerFailure) as e:
+        raise DataError(f"the target's {'chat template' if isinstance(e, ChatTemplateError) else 'tokenizer'} "
+                        f"cannot render {row.where}: {e.what}", where=row.where,
+                        fix=e.fix or "check the chat template and tokenizer in the target folder") from e
     if not any(mask[:max_seq_len]):
         raise DataError(f"{row.where} has no assistant token within data.max_seq_len={max_seq_len} tokens "
                         f"({len(ids)} tokens rendered)", where=row.where,
@@ -72,7 +73,15 @@ def read_config(model_path: str | Path) -> dict:
     if not config_file.is_file():
         raise TargetError("the target folder has no config.json", where=str(model_path),
                           fix="point target.path at a Hugging Face model folder (config.json, tokenizer, weights)")
-    return read_json(config_file)
+    try:
+        raw = read_json(config_file)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TargetError(f"the target's config.json is not valid JSON: {e}", where=str(config_file),
+                          fix="restore config.json from the model's release") from e
+    if not isinstance(raw, dict):
+        raise TargetError(f"the target's config.json holds a JSON {type(raw).__name__}, not an object",
+                          where=str(config_file), fix="restore config.json from the model's release")
+    return raw
 
 
 def text_config(raw: dict) -> dict:

@@ -183,7 +183,7 @@ class TurnCounts:
     tokens: int = 0
     truncated: int = 0  # answers cut at max_new_tokens
     empty: int = 0  # answers that stop at once (prepare_dataset drops their conversations)
-    unchanged: int = 0  # conversations passed through (template failure, no prompt before an answer)
+    unchanged: int = 0  # conversations passed through (template failure, no prompt before an answer, tool use)
 
     def add(self, other: TurnCounts) -> None:
         for key, value in asdict(other).items():
@@ -255,11 +255,13 @@ class Regenerator:
         """The conversations with every assistant turn replaced by the model's answer, in order.
 
         A conversation the chat template cannot render, or that opens with an assistant turn, is
-        returned unchanged: prepare_dataset drops and counts it with its reason.
+        returned unchanged: prepare_dataset drops and counts it with its reason. So is one with tool
+        calls or tool results: the tools cannot be run here to answer the target's own calls.
         """
         messages = [[dict(m) for m in conv] for conv in conversations]
         turns = [[k for k, m in enumerate(conv) if m["role"] == "assistant"] for conv in messages]
         skipped: set[int] = {c for c, t in enumerate(turns) if t and t[0] == 0}
+        skipped |= {c for c, conv in enumerate(messages) if any(m["role"] == "tool" or m.get("tool_calls") for m in conv)}
         counts = TurnCounts()
         for r in range(max(map(len, turns), default=0)):
             jobs, prompts = [], []
@@ -367,7 +369,7 @@ def _output_row(conv: Any, messages: list[dict] | None) -> dict:
     source = {"file": conv.file, "line": conv.line}
     if messages is None:  # a plain-text row: nothing to answer, passed through
         return {"id": conv.id, "text": conv.text, "source": source}
-    return {"id": conv.id, "messages": messages, "source": source}
+    return {"id": conv.id, "messages": messages, **({"tools": conv.tools} if conv.tools else {}), "source": source}
 
 
 def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regenerator, out_path: str | Path,

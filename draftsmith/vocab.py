@@ -16,6 +16,10 @@ from draftsmith.io import atomic_write_bytes, atomic_write_json
 log = logging.getLogger(__name__)
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 65536)
+# Coverage of the training tokens below which the draft is refused (it could propose at most one
+# token in two), and below which a warning suggests a larger vocabulary.
+MIN_COVERAGE = 0.5
+WARN_COVERAGE = 0.9
 
 
 def count_loss_tokens(train_jsonl: str | Path, vocab_size: int) -> np.ndarray:
@@ -50,6 +54,12 @@ def coverage_curve(counts: np.ndarray) -> dict[int, float]:
     return {k: float(ranked[min(k, len(ranked)) - 1] / total) for k in COVERAGE_SIZES if k <= len(counts)}
 
 
+def size_for_coverage(counts: np.ndarray, coverage: float) -> int:
+    """The smallest draft vocabulary that covers ``coverage`` of the loss-masked tokens."""
+    ranked = np.sort(counts)[::-1].cumsum()
+    return int(np.searchsorted(ranked, coverage * max(int(counts.sum()), 1))) + 1
+
+
 def build_vocab_mapping(train_jsonl: str | Path, target_vocab_size: int, draft_vocab_size: int,
                         mapping_path: str | Path, stats_path: str | Path) -> dict:
     """Write ``mapping.safetensors`` (d2t, t2d) and ``stats.json`` (coverage of loss-masked tokens)."""
@@ -59,7 +69,6 @@ def build_vocab_mapping(train_jsonl: str | Path, target_vocab_size: int, draft_v
             where="vocab.draft_vocab_size", fix=f"use at most {target_vocab_size}")
     counts = count_loss_tokens(train_jsonl, target_vocab_size)
     draft_ids = select_draft_tokens(counts, draft_vocab_size)
-    atomic_write_bytes(mapping_path, save_safetensors(mapping_tensors(draft_ids, target_vocab_size)))
     total = int(counts.sum())
     covered = int(counts[draft_ids].sum())
     stats = {
@@ -70,6 +79,18 @@ def build_vocab_mapping(train_jsonl: str | Path, target_vocab_size: int, draft_v
         "coverage": covered / total if total else 0.0,
         "coverage_by_draft_vocab_size": coverage_curve(counts),
     }
+    if total and stats["coverage"] < MIN_COVERAGE:
+        raise ConfigError(
+            f"a draft vocabulary of {draft_vocab_size} tokens covers only {stats['coverage']:.1%} of the "
+            f"{total:,} loss-masked training tokens ({stats['distinct_loss_tokens']:,} distinct): the draft "
+            f"could not propose most of what the target writes", where="vocab.draft_vocab_size",
+            fix=f"raise vocab.draft_vocab_size to at least {size_for_coverage(counts, WARN_COVERAGE)} "
+                f"({WARN_COVERAGE:.0%} coverage)")
+    if total and stats["coverage"] < WARN_COVERAGE:
+        log.warning("the draft vocabulary covers only %.1f%% of the loss-masked tokens; "
+                    "vocab.draft_vocab_size: %d would cover %.0f%%", 100 * stats["coverage"],
+                    size_for_coverage(counts, WARN_COVERAGE), 100 * WARN_COVERAGE)
+    atomic_write_bytes(mapping_path, save_safetensors(mapping_tensors(draft_ids, target_vocab_size)))
     atomic_write_json(stats_path, stats)
     log.info("draft vocab of %d tokens covers %.2f%% of %d loss-masked tokens (%d distinct)",
              draft_vocab_size, 100 * stats["coverage"], total, stats["distinct_loss_tokens"])

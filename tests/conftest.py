@@ -22,6 +22,18 @@ def llama3_tokenizer(tmp_path_factory) -> Path:
     return tiny.build_tokenizer(tmp_path_factory.mktemp("llama3_tokenizer"), tiny.LLAMA3_TEMPLATE)
 
 
+@pytest.fixture(scope="session")
+def chatml_tools_tokenizer(tmp_path_factory) -> Path:
+    """A ChatML tokenizer whose template renders tools, tool calls and tool results (Qwen2.5's shape)."""
+    return tiny.build_tokenizer(tmp_path_factory.mktemp("chatml_tools_tokenizer"), tiny.CHATML_TOOLS_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def llama3_tools_tokenizer(tmp_path_factory) -> Path:
+    """A Llama-3 tokenizer whose template renders tools, tool calls and ipython results (Llama 3.1's shape)."""
+    return tiny.build_tokenizer(tmp_path_factory.mktemp("llama3_tools_tokenizer"), tiny.LLAMA3_TOOLS_TEMPLATE)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: synchronising threads costs more than the math, and on a busy machine

@@ -139,6 +139,37 @@ def _(tmp, env):
     _check({"extraction": {"tensor_parallel_size": 2}})
 
 
+@case("config-batch-smaller-than-a-sample", ConfigError, "train.batch_tokens: 512 is smaller than data.max_seq_len (1024)")
+def _(tmp, env):
+    _check({"data": {"max_seq_len": 1024}, "train": {"batch_tokens": 512}})
+
+
+@case("config-max-model-len-below-max-seq-len", ConfigError, "extraction.max_model_len: 256 is smaller than data.max_seq_len")
+def _(tmp, env):
+    _check({"data": {"max_seq_len": 512}, "extraction": {"max_model_len": 256}})
+
+
+@case("config-answers-longer-than-samples", ConfigError, "regenerate.max_new_tokens: 512 is not below data.max_seq_len")
+def _(tmp, env):
+    _check({"data": {"max_seq_len": 256}, "regenerate": {"enabled": True, "max_new_tokens": 512}})
+
+
+@case("config-draft-vocab-below-floor", ConfigError, "vocab.draft_vocab_size: 1 is less than the minimum of 32")
+def _(tmp, env):
+    _check({"vocab": {"draft_vocab_size": 1}})
+
+
+@case("config-data-source-unsupported-type", ConfigError, "unsupported file type '.csv'")
+def _(tmp, env):
+    (tmp / "rows.csv").write_text("prompt,answer\nhi,hello\n")
+    _check({"data": {"sources": [str(tmp / "rows.csv")]}})
+
+
+@case("config-data-source-not-gzip", ConfigError, "is named .jsonl.gz but is not gzip-compressed")
+def _(tmp, env):
+    _check({"data": {"sources": [str(tiny.write_jsonl(tmp / "rows.jsonl.gz", [_chat(0)]))]}})
+
+
 @case("config-results-unwritable", ConfigError, "the workflow writes to results/demo/, but")
 def _(tmp, env):
     (tmp / "results").write_text("a file where the results folder should be")
@@ -211,6 +242,53 @@ def _(tmp, env):
 @case("data-one-usable-row", DataError, "nothing is left to train on", *DATA_OUTPUTS)
 def _(tmp, env):
     _prepare(tmp, env, [tiny.write_jsonl(tmp / "one.jsonl", [_chat(0)])])
+
+
+def _tool_chat(i: int) -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+            "messages": [{"role": "user", "content": f"Weather in Paris? ({i})"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                         {"role": "tool", "content": "sunny"},
+                         {"role": "assistant", "content": "It is sunny."}]}
+
+
+@case("data-every-prompt-held-out", DataError, "shares its prompt (the turns before the first answer) with a "
+                                               "held-out row", *DATA_OUTPUTS)
+def _(tmp, env):
+    rows = [_chat(0, user="What is your name?") for _ in range(8)]
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "one_prompt.jsonl", rows)])
+
+
+@case("data-lone-surrogates", DataError, "invalid_unicode=4", *DATA_OUTPUTS)
+def _(tmp, env):
+    lines = [json.dumps(_chat(i)) for i in range(6)]
+    lines += ['{"messages": [{"role": "user", "content": "cut emoji \\ud83d"}, {"role": "assistant", "content": "ok"}]}'] * 4
+    (tmp / "surrogates.jsonl").write_text("\n".join(lines) + "\n")
+    _prepare(tmp, env, [tmp / "surrogates.jsonl"])
+
+
+@case("data-tool-calls-without-a-name", DataError, "invalid_tool_call=4", *DATA_OUTPUTS)
+def _(tmp, env):
+    broken = _tool_chat(0)
+    del broken["messages"][1]["tool_calls"][0]["function"]["name"]
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "calls.jsonl", [_chat(i) for i in range(6)] + [broken] * 4)])
+
+
+@case("data-template-without-tool-calls", DataError, "does not render the assistant's tool calls", *DATA_OUTPUTS)
+def _(tmp, env):
+    # The target's plain ChatML template renders content only: the tool calls would vanish.
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "agentic.jsonl", [_chat(i) for i in range(4)]
+                                         + [_tool_chat(i) for i in range(6)])])
+
+
+@case("data-gzip-truncated", DataError, "cannot be decompressed", *DATA_OUTPUTS)
+def _(tmp, env):
+    import gzip
+
+    rows = "".join(json.dumps(_chat(i)) + "\n" for i in range(300)).encode()
+    (tmp / "cut.jsonl.gz").write_bytes(gzip.compress(rows)[:500])
+    _prepare(tmp, env, [tmp / "cut.jsonl.gz"])
 
 
 @case("data-json-not-a-list", DataError, "holds a JSON dict, not a list of rows", *DATA_OUTPUTS)
@@ -385,6 +463,13 @@ def _(tmp, env):
 def _(tmp, env):
     train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
     build_vocab_mapping(train, 384, 500, tmp / "mapping.safetensors", tmp / "stats.json")
+
+
+@case("vocab-too-small-for-the-data", ConfigError, "covers only", "mapping.safetensors", "stats.json")
+def _(tmp, env):
+    rows = [{"id": str(i), "input_ids": list(range(i * 10, i * 10 + 10)), "loss_mask": [1] * 10} for i in range(30)]
+    build_vocab_mapping(tiny.write_jsonl(tmp / "train.jsonl", rows), 384, 32, tmp / "mapping.safetensors",
+                        tmp / "stats.json")
 
 
 @case("train-jsonl-duplicate-ids", ExtractionError, "sample id 'a' appears twice (lines 1 and 2)", "hs/part-0.json")

@@ -39,7 +39,7 @@ def test_shipped_configs_are_valid(schema, demo_config):
         ({"extraction": {"dtype": "int4"}}, "extraction.dtype: 'int4' is not one of"),
         ({"data": {"heldout_fraction": 0}}, "data.heldout_fraction: 0 is less than or equal to the minimum of 0"),
         ({"data": {"heldout_fraction": 1}}, "data.heldout_fraction: 1 is greater than or equal to the maximum of 1"),
-        ({"vocab": {"draft_vocab_size": 0}}, "vocab.draft_vocab_size: 0 is less than the minimum of 1"),
+        ({"vocab": {"draft_vocab_size": 1}}, "vocab.draft_vocab_size: 1 is less than the minimum of 32"),
         ({"run": "../escape"}, "run: '../escape' does not match"),
         ({"target": {"aux_layer_ids": [-1]}}, "target.aux_layer_ids.0: -1 is less than the minimum of 0"),
     ],
@@ -103,3 +103,81 @@ def test_nested_command_line_values_get_their_types(demo_config):
     demo_config["run"] = "123"  # a string field stays a string
     check_config(demo_config, SCHEMA)
     assert demo_config["run"] == "123"
+
+
+def test_settings_that_cannot_work_together_are_refused(schema, tmp_path):
+    config = _defaults(schema)
+    config["data"]["max_seq_len"] = 2048
+    config["train"]["batch_tokens"] = 1024
+    config["extraction"]["max_model_len"] = 512
+    with pytest.raises(ConfigError) as info:
+        check_semantics(config)
+    message = str(info.value)
+    assert "train.batch_tokens: 1024 is smaller than data.max_seq_len (2048)" in message
+    assert "set train.batch_tokens >= 2048" in message
+    assert "extraction.max_model_len: 512 is smaller than data.max_seq_len" in message
+    config["train"]["batch_tokens"] = 2048
+    config["extraction"]["max_model_len"] = None
+    check_semantics(config)
+    config["regenerate"].update(enabled=True, max_new_tokens=4096)
+    with pytest.raises(ConfigError, match="regenerate.max_new_tokens: 4096 is not below data.max_seq_len"):
+        check_semantics(config)
+
+
+def test_data_sources_are_checked_by_type_and_content(schema, tmp_path):
+    import gzip
+
+    config = _defaults(schema)
+    good = tmp_path / "d.jsonl.gz"
+    good.write_bytes(gzip.compress(b'{"text": "x"}\n'))
+    fake = tmp_path / "e.jsonl.gz"
+    fake.write_text('{"text": "x"}\n')
+    csv = tmp_path / "f.csv"
+    csv.write_text("a,b\n")
+    config["data"]["sources"] = [str(good)]
+    check_semantics(config)
+    config["data"]["sources"] = [str(good), str(fake), str(csv)]
+    with pytest.raises(ConfigError) as info:
+        check_semantics(config)
+    assert "e.jsonl.gz' is named .jsonl.gz but is not gzip-compressed" in str(info.value)
+    assert "f.csv' unsupported file type '.csv'" in str(info.value)
+
+
+ODD_VALUES = ["x", "", -1, 0, 1, 2.5, 10**12, None, True, [], [1, 1], {}, {"a": 1}]
+
+
+def _leaves(schema: dict, path: tuple = ()):
+    for key, sub in schema.get("properties", {}).items():
+        if sub.get("type") == "object":
+            yield from _leaves(sub, (*path, key))
+        else:
+            yield (*path, key)
+
+
+def test_fuzz_every_key_with_odd_values_gives_a_config_error_or_passes(schema, tmp_path, monkeypatch):
+    """Any value at any key: the config check passes it or raises a ConfigError, never another exception."""
+    from snakemake.utils import validate
+
+    from draftsmith.data import DataSettings
+    from draftsmith.errors import DraftsmithError
+
+    monkeypatch.chdir(tmp_path)
+    base = _defaults(schema)
+    base["data"]["sources"] = []
+    checked = 0
+    for key in _leaves(schema):
+        for value in ODD_VALUES:
+            config = copy.deepcopy(base)
+            parent = config
+            for part in key[:-1]:
+                parent = parent[part]
+            parent[key[-1]] = value
+            try:
+                check_config(config, SCHEMA, ["fuzz.yaml"])
+                validate(config, str(SCHEMA))
+                check_semantics(config, ["fuzz.yaml"])
+                DataSettings(**{k: v for k, v in config["data"].items() if k != "sources"}, seed=config["seed"])
+            except DraftsmithError:
+                pass
+            checked += 1
+    assert checked > 500

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -234,13 +235,17 @@ def write_bad_rows(path: Path) -> dict[int, str]:
         3: ("not_utf8", b'{"messages": "\xff\xfe"}'),
         4: ("missing_turns", {"messages": []}),
         5: ("empty_turn", {"messages": [{"role": "user", "content": "  "}, answer]}),
-        6: ("unknown_role", {"messages": [{"role": "tool", "content": "42"}, answer]}),
+        6: ("unknown_role", {"messages": [{"role": "robot", "content": "42"}, answer]}),
         7: ("no_assistant_turn", {"messages": [user]}),
         8: ("non_text_content", {"messages": [user, {"role": "assistant", "content": 42}]}),
         9: ("unknown_format", {"prompt": "x", "completion": "y"}),
         10: ("too_long_prompt", {"messages": [{"role": "user", "content": " ".join(QUESTIONS * 8)}, answer]}),
         11: ("template_error", {"messages": [answer, user, answer]}),
         12: ("missing_turns", {"conversations": None, "messages": None, "id": "nulls"}),
+        13: ("invalid_unicode", b'{"messages": [{"role": "user", "content": "cut \\ud800 emoji"}, '
+                                b'{"role": "assistant", "content": "ok"}]}'),
+        14: ("invalid_tool_call", {"messages": [user, {"role": "assistant", "content": None,
+                                                      "tool_calls": [{"function": {"arguments": "{}"}}]}]}),
     }
     lines = []
     for line in range(1, 31):
@@ -373,9 +378,9 @@ def test_stats_totals_agree_with_the_files(tmp_path, chatml_tokenizer):
                              max_samples=10)
     assert stats["rows_read"] == stats["rows_kept"] + sum(stats["rows_dropped"].values()) \
         + stats["rows_over_max_samples"] + stats["rows_same_prompt_as_heldout"]
-    # 21 rows survive reading, 1 is held out, 10 of the other 20 are sampled; a sampled row that
+    # 19 rows survive reading, 1 is held out, 10 of the other 18 are sampled; a sampled row that
     # then fails (too long, template) is not replaced.
-    assert stats["rows_over_max_samples"] == 10
+    assert stats["rows_over_max_samples"] == 8
     assert stats["train_rows"] == len(train) <= 10 and stats["heldout_rows"] == len(held) <= 1
     assert stats["tokens"] == sum(len(r["input_ids"]) for r in train)
     assert stats["loss_tokens"] == sum(sum(r["loss_mask"]) for r in train)
@@ -401,3 +406,251 @@ def test_a_held_out_prompt_never_appears_in_training(tmp_path, chatml_tokenizer)
             assert row["id"] not in train_ids
     assert stats["rows_same_prompt_as_heldout"] == sum(
         json.dumps(r["messages"][:1]) in held_prompts for r in rows) - len(held)
+
+
+def test_every_row_sharing_a_held_out_prompt_is_diagnosed_as_such(tmp_path, chatml_tokenizer):
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": "What is your name?"},
+                                         {"role": "assistant", "content": f"Answer number {i}."}]}
+            for i in range(6)]
+    source = tiny.write_jsonl(tmp_path / "one_prompt.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        prepare_dataset([source], chatml_tokenizer, tmp_path / "out", DataSettings())
+    assert "shares its prompt" in e.value.what and "same prompt as a held-out row: 5" in e.value.what
+    assert "distinct prompts" in e.value.fix and "max_seq_len" not in str(e.value)
+    assert not (tmp_path / "out" / "train.jsonl").exists()
+
+
+def test_nothing_left_names_the_reason_that_removed_the_rows(tmp_path, chatml_tokenizer):
+    # Rows whose only answer gets no token once truncated, with every bad row allowed.
+    long = " ".join(QUESTIONS * 8)
+    rows = [{"messages": [{"role": "user", "content": f"{QUESTIONS[0]} {i}"}, {"role": "assistant", "content": "ok"}]}
+            for i in range(2)]
+    rows += [{"messages": [{"role": "user", "content": f"{long} {i}"}, {"role": "assistant", "content": "ok"}]}
+             for i in range(6)]
+    source = tiny.write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        prepare_dataset([source], chatml_tokenizer, tmp_path / "out",
+                        DataSettings(max_seq_len=24, max_bad_fraction=1.0, heldout_fraction=0.5))
+    assert "too_long_prompt: " in e.value.what and "raise data.max_seq_len (now 24)" == e.value.fix
+
+
+# --- tools, tool calls, multi-part content ---------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def tool_conversation(i: int = 0, arguments: str | dict = '{"city": "Paris"}') -> dict:
+    """An OpenAI-style agentic row: tools, a tool call with JSON-string arguments, its result, an answer."""
+    return {"id": f"tool{i}", "tools": TOOLS, "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "text", "text": "What is the weather "},
+                                     {"type": "text", "text": f"in Paris? (#{i})"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny and 25 degrees"},
+        {"role": "assistant", "content": ANSWERS[1]}]}
+
+
+@pytest.mark.parametrize("template, call, end_of_turn", [
+    ("chatml_tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "<|im_end|>"),
+    ("llama3_tools", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "<|eot_id|>"),
+])
+def test_tool_calls_are_rendered_by_the_template_and_trained_on_tool_results_are_not(
+        template, call, end_of_turn, request, tmp_path):
+    folder = request.getfixturevalue(f"{template}_tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    (row,) = load_conversations([tiny.write_jsonl(tmp_path / "t.jsonl", [tool_conversation()])])
+    assert isinstance(row, Conversation) and row.tools == TOOLS
+    assert [m["role"] for m in row.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert row.messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+    ids, mask = tokenize_conversation(tokenizer, row.messages, row.tools)
+    # The same tokens as the template renders with tools=, as the served target sees them.
+    rendered = tokenizer.apply_chat_template(row.messages, tools=row.tools, tokenize=False)
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert masked_runs(tokenizer, ids, mask) == [call + end_of_turn, ANSWERS[1] + end_of_turn]
+    unmasked = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    for text in ["sunny and 25 degrees", "Weather of a city", "in Paris? (#0)", SYSTEM]:
+        assert text in unmasked
+
+
+def test_agentic_rows_go_through_prepare_dataset(tmp_path, chatml_tools_tokenizer):
+    rows = [tool_conversation(i) for i in range(8)]
+    rows[3] = tool_conversation(3, arguments={"city": "Paris"})  # arguments already an object
+    source = tiny.write_jsonl(tmp_path / "agentic.jsonl", rows)
+    stats, train, held = run(tmp_path, [source], chatml_tools_tokenizer)
+    assert sum(stats["rows_dropped"].values()) == 0 and stats["train_rows"] + stats["heldout_rows"] == 8
+    assert held[0]["tools"] == TOOLS
+    tokenizer = AutoTokenizer.from_pretrained(chatml_tools_tokenizer)
+    prompt = tokenizer.decode(held[0]["prompt_ids"])
+    assert "get_weather" in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_that_drops_tool_calls_makes_the_row_bad(tmp_path, chatml_tokenizer):
+    # The plain ChatML template renders content only: a tool-call turn would train on nothing.
+    source = tiny.write_jsonl(tmp_path / "agentic.jsonl", [tool_conversation(i) for i in range(4)]
+                              + message_rows(8))
+    stats, train, _ = run(tmp_path, [source], chatml_tokenizer, max_bad_fraction=0.5)
+    assert stats["rows_dropped"]["template_error"] >= 3
+    assert "does not render the assistant's tool calls" in stats["first_bad_rows"][0]["detail"]
+
+
+def test_tool_rows_in_sharegpt_and_parquet_shapes(tmp_path):
+    # ShareGPT function-calling sets name tool results "observation"; parquet stores tools as a JSON string.
+    rows = [{"conversations": [{"from": "human", "value": "Weather?"},
+                               {"from": "gpt", "value": "", "tool_calls": [
+                                   {"function": {"name": "get_weather", "arguments": "{}"}}]},
+                               {"from": "observation", "value": "sunny"},
+                               {"from": "gpt", "value": "Sunny."}], "tools": json.dumps(TOOLS)}]
+    (row,) = load_conversations([write_parquet(tmp_path / "t.parquet", rows)])
+    assert isinstance(row, Conversation) and row.tools == TOOLS
+    assert [m["role"] for m in row.messages] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_a_tokenizer_that_raises_costs_only_the_row(tmp_path, chatml_tokenizer, monkeypatch):
+    from draftsmith import data
+
+    real = data.encode_text
+
+    def rust_error(text, **kwargs):  # what the Rust tokenizer raised on a lone surrogate
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+
+    def fussy(tokenizer, text, **kwargs):
+        return real(rust_error if "(#3)" in text else tokenizer, text, **kwargs)
+
+    monkeypatch.setattr(data, "encode_text", fussy)
+    source = tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(12))
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer)
+    assert stats["rows_dropped"]["tokenizer_error"] >= 1
+    bad = [b for b in stats["first_bad_rows"] if b["reason"] == "tokenizer_error"]
+    assert bad[0]["line"] == 4 and "TextEncodeInput" in bad[0]["detail"]
+
+
+def test_a_lone_surrogate_is_a_bad_row_not_a_crash(tmp_path, chatml_tokenizer):
+    source = tmp_path / "s.jsonl"
+    lines = [json.dumps(r) for r in message_rows(10)]
+    lines[4] = '{"messages": [{"role": "user", "content": "half an emoji \\ud83d"}, {"role": "assistant", "content": "ok"}]}'
+    lines[6] = '{"text": "\\udfff"}'
+    source.write_text("\n".join(lines) + "\n")
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer)
+    assert stats["rows_dropped"]["invalid_unicode"] == 2 and stats["rows_kept"] == 8
+    assert {(b["line"], b["reason"]) for b in stats["first_bad_rows"]} == {(5, "invalid_unicode"), (7, "invalid_unicode")}
+
+
+# --- compressed sources and file modes -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["jsonl.gz", "json.gz", "parquet-zstd", "parquet-gzip", "parquet-brotli"])
+def test_compressed_sources_give_the_same_rows(kind, tmp_path, chatml_tokenizer):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = message_rows(6)
+    if kind == "jsonl.gz":
+        source = tmp_path / "d.jsonl.gz"
+        source.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    elif kind == "json.gz":
+        source = tmp_path / "d.json.gz"
+        source.write_bytes(gzip.compress(json.dumps(rows).encode()))
+    else:
+        source = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), source, compression=kind.split("-")[1])
+    _, train, held = run(tmp_path, [source], chatml_tokenizer)
+    _, ref_train, ref_held = run(tmp_path, [tiny.write_jsonl(tmp_path / "ref.jsonl", rows)], chatml_tokenizer,
+                                 name="ref")
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "source"} for r in rs]  # noqa: E731
+    assert strip(train) == strip(ref_train) and strip(held) == strip(ref_held)
+    if kind == "jsonl.gz":
+        assert {r["source"]["line"] for r in train + held} == set(range(1, 7))
+
+
+def test_a_misnamed_or_damaged_compressed_source_is_refused(tmp_path, chatml_tokenizer):
+    import gzip
+
+    plain = tiny.write_jsonl(tmp_path / "d.jsonl.gz", message_rows(3))  # not compressed
+    with pytest.raises(DataError, match="not gzip-compressed"):
+        list(load_conversations([plain]))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in message_rows(200)).encode())[:600])
+    with pytest.raises(DataError, match="cannot be decompressed") as e:
+        list(load_conversations([cut]))
+    assert "re-create" in e.value.fix
+
+
+def test_dataset_files_are_written_with_the_mode_of_other_outputs(tmp_path, chatml_tokenizer):
+    source = tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(4))
+    run(tmp_path, [source], chatml_tokenizer)
+    modes = {name: (tmp_path / "out" / name).stat().st_mode & 0o777
+             for name in ("train.jsonl", "heldout.jsonl", "stats.json")}
+    assert len(set(modes.values())) == 1 and modes["train.jsonl"] & 0o044, modes
+
+
+# --- fuzz: any row shape is a row or a bad row, never a crash ---------------------------------
+
+
+def _odd(rng: random.Random, depth: int = 0):
+    choices = [None, "", " ", "text", "\ud800", 0, -1, 2.5, True, [], {}, "[1, 2]", '{"a": 1}']
+    if depth < 3:
+        choices += [[_odd(rng, depth + 1) for _ in range(rng.randint(1, 3))],
+                    {rng.choice(["role", "content", "from", "value", "type", "text", "tool_calls", "function",
+                                 "name", "arguments", "tools", "id"]): _odd(rng, depth + 1)
+                     for _ in range(rng.randint(1, 3))}]
+    return rng.choice(choices)
+
+
+def _mutated_row(rng: random.Random) -> dict:
+    row = copy.deepcopy(tool_conversation(rng.randint(0, 99)) if rng.random() < 0.5 else {"messages": conversation(1)})
+    for _ in range(rng.randint(1, 3)):
+        target = row
+        path = rng.choice([("messages",), ("tools",), ("messages", "turn"), ("messages", "turn", "key")])
+        if path == ("messages",) or path == ("tools",):
+            row[path[0]] = _odd(rng)
+            continue
+        turns = row.get("messages")
+        if not isinstance(turns, list) or not turns:
+            continue
+        k = rng.randrange(len(turns))
+        if len(path) == 2:
+            turns[k] = _odd(rng)
+        elif isinstance(turns[k], dict):
+            target = turns[k]
+            target[rng.choice(["role", "content", "tool_calls", "tool_call_id", "name"])] = _odd(rng)
+    return row
+
+
+@pytest.mark.parametrize("template", ["chatml", "chatml_tools", "llama3_tools"])
+def test_fuzz_row_shapes_are_rows_or_bad_rows(template, tmp_path, request):
+    """Mutated rows (odd types, lone surrogates, broken tool calls) read as a usable row or a
+    counted bad row, and prepare_dataset finishes or raises a DataError, never another exception."""
+    rng = random.Random(template)
+    rows = [_mutated_row(rng) for _ in range(150)] + message_rows(10)
+    source = tmp_path / "fuzz.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    read = list(load_conversations([source]))
+    assert len(read) == len(rows) and all(isinstance(r, (Conversation, BadRow)) for r in read)
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(f"{template}_tokenizer"))
+    for row in read:
+        if isinstance(row, Conversation) and row.is_chat:
+            try:
+                tokenize_conversation(tokenizer, row.messages, row.tools)
+            except DataError:
+                pass
+    try:
+        prepare_dataset([source], request.getfixturevalue(f"{template}_tokenizer"), tmp_path / "out",
+                        DataSettings(max_seq_len=256, max_bad_fraction=1.0))
+    except DataError:
+        pass
+
+
+def test_parquet_values_json_cannot_hold_make_a_bad_row(tmp_path):
+    import datetime
+
+    call = {"type": "function", "function": {"name": "remind", "arguments": {"when": datetime.datetime(2026, 1, 1)}}}
+    row = {"messages": [{"role": "user", "content": "Remind me.", "tool_calls": None},
+                        {"role": "assistant", "content": "", "tool_calls": [call]}]}
+    (got,) = load_conversations([write_parquet(tmp_path / "t.parquet", [row])])
+    assert isinstance(got, BadRow) and got.reason == "invalid_tool_call" and "not JSON" in got.detail

@@ -366,7 +366,9 @@ def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
     assert written["baseline"]["kind"] == "ngram" and written["baseline"]["num_prompts"] == 3
     assert written["tau_by_k"]["k"] == [1, 2, 3] and written["tau_by_k"]["num_prompts"] == 2
     assert all(t >= 1 for t in written["tau_by_k"]["draft"] + written["tau_by_k"]["baseline"])
-    assert written["speedup"]["draft"] > 0 and written["device"]["type"] == "cpu"
+    # three prompts are too few to time: no speedup, and acceptance.json says why
+    assert written["speedup"]["draft"] is None and written["speedup"]["num_prompts"] == 3
+    assert "fewer than" in written["speedup"]["measured"] and written["device"]["type"] == "cpu"
     assert written["lossless"]["numerical_ties"] == []
 
 
@@ -383,6 +385,19 @@ def test_eagle3_through_a_multimodal_wrapper(tmp_path):
     drafter = Eagle3Drafter(Eagle3Draft(Eagle3DraftConfig.from_target(info, draft_vocab_size=info["vocab_size"])))
     run = backend.speculate(PROMPTS[1], drafter, 3)
     assert run.tokens == backend.greedy(PROMPTS[1]).tokens
+
+
+def test_speedup_comes_with_its_spread_once_enough_prompts_are_timed(backend):
+    from draftsmith.evaluate import MIN_TIMED_PROMPTS
+
+    prompts = [Prompt(f"q{i}", [5 + i, 6, 7, 8 + i]) for i in range(MIN_TIMED_PROMPTS)]
+    settings = EvalSettings(k=2, k_sweep=(2,), max_new_tokens=4, sweep_max_prompts=1)
+    speedup = run_evaluation(backend, prompts, DrafterSpec("target"), DrafterSpec("ngram"), settings)["speedup"]
+    assert speedup["num_prompts"] == MIN_TIMED_PROMPTS and speedup["draft"] > 0
+    spread = speedup["draft_per_prompt"]
+    assert spread["min"] <= spread["q1"] <= spread["median"] <= spread["q3"] <= spread["max"]
+    few = run_evaluation(backend, prompts[:2], DrafterSpec("target"), DrafterSpec("ngram"), settings)["speedup"]
+    assert few["draft"] is None and few["draft_per_prompt"] is None and "fewer than" in few["measured"]
 
 
 # ---------------------------------------------------------------------------------------------

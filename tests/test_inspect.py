@@ -138,6 +138,30 @@ def test_remote_code_is_refused_unless_enabled(tmp_path):
     assert "trust_remote_code: true" in str(info.value)
 
 
+def test_default_aux_layers_stay_distinct_on_small_targets():
+    from draftsmith.targets.inspect import default_aux_layer_ids
+
+    assert default_aux_layer_ids(8) == [2, 4, 5] and default_aux_layer_ids(61) == [2, 30, 58]
+    # [2, L//2, L-3] collapses below 7 layers (5 layers: [2, 2, 2]); three distinct layers instead
+    assert default_aux_layer_ids(5) == [1, 2, 4] and default_aux_layer_ids(6) == [1, 3, 5]
+    assert default_aux_layer_ids(4) == [1, 2, 3] and default_aux_layer_ids(3) == [0, 1, 2]
+    for layers in range(1, 40):
+        ids = default_aux_layer_ids(layers)
+        assert ids == sorted(set(ids)) and len(ids) == min(3, layers) and ids[-1] < layers
+
+
+def test_a_float8_checkpoint_config_passes_preflight(tmp_path, monkeypatch):
+    # FP8 checkpoints name a dtype torch cannot make the default: the meta model is built in bfloat16.
+    folder = tiny.build_llama(tmp_path / "fp8", num_layers=5)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float8_e4m3fn"
+    (folder / "config.json").write_text(json.dumps(config))
+    _no_weights_read(monkeypatch)
+    info = inspect_target(folder)
+    assert info["torch_dtype"] == "float8_e4m3fn" and info["aux_layer_ids"] == [1, 2, 4]
+
+
 def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
     from draftsmith.targets.inspect import check_fits_devices, weight_bytes
 

@@ -99,3 +99,34 @@ def test_another_vllm_reruns_preflight_when_a_stage_uses_it(tmp_path):
     plan = subprocess.run([SNAKEMAKE, "-n", "--cores", "1", "preflight", f"--configfile={configfile}"], cwd=workdir,
                           env=env, capture_output=True, text=True, timeout=300)
     assert planned_rules(plan) == set(), plan.stdout[-3000:]
+
+
+def test_compressed_and_agentic_sources_are_checked_at_preflight(chatml_tools_tokenizer, chatml_tokenizer, tmp_path):
+    import gzip
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    agentic = {"tools": tools, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
+    source = tmp_path / "agentic.jsonl.gz"
+    source.write_bytes(gzip.compress((json.dumps(agentic) + "\n").encode()))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384}
+    for name, tokenizer in (("tools", chatml_tools_tokenizer), ("plain", chatml_tokenizer)):
+        folder = shutil.copytree(tokenizer, tmp_path / name)
+        (folder / "config.json").write_text(json.dumps(config))
+        if name == "tools":
+            report = check_setup(folder, [source], tmp_path / "p.json", draft_vocab_size=64)
+            assert report["sources"][0]["sample"]["loss_tokens"] > 0
+        else:  # a template that drops tool calls is caught before any job that costs
+            with pytest.raises(DataError, match="does not render the assistant's tool calls"):
+                check_setup(folder, [source], tmp_path / "p.json", draft_vocab_size=64)
+
+
+def test_a_damaged_target_config_is_named_not_a_traceback(target, tmp_path):
+    (target / "config.json").write_text('{"model_type": "llama",')
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    with pytest.raises(TargetError, match="config.json is not valid JSON") as error:
+        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64)
+    assert error.value.fix

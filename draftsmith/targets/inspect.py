@@ -38,8 +38,15 @@ HF_STAGE_FIXES = {
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's usual low, middle and high layers: [2, L//2, L-3]."""
-    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+    """EAGLE-3's usual low, middle and high layers: [2, L//2, L-3]; on targets of fewer than 7
+    layers, where those collapse (5 layers: [2, 2, 2]), three distinct layers spread from the
+    first decoder layer to the last (as many as exist below 3 layers)."""
+    usual = [2, num_layers // 2, num_layers - 3]
+    if len(set(usual)) == 3 and usual == sorted(usual) and usual[0] < usual[-1] < num_layers:
+        return usual
+    if num_layers < 4:
+        return list(range(num_layers))
+    return sorted({round(1 + k * (num_layers - 2) / 2) for k in range(3)})
 
 
 def load_config(model_path: str | Path, trust_remote_code: bool):
@@ -124,17 +131,23 @@ def build_meta_model(config, trust_remote_code: bool) -> nn.Module:
     candidates.extend(c for c in _auto_classes(config.model_type) if c not in candidates)
     auto_map = getattr(config, "auto_map", None) or {}
     errors = []
+    # A checkpoint stored in float8 (or a dtype this torch lacks) names a dtype torch cannot make the
+    # default: the structure alone is needed here, so build it in bfloat16.
+    dtype = getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    kwargs = {} if dtype in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64) else \
+        {"dtype": torch.bfloat16}
     with torch.device("meta"):
         for cls in candidates:
             try:
-                return cls._from_config(config)
+                return cls._from_config(config, **kwargs)
             except Exception as e:  # noqa: BLE001 - try the next way of building it, report all
                 errors.append(f"{cls.__name__}: {e}")
         for auto_cls in (AutoModelForCausalLM, AutoModelForImageTextToText):
             if auto_map and auto_cls.__name__ not in auto_map and candidates:
                 continue
             try:
-                return auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+                return auto_cls.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
             except (ValueError, KeyError) as e:
                 errors.append(f"{auto_cls.__name__}: {e}")
     raise TargetError(
@@ -239,7 +252,8 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     check_weight_format(model_path)
     text_config = config.get_text_config()
     num_layers = text_config.num_hidden_layers
-    model = build_meta_model(config, trust_remote_code)
+    torch_dtype = str(getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or "float32")
+    model = build_meta_model(config, trust_remote_code)  # (may set config.dtype: read it first)
     if layers_path is None:
         layers_path = find_decoder_layers(model, num_layers)
     else:
@@ -273,7 +287,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
         "final_layer_id": num_layers,
         "captured_layer_ids": [*aux, num_layers],
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "torch_dtype": str(getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or "float32").replace("torch.", ""),
+        "torch_dtype": torch_dtype.replace("torch.", ""),
         "trust_remote_code": trust_remote_code,
         **tokenizer,
         "text_config": text_config.to_dict(),
