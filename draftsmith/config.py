@@ -10,22 +10,11 @@ import yaml
 
 from draftsmith.conversations import source_problem
 from draftsmith.errors import ConfigError
+from draftsmith.settings import allowed
 
 
 def _key(path) -> str:
     return ".".join(str(p) for p in path) or "(top level)"
-
-
-def _allowed(schema: dict) -> str:
-    if "enum" in schema:
-        return "one of " + ", ".join(map(repr, schema["enum"]))
-    bounds = []
-    for word, op in (("minimum", "≥"), ("exclusiveMinimum", ">"), ("maximum", "≤"), ("exclusiveMaximum", "<")):
-        if word in schema:
-            bounds.append(f"{op} {schema[word]}")
-    kind = schema.get("type", "")
-    kind = " or ".join(kind) if isinstance(kind, list) else kind
-    return " ".join(filter(None, [kind, " and ".join(bounds)])) or "see config/schema.yaml"
 
 
 def schema_errors(config: dict, schema: dict) -> list[str]:
@@ -35,13 +24,13 @@ def schema_errors(config: dict, schema: dict) -> list[str]:
     for error in sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path))):
         key = _key(error.absolute_path)
         if error.validator == "additionalProperties":
-            allowed = sorted(error.schema.get("properties", {}))
-            unknown = sorted(set(error.instance) - set(allowed))
+            known = sorted(error.schema.get("properties", {}))
+            unknown = sorted(set(error.instance) - set(known))
             for name in unknown:
                 where = f"{key}.{name}" if error.absolute_path else name
-                lines.append(f"{where}: unknown key; allowed here: {', '.join(allowed)}")
+                lines.append(f"{where}: unknown key; allowed here: {', '.join(known)}")
         else:
-            lines.append(f"{key}: {error.message}; allowed: {_allowed(error.schema)}")
+            lines.append(f"{key}: {error.message}; allowed: {allowed(error.schema)}")
     return lines
 
 

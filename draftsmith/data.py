@@ -23,12 +23,11 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from tqdm import tqdm
 
 from draftsmith.conversations import (  # noqa: F401 - Conversation is part of this stage's API too
-    FORMATS,
     READ_REASONS,
     BadRow,
     Conversation,
@@ -39,6 +38,7 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation is part of t
 )
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, fsync_dir, share_mode, storage_error
+from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
 
 log = logging.getLogger(__name__)
 
@@ -68,42 +68,28 @@ REASON_FIXES = {
 
 
 MAX_LOGGED_BAD_ROWS = 10
-PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
 class DataSettings:
-    """The data section of the config (plus the run's seed)."""
+    """The data section of the config (plus the run's seed); defaults and ranges from the schema."""
 
-    max_seq_len: int = 2048
-    heldout_fraction: float = 0.05
-    max_heldout: int = 256
-    max_bad_fraction: float = 0.2
-    max_samples: int | None = None
-    seed: int = 0
-    format: str = "auto"
+    max_seq_len: int = from_schema("data.max_seq_len")
+    heldout_fraction: float = from_schema("data.heldout_fraction")
+    max_heldout: int = from_schema("data.max_heldout")
+    max_bad_fraction: float = from_schema("data.max_bad_fraction")
+    max_samples: int | None = from_schema("data.max_samples")
+    seed: int = from_schema("seed")
+    format: str = from_schema("data.format")
+
+    SECTION = "data"
+    # config keys of the section that are not settings of this stage, and why
+    NOT_SETTINGS = {"sources": "the rule's inputs (prepare_dataset's sources argument)"}
 
     def __post_init__(self) -> None:
-        def bad(key: str, value: Any, want: str) -> DataError:
-            return DataError(f"data.{key} is {value!r}; it must be {want}",
-                             where=f"config key data.{key}", fix=f"set data.{key} to {want}")
-
-        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
-            raise bad("max_seq_len", self.max_seq_len, "an integer >= 2")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise bad("heldout_fraction", self.heldout_fraction, "a number strictly between 0 and 1")
-        if not isinstance(self.max_heldout, int) or self.max_heldout < 1:
-            raise bad("max_heldout", self.max_heldout, "an integer >= 1")
-        if not 0.0 <= self.max_bad_fraction <= 1.0:
-            raise bad("max_bad_fraction", self.max_bad_fraction, "a number between 0 and 1")
-        if self.max_samples is not None and (not isinstance(self.max_samples, int) or self.max_samples < 1):
-            raise bad("max_samples", self.max_samples, "null (all rows) or an integer >= 1")
-        if self.format not in FORMATS:
-            raise bad("format", self.format, "one of " + ", ".join(FORMATS))
-
-
+        check_settings(self)
 
 
 class ChatTemplateError(DataError):

@@ -44,12 +44,11 @@ from tqdm import tqdm
 
 from draftsmith.errors import EvaluationError
 from draftsmith.io import atomic_write_json
+from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
 
 log = logging.getLogger(__name__)
 
 ACCEPTANCE_FORMAT = "draftsmith.acceptance/1"
-PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
-BACKENDS = ("hf", "vllm")
 DRAFTER_KINDS = ("eagle3", "ngram", "target")
 MAX_LISTED_TIES = 100  # acceptance.json lists this many near-ties and counts them all
 # The wall-clock speedup is reported from at least this many timed prompts: one prompt's timing
@@ -66,36 +65,26 @@ TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The eval section of the config.
+    """The eval section of the config; defaults and ranges from the schema.
 
     ``sweep_max_prompts`` bounds the prompts used for the τ-against-k sweep (each k is a full
     speculative run); the configured ``k`` always runs on all ``max_prompts`` prompts.
     """
 
-    backend: str = "hf"
-    k: int = 3
-    k_sweep: tuple[int, ...] = (1, 2, 3, 4, 5)
-    max_prompts: int = 64
-    max_new_tokens: int = 128
-    ngram_max: int = 3
-    sweep_max_prompts: int | None = 16
+    backend: str = from_schema("eval.backend")
+    k: int = from_schema("eval.k")
+    k_sweep: tuple[int, ...] = from_schema("eval.k_sweep")
+    max_prompts: int = from_schema("eval.max_prompts")
+    max_new_tokens: int = from_schema("eval.max_new_tokens")
+    ngram_max: int = from_schema("eval.ngram_max")
+    sweep_max_prompts: int = from_schema("eval.sweep_max_prompts")
+
+    SECTION = "eval"
+    NOT_SETTINGS = {}  # every key of the section is a setting
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k_sweep", tuple(sorted(set(self.k_sweep))))
-
-        def bad(key: str, want: str) -> EvaluationError:
-            return EvaluationError(f"eval.{key} is {getattr(self, key)!r}; it must be {want}",
-                                   where=f"config key eval.{key}", fix=f"set eval.{key} to {want}")
-
-        if self.backend not in BACKENDS:
-            raise bad("backend", "one of " + ", ".join(BACKENDS))
-        for key in ("k", "max_prompts", "max_new_tokens", "ngram_max"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise bad(key, "an integer >= 1")
-        if any(not isinstance(k, int) or k < 1 for k in self.k_sweep):
-            raise bad("k_sweep", "a list of integers >= 1")
-        if self.sweep_max_prompts is not None and self.sweep_max_prompts < 1:
-            raise bad("sweep_max_prompts", "null (all prompts) or an integer >= 1")
+        check_settings(self)
 
 
 @dataclass(frozen=True)
@@ -632,7 +621,7 @@ def _evaluate(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Drafte
                               fix="raise data.heldout_fraction or data.max_heldout")
     started = time.perf_counter()
     sweep = sorted(set(settings.k_sweep) | {settings.k})
-    n_sweep = len(prompts) if settings.sweep_max_prompts is None else min(len(prompts), settings.sweep_max_prompts)
+    n_sweep = min(len(prompts), settings.sweep_max_prompts)
     drafters = {"draft": draft, "baseline": baseline}
     tolerance = TIE_TOLERANCE.get(backend.dtype, 1e-4)
 

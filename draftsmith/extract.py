@@ -24,12 +24,12 @@ import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from draftsmith.errors import ConfigError, DraftsmithError, ExtractionError, StorageError
+from draftsmith.errors import DraftsmithError, ExtractionError, StorageError
 from draftsmith.hidden_states import (
     STORAGE_DTYPES,
     DamagedShard,
@@ -43,63 +43,46 @@ from draftsmith.hidden_states import (
     shard_dir_name,
 )
 from draftsmith.io import read_json, storage_error
+from draftsmith.settings import BACKENDS, bad_setting, check_settings, from_schema, settings_from
 from draftsmith.targets.backends import CaptureBackend
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hf", "vllm")
-MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
-DEVICES = ("auto", "cpu", "cuda")
-
-
 @dataclass(frozen=True)
 class ExtractionSettings:
-    """How to extract; the workflow fills it from the config's ``extraction`` section."""
+    """How to extract; the workflow fills it from the config's ``extraction`` section (plus the
+    target's dtype and the device). Defaults and ranges of config keys come from the schema."""
 
-    backend: str = "hf"
-    parts: int = 1
-    tensor_parallel_size: int = 1
-    dtype: str = "bfloat16"  # storage dtype of the states
-    model_dtype: str = "auto"  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
-    device: str = "auto"
-    device_map: str | None = None  # "auto" spreads the hf backend's model over all visible GPUs
-    batch_tokens: int = 16384  # padded tokens per forward pass
-    shard_tokens: int = 262144  # tokens per shard, the unit of resume
-    max_samples: int | None = None
-    min_free_bytes: int = 1 << 30  # disk space to leave free beyond the estimate
-    max_model_len: int | None = None  # vLLM context; None = the longest sample of the part
+    backend: str = from_schema("extraction.backend")
+    parts: int = from_schema("extraction.parts")
+    tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")
+    dtype: str = from_schema("extraction.dtype")  # storage dtype of the states
+    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
+    device: str = from_schema("device")
+    device_map: str | None = from_schema("extraction.device_map")  # "auto" spreads the hf model over the GPUs
+    batch_tokens: int = from_schema("extraction.batch_tokens")  # padded tokens per forward pass
+    shard_tokens: int = from_schema("extraction.shard_tokens")  # tokens per shard, the unit of resume
+    max_samples: int | None = None  # Python-only: the first samples of each part (tests, benchmarks)
+    min_free_bytes: int = 1 << 30  # Python-only: disk space to leave free beyond the estimate
+    max_model_len: int | None = from_schema("extraction.max_model_len")  # vLLM context; None = longest sample
+
+    SECTION = "extraction"
+    NOT_SETTINGS = {}  # every key of the section is a setting
 
     def __post_init__(self) -> None:
-        choices = {"backend": BACKENDS, "dtype": tuple(STORAGE_DTYPES), "model_dtype": MODEL_DTYPES,
-                   "device": DEVICES, "device_map": (None, "auto")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"extraction.{key} is {getattr(self, key)!r}", where=f"extraction.{key}",
-                                  fix=f"use one of {', '.join(map(repr, allowed))}")
-        for key in ("parts", "tensor_parallel_size", "batch_tokens", "shard_tokens"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"extraction.{key} is {value!r}", where=f"extraction.{key}",
-                                  fix="use a positive integer")
-        for key in ("max_samples", "max_model_len"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"extraction.{key} is {value!r}", where=f"extraction.{key}",
-                                  fix="use a positive integer, or null")
-        if self.min_free_bytes < 0:
-            raise ConfigError("extraction.min_free_bytes is negative", where="extraction.min_free_bytes")
+        check_settings(self)
+        if self.dtype not in STORAGE_DTYPES:
+            raise bad_setting("extraction.dtype", self.dtype, "one of " + ", ".join(map(repr, STORAGE_DTYPES)))
+        if self.max_samples is not None and (not isinstance(self.max_samples, int) or self.max_samples < 1):
+            raise bad_setting("extraction.max_samples", self.max_samples, "a positive integer, or null")
+        if not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
+            raise bad_setting("extraction.min_free_bytes", self.min_free_bytes, "an integer >= 0")
 
     @classmethod
     def from_config(cls, extraction: dict, **overrides) -> ExtractionSettings:
         """Settings from the config's ``extraction`` section plus keys found elsewhere (model dtype, device)."""
-        known = {f.name for f in fields(cls)}
-        values = {**extraction, **overrides}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown extraction settings {unknown}", where="extraction",
-                              fix=f"use only {sorted(known)}")
-        return cls(**values)
+        return settings_from(cls, {**extraction, **overrides}, "extraction")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,14 +34,13 @@ from tqdm import tqdm
 from draftsmith.conversations import BadRow, load_conversations
 from draftsmith.errors import DataError, TargetError
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
 from draftsmith.targets.hf_backend import load_hf_model, resolve_device, resolve_model_dtype
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
-BACKENDS = ("hf", "vllm")
-PROGRESS_INTERVAL_S = 30.0  # tqdm redraws at most this often, so a rule's log stays small
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,33 +105,22 @@ def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = Fal
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """The regenerate section of the config (``enabled`` is the workflow's switch, unused here)."""
+    """The regenerate section of the config (``enabled`` is the workflow's switch, unused here);
+    defaults and ranges from the schema."""
 
-    enabled: bool = True
-    backend: str = "hf"  # hf: transformers' generate on one device; vllm: vLLM's engine, tensor parallel
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    batch_size: int = 16
-    chunk_size: int = 128  # conversations per resumable chunk
+    enabled: bool = from_schema("regenerate.enabled")
+    backend: str = from_schema("regenerate.backend")  # hf: transformers' generate; vllm: vLLM's engine
+    max_new_tokens: int = from_schema("regenerate.max_new_tokens")
+    temperature: float = from_schema("regenerate.temperature")
+    top_p: float = from_schema("regenerate.top_p")
+    batch_size: int = from_schema("regenerate.batch_size")
+    chunk_size: int = from_schema("regenerate.chunk_size")  # conversations per resumable chunk
+
+    SECTION = "regenerate"
+    NOT_SETTINGS = {}  # every key of the section is a setting
 
     def __post_init__(self) -> None:
-        def bad(key: str, want: str) -> DataError:
-            return DataError(f"regenerate.{key} is {getattr(self, key)!r}; it must be {want}",
-                             where=f"config key regenerate.{key}", fix=f"set regenerate.{key} to {want}")
-
-        if self.backend not in BACKENDS:
-            raise bad("backend", "one of " + ", ".join(BACKENDS))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "a number >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise bad("batch_size", "an integer >= 1")
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise bad("chunk_size", "an integer >= 1")
+        check_settings(self)
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,7 @@ from draftsmith.hidden_states import (
     verify_store,
 )
 from draftsmith.io import atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+from draftsmith.settings import bad_setting, check_settings, from_schema, settings_from
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +88,20 @@ class TrainSettings:
     train on the same global batches and give the same weights.
     """
 
-    ttt_steps: int = 3
-    ttt_decay: float = 0.8
-    epochs: float = 1  # a fraction trains on the first part of the last epoch's batches
-    max_steps: int | None = None
-    batch_tokens: int = 8192
+    ttt_steps: int = from_schema("train.ttt_steps")
+    ttt_decay: float = from_schema("train.ttt_decay")
+    epochs: float = from_schema("train.epochs")  # a fraction trains on the first part of the last epoch's batches
+    max_steps: int | None = from_schema("train.max_steps")
+    batch_tokens: int = from_schema("train.batch_tokens")
     grad_accum_steps: int = 1
-    lr: float = 3e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 1000
+    lr: float = from_schema("train.lr")
+    warmup_steps: int = from_schema("train.warmup_steps")
+    weight_decay: float = from_schema("train.weight_decay")
+    max_grad_norm: float = from_schema("train.max_grad_norm")
+    checkpoint_every: int = from_schema("train.checkpoint_every")
     keep_checkpoints: int = 2
-    log_every: int = 10
-    seed: int = 0
+    log_every: int = from_schema("train.log_every")
+    seed: int = from_schema("seed")
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "bfloat16", "float32"
     num_layers: int = 1
     norm_before_residual: bool = True  # speculators' trainer default (and vLLM's default reading)
@@ -109,35 +110,30 @@ class TrainSettings:
     compile: str = "auto"  # torch.compile the draft step: "auto" = on GPU
     verify_shards: bool = True
     progress: bool = True
-    device: str = "auto"  # "auto" (cuda when present), "cuda" or "cpu"
+    device: str = from_schema("device")  # "auto" (cuda when present), "cuda" or "cpu"
+
+    SECTION = "train"
+    NOT_SETTINGS = {key: "launch, not math: run_training's arguments (settings_and_launch)"
+                    for key in ("devices", "nodes", "rdzv_port")}
 
     # settings that do not change the weights: a checkpoint stays valid when they change
     NON_MATH = ("checkpoint_every", "keep_checkpoints", "log_every", "verify_shards", "progress",
                 "compile", "attention", "device")
 
+    def __post_init__(self) -> None:
+        self.check()
+
     def check(self) -> None:
-        problems = []
-        if self.ttt_steps < 1:
-            problems.append(("ttt_steps", "must be at least 1"))
-        if not 0 < self.ttt_decay <= 1:
-            problems.append(("ttt_decay", "must be in (0, 1]"))
-        if self.batch_tokens < 2:
-            problems.append(("batch_tokens", "must be at least 2"))
-        if self.epochs <= 0 or (self.max_steps is not None and self.max_steps < 1):
-            problems.append(("epochs/max_steps", "must be positive"))
-        if self.grad_accum_steps < 1 or self.checkpoint_every < 1 or self.log_every < 1:
-            problems.append(("grad_accum_steps/checkpoint_every/log_every", "must be at least 1"))
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            problems.append(("dtype", "must be auto, bfloat16 or float32"))
-        if self.attention not in ("auto", "flex", "sdpa"):
-            problems.append(("attention", "must be auto, flex or sdpa"))
-        if self.compile not in ("auto", "true", "false", True, False):
-            problems.append(("compile", "must be auto, true or false"))
-        if self.device not in ("auto", "cuda", "cpu"):
-            problems.append(("device", "must be auto, cuda or cpu"))
-        if problems:
-            key, what = problems[0]
-            raise TrainingError(f"training setting {key} {what}", where=f"train.{key}")
+        """Check the config keys against the schema, then the Python-only settings."""
+        check_settings(self)
+        choices = {"dtype": ("auto", "bfloat16", "float32"), "attention": ("auto", "flex", "sdpa"),
+                   "compile": ("auto", "true", "false", True, False)}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise bad_setting(f"train.{key}", getattr(self, key), "one of " + ", ".join(map(repr, allowed)))
+        for key in ("grad_accum_steps", "keep_checkpoints", "num_layers"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise bad_setting(f"train.{key}", getattr(self, key), "an integer >= 1")
 
     def math_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NON_MATH}
@@ -1268,13 +1264,8 @@ def _rounded(x):
 
 
 def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
-    """TrainSettings from the workflow's ``train:`` section (unknown keys are an error)."""
-    known = {f.name for f in dataclasses.fields(TrainSettings)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise TrainingError(f"unknown training settings {unknown}", where="config train:",
-                            fix=f"use only {sorted(known)}")
-    return TrainSettings(**values)
+    """TrainSettings from the workflow's ``train:`` section (unknown keys are a ConfigError)."""
+    return settings_from(TrainSettings, values, "train")
 
 
 LAUNCH_KEYS = ("devices", "nodes", "rdzv_port")  # train: keys that decide the processes, not the math

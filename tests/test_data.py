@@ -22,7 +22,7 @@ from draftsmith.data import (
     split_heldout,
     tokenize_conversation,
 )
-from draftsmith.errors import DataError
+from draftsmith.errors import ConfigError, DataError
 
 SYSTEM = "You are nice."
 QUESTIONS = ["Hello there, how are you doing today?", "What is the weather like?", "What is your name?"]
@@ -318,9 +318,9 @@ def test_a_tokenizer_without_chat_template_is_an_error_for_chat_rows_only(tmp_pa
 
 
 def test_settings_are_checked():
-    with pytest.raises(DataError, match="data.heldout_fraction"):
+    with pytest.raises(ConfigError, match="data.heldout_fraction"):
         DataSettings(heldout_fraction=0.0)
-    with pytest.raises(DataError, match="data.format"):
+    with pytest.raises(ConfigError, match="data.format"):
         DataSettings(format="csv")
 
 
