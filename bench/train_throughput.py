@@ -38,7 +38,7 @@ from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token
 from draftsmith.train import (  # noqa: E402
     PAD_MULTIPLE,
     TTTObjective,
-    _init_distributed,
+    init_distributed,
     scored_positions,
     train_step,
 )
@@ -304,7 +304,7 @@ def useful_flops_per_token(args, batches) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
-    ddp = _init_distributed(cuda)  # torchrun: one process per GPU
+    ddp = init_distributed(cuda)  # torchrun: one process per GPU
     if args.micro_per_step % ddp.world:
         raise SystemExit(f"--micro-per-step {args.micro_per_step} does not split over {ddp.world} processes")
     device = torch.device(f"cuda:{ddp.local_rank}" if cuda else "cpu")

@@ -764,7 +764,7 @@ def make_backend(target: dict, *, max_new_tokens: int, dtype: str = "auto", devi
     """Load the target described by ``target`` (target.json) into the Hugging Face decoding loop."""
     from transformers import AutoTokenizer
 
-    from draftsmith.regenerate import load_target_model, stop_token_ids
+    from draftsmith.targets.hf_model import load_target_model, stop_token_ids
 
     model = load_target_model(target["model_path"], dtype=dtype, device=device,
                               trust_remote_code=target.get("trust_remote_code", False))
@@ -796,13 +796,6 @@ class VllmRun:
     baseline_counters: Any = None
     baseline_seconds: float = 0.0
     baseline_config: dict | None = None
-
-
-def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = False) -> list[int]:
-    """``draftsmith.regenerate.stop_ids_from_files``: the stop set without loading weights."""
-    from draftsmith.regenerate import stop_ids_from_files as from_files
-
-    return from_files(model_path, trust_remote_code=trust_remote_code)
 
 
 def check_servable(target: dict, draft_dir: str | Path) -> None:
@@ -1031,7 +1024,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     A target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False`` forces it)
     is evaluated in vLLM alone (``evaluate_in_vllm``), with the vllm backend only.
     """
-    from draftsmith.targets.hf_backend import resolve_device, resolve_model_dtype
+    from draftsmith.targets.hf_model import resolve_device, resolve_model_dtype, stop_ids_from_files
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)

@@ -221,7 +221,7 @@ def _model_dtype_name(model_dtype: str, device: str) -> str:
 
 def make_backend(name: str, target_info: dict, settings: ExtractionSettings) -> CaptureBackend:
     """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers."""
-    from draftsmith.targets.hf_backend import resolve_device
+    from draftsmith.targets.hf_model import resolve_device
 
     layer_ids = target_info["captured_layer_ids"]
     trust = bool(target_info.get("trust_remote_code", False))

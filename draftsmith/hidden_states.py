@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from draftsmith.errors import ExtractionError
@@ -399,6 +400,24 @@ def read_shard(index: HiddenStateIndex, shard: ShardInfo, layer_ids: Sequence[in
         sample_ids=manifest["sample_ids"], input_ids=tokens["input_ids"].long(),
         loss_mask=tokens["loss_mask"].bool(), offsets=tokens["offsets"], states=states,
     )
+
+
+class ShardRows:
+    """Rows of one shard's layer files, memory-mapped: only the rows a reader asks for are read."""
+
+    def __init__(self, index: HiddenStateIndex, shard: ShardInfo, layer_ids: Sequence[int]) -> None:
+        tokens = read_shard(index, shard, layer_ids=[], verify=False)
+        self.input_ids = tokens.input_ids
+        self.loss_mask = tokens.loss_mask
+        root = index.root / shard.path
+        self.files = {i: safe_open(str(root / layer_file(i)), "pt") for i in layer_ids}
+        self.fp8 = index.dtype == "fp8"
+
+    def rows(self, layer_id: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stored rows and, for fp8, their per-token scales (dequantised by the reader, on its device)."""
+        f = self.files[layer_id]
+        values = f.get_slice("hidden_states")[start:stop]
+        return values, (f.get_slice("scales")[start:stop] if self.fp8 else None)
 
 
 def _read_checked(shard_dir: Path, name: str, shard: ShardInfo, verify: bool) -> bytes:

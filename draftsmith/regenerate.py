@@ -32,71 +32,21 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.conversations import BadRow, load_conversations
-from draftsmith.errors import DataError, TargetError
+from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
 from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
-from draftsmith.targets.hf_backend import load_hf_model, resolve_device, resolve_model_dtype
+from draftsmith.targets.hf_model import (
+    load_target_model,
+    resolve_device,
+    resolve_model_dtype,
+    stop_ids_from_files,
+    stop_token_ids,
+)
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading the target (shared with draftsmith.evaluate)
-
-
-def load_target_model(model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
-                      trust_remote_code: bool = False) -> torch.nn.Module:
-    """The target as extraction loads it (``load_hf_model``: the class its config names, so a
-    multimodal wrapper loads as itself), with a neutral generation config.
-
-    The model folder's generation_config.json (repetition penalty, top_k, min_length, ...) is
-    replaced so that "greedy" means argmax and "temperature t" means only that: what the draft
-    learns and what evaluation measures must be the same distribution.
-    """
-    from transformers import GenerationConfig
-
-    model = load_hf_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    text_config = model.config.get_text_config()
-    model.generation_config = GenerationConfig(
-        bos_token_id=getattr(text_config, "bos_token_id", None),
-        eos_token_id=model.generation_config.eos_token_id,
-        pad_token_id=getattr(text_config, "pad_token_id", None),
-    )
-    return model
-
-
-def stop_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    """Tokens that end an answer: the model's generation EOS ids and the tokenizer's EOS (the
-    chat template's end-of-turn token, e.g. <|im_end|>)."""
-    ids: list[int] = []
-    for source in (model.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
-        for i in source if isinstance(source, (list, tuple)) else [source]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    if not ids:
-        raise TargetError("neither the model nor its tokenizer names an end-of-sequence token, so "
-                          "generation could only stop at max_new_tokens",
-                          fix="set eos_token_id in the model's generation_config.json or the tokenizer")
-    return ids
-
-
-def stop_ids_from_files(model_path: str | Path, *, trust_remote_code: bool = False) -> list[int]:
-    """``stop_token_ids`` without loading weights: the generation config transformers would give
-    the model (its generation_config.json, else one derived from config.json) and the tokenizer's EOS."""
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    try:
-        generation = GenerationConfig.from_pretrained(model_path)
-    except OSError:
-        generation = GenerationConfig.from_model_config(
-            AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    return stop_token_ids(SimpleNamespace(generation_config=generation), tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------

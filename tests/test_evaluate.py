@@ -20,14 +20,31 @@ from draftsmith.evaluate import (
     HFBackend,
     HFTarget,
     Prompt,
-    ScriptedDrafter,
     acceptance_stats,
     check_lossless,
     evaluate_draft,
     run_evaluation,
 )
-from draftsmith.regenerate import load_target_model
+from draftsmith.targets.hf_model import load_target_model
 from draftsmith.targets.inspect import inspect_target, write_target_json
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes whatever ``script(context, k)`` returns; a drafter a test controls."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.context: list[int] = []
+
+    def begin(self, prompt_ids, first_token, aux_states) -> None:
+        self.context = [*prompt_ids, first_token]
+
+    def propose(self, k: int) -> list[int]:
+        return list(self.script(list(self.context), k))[:k]
+
+    def commit(self, new_tokens, aux_states) -> None:
+        self.context.extend(new_tokens)
+
 
 PROMPTS = [Prompt("p0", [12, 40, 7, 99, 3, 250, 17]), Prompt("p1", [5, 6, 7, 8, 9, 10]),
            Prompt("p2", [300, 301, 2, 2, 2, 44, 45, 46, 47, 48, 49])]

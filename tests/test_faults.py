@@ -551,21 +551,21 @@ def test_the_training_rule_checks_every_shard_before_training_reads_any(world, t
     import runpy
     from types import SimpleNamespace
 
-    import draftsmith.train
+    import draftsmith.train.launch
 
     store = tmp_path / "hs"
     shutil.copytree(world.hs, store)
     _corrupt(store / "part-0" / shard_dir_name(3) / "layer-8.safetensors", "flip", random.Random(0))
     started = []
-    monkeypatch.setattr(draftsmith.train, "train_draft", lambda *a, **k: started.append(1))
+    monkeypatch.setattr(draftsmith.train.launch, "train_draft", lambda *a, **k: started.append(1))
     out = tmp_path / "results"
     rule = SimpleNamespace(
         input=SimpleNamespace(index=str(store / "index.json"), mapping=str(world.mapping), target=str(world.target)),
         output=SimpleNamespace(config=str(out / "draft" / "config.json"), metrics=str(out / "metrics.jsonl"),
                                weights=str(out / "draft" / "model.safetensors"), summary=str(out / "summary.json")),
-        params=SimpleNamespace(work_dir=str(out / "state"), device="cpu", settings={"max_steps": 1},
+        params=SimpleNamespace(work_dir=str(out / "state"), device="cpu", settings={"max_steps": 1, "devices": 1},
                                get=lambda key, default=None: default),
-        log=[str(tmp_path / "train.log")])
+        resources=SimpleNamespace(gpu=0), log=[str(tmp_path / "train.log")])
     with pytest.raises(ExtractionError, match="part 0 shard 3: layer-8.safetensors fails its checksum"):
         runpy.run_path(str(Path(__file__).parents[1] / "workflow_scripts" / "train_draft.py"),
                        init_globals={"snakemake": rule})

@@ -9,13 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 import tiny
-from draftsmith.regenerate import (
-    RegenerateSettings,
-    Regenerator,
-    load_target_model,
-    regenerate_responses,
-    stop_token_ids,
-)
+from draftsmith.regenerate import RegenerateSettings, Regenerator, regenerate_responses
+from draftsmith.targets.hf_model import load_target_model, stop_token_ids
 
 CONVERSATIONS = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello there, how are you?"},

@@ -15,7 +15,7 @@ import pytest
 import tiny
 from draftsmith.config import check_config
 from draftsmith.errors import ConfigError, TargetError
-from draftsmith.targets.hf_backend import load_hf_model
+from draftsmith.targets.hf_model import load_hf_model
 from draftsmith.targets.inspect import inspect_target
 from workflow_helpers import ROOT, copy_workflow, snakemake, write_config
 

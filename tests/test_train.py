@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex, PartStore, merge_parts, read_shard
+from draftsmith.hidden_states import HiddenStateIndex, PartStore, ShardRows, merge_parts, read_shard
 from draftsmith.io import read_json
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.targets.weights import load_embedding_and_head
@@ -28,15 +28,14 @@ from draftsmith.train import (
     LossKernels,
     TrainSettings,
     TTTObjective,
-    _build_batch,
-    _Pack,
-    _plan_steps,
-    _shard_meta,
-    _ShardRows,
+    Pack,
+    build_batch,
     dequantize_batch,
     launch_command,
+    plan_steps,
     run_training,
     scored_positions,
+    shard_meta,
     train_draft,
 )
 from draftsmith.vocab import mapping_tensors
@@ -139,13 +138,13 @@ def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64):
     draft.load_target_weights(embed, head, mapping["d2t"], mapping["t2d"])
     rows = draft_rows(mapping["d2t"], mapping["t2d"], config.target_vocab_size)
     objective = TTTObjective(draft, head, rows, ttt_steps=ttt_steps, ttt_decay=0.8, attention="sdpa")
-    meta = _shard_meta(index, index.shards[0], cap, ttt_steps, verify=True)
-    shard_rows = _ShardRows(index, index.shards[0], [*index.aux_layer_ids, index.final_layer_id])
+    meta = shard_meta(index, index.shards[0], cap, ttt_steps, verify=True)
+    shard_rows = ShardRows(index, index.shards[0], [*index.aux_layer_ids, index.final_layer_id])
 
     def batch(samples):
         idx = np.asarray(samples)
-        pack = _Pack(0, tuple(samples), int(meta.lengths[idx].sum()), tuple(meta.counts[idx].sum(0)))
-        return _build_batch(pack, meta, shard_rows, index.aux_layer_ids, index.final_layer_id, index.hidden_size,
+        pack = Pack(0, tuple(samples), int(meta.lengths[idx].sum()), tuple(meta.counts[idx].sum(0)))
+        return build_batch(pack, meta, shard_rows, index.aux_layer_ids, index.final_layer_id, index.hidden_size,
                             ttt_steps, pack.tokens, torch.float32, False)
 
     return objective, meta, batch
@@ -298,8 +297,8 @@ def test_scored_positions_index_each_steps_loss_positions_and_their_teacher_rows
 
 def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs):
     index = HiddenStateIndex.load(inputs["index"])
-    metas = [_shard_meta(index, s, 50, 3, verify=False) for s in index.shards]
-    steps = _plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)
+    metas = [shard_meta(index, s, 50, 3, verify=False) for s in index.shards]
+    steps = plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)
     per_epoch = {}
     for step in steps:
         assert len(step.packs) == 2
@@ -311,7 +310,7 @@ def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs)
     assert sorted(per_epoch[0]) == everything and sorted(per_epoch[1]) == everything
     assert per_epoch[0] != per_epoch[1]  # reshuffled
     assert 0 < len(per_epoch[2]) < len(everything)  # half an epoch
-    assert _plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)[5].packs == \
+    assert plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)[5].packs == \
         steps[5].packs  # a pure function of data and seed
 
 
@@ -426,10 +425,10 @@ def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_
     script = tmp_path / "slow_train.py"
     script.write_text(textwrap.dedent(f"""
         import time
-        import draftsmith.train as T
+        import draftsmith.train.loop as loop
         from draftsmith.train import TrainSettings, train_draft
-        slow = T._lr_at
-        T._lr_at = lambda *a: (time.sleep(0.4), slow(*a))[1]  # a step takes long enough to be killed mid-run
+        slow = loop.train_step
+        loop.train_step = lambda *a, **k: (time.sleep(0.4), slow(*a, **k))[1]  # long enough to be killed mid-run
         train_draft({str(inputs["index"])!r}, {str(inputs["mapping"])!r}, {str(inputs["target"])!r},
                     {str(tmp_path / "killed" / "draft")!r}, {str(work)!r},
                     TrainSettings(**{dataclasses.asdict(settings)!r}))

@@ -34,7 +34,7 @@ K = 3
 
 def hf_backend(path, target, max_new_tokens, stop_ids=()):
     from draftsmith.evaluate import HFBackend
-    from draftsmith.regenerate import load_target_model
+    from draftsmith.targets.hf_model import load_target_model
 
     model = load_target_model(path, dtype="float32", device="cpu")
     return HFBackend(model, list(stop_ids), max_new_tokens, layers_path=target["layers_path"],
@@ -370,8 +370,8 @@ def test_stop_ids_without_loading_weights(tmp_path):
     the same ones the loaded model and tokenizer give."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from draftsmith.evaluate import stop_ids_from_files
-    from draftsmith.regenerate import load_target_model, stop_token_ids
+    from draftsmith.targets.hf_model import stop_ids_from_files
+    from draftsmith.targets.hf_model import load_target_model, stop_token_ids
 
     path = tiny.build_llama(tmp_path / "target", num_layers=1)
     loaded = lambda: stop_token_ids(load_target_model(path, dtype="float32", device="cpu"),  # noqa: E731

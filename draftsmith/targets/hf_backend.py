@@ -20,68 +20,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftsmith.errors import ExtractionError, TargetError
+from draftsmith.errors import ExtractionError
 from draftsmith.targets.backends import CaptureBackend
+from draftsmith.targets.hf_model import load_hf_model
 
 log = logging.getLogger(__name__)
 
-MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 class _StopForward(Exception):
     """Raised by the last hook that is needed, to end the forward pass early."""
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` = cuda when a GPU is visible, else cpu."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ExtractionError(f"device {device!r} was asked for, but torch sees no CUDA GPU",
-                              where="device", fix="set device: cpu, or run on a machine with a GPU")
-    return device
-
-
-def resolve_model_dtype(dtype: str, device: str) -> torch.dtype:
-    """``auto`` = bfloat16 on GPU; float32 on CPU, where bf16 matmuls are slow."""
-    if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    if dtype not in MODEL_DTYPES:
-        raise ExtractionError(f"unknown model dtype {dtype!r}", where="target.dtype",
-                              fix=f"use auto or one of {sorted(MODEL_DTYPES)}")
-    return MODEL_DTYPES[dtype]
-
-
-def load_hf_model(model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
-                  device_map: str | None = None, trust_remote_code: bool = False) -> nn.Module:
-    """Load the target with the architecture class its config names (as preflight builds it)."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from draftsmith.targets.inspect import load_config
-
-    config = load_config(model_path, trust_remote_code)
-    device = resolve_device(device)
-    # use_safetensors: never unpickle a .bin checkpoint, which can run arbitrary code.
-    kwargs = {"config": config, "dtype": resolve_model_dtype(dtype, device), "use_safetensors": True,
-              "device_map": device_map or device, "trust_remote_code": trust_remote_code}
-    classes = [getattr(transformers, a) for a in (config.architectures or []) if hasattr(transformers, a)]
-    errors = []
-    try:
-        if classes:
-            return classes[0].from_pretrained(model_path, **kwargs).eval()
-        for auto_cls in (AutoModelForCausalLM, AutoModelForImageTextToText):
-            try:
-                return auto_cls.from_pretrained(model_path, **kwargs).eval()
-            except ValueError as e:  # this auto class does not know the config; try the next one
-                errors.append(f"{auto_cls.__name__}: {e}")
-    except OSError as e:  # no (safetensors) weights, or a file missing from the folder
-        raise TargetError(f"cannot load the target's weights: {e}", where=str(model_path),
-                          fix="give a model folder with its .safetensors weights (Draftsmith never loads "
-                              "pickled .bin/.pt checkpoints; convert them with safetensors first)") from e
-    raise TargetError(f"transformers cannot load architecture {config.architectures}: " + "; ".join(errors),
-                      where=str(model_path), fix="use extraction.backend: vllm, or a transformers release "
-                                                 "that knows this architecture")
 
 
 @dataclass

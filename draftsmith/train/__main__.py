@@ -1,0 +1,5 @@
+"""``python -m draftsmith.train launch.json``: one torchrun worker process."""
+
+from draftsmith.train.launch import main
+
+main()

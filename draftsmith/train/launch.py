@@ -1,0 +1,116 @@
+"""Starting training: in this process, or as torchrun's worker processes (one node), or one torchrun
+per node of a SLURM allocation meeting at a c10d rendezvous (several nodes)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from draftsmith.errors import TrainingError
+from draftsmith.hidden_states import verify_store
+from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.train.checkpoints import FINISHED
+from draftsmith.train.loop import train_draft
+from draftsmith.train.settings import TrainSettings
+
+log = logging.getLogger(__name__)
+
+# Task layouts the batch step exports (the SLURM profile's GPU jobs get --ntasks-per-gpu): srun
+# reads them as options, and they contradict the one task per node a multi-node launch asks for.
+_SLURM_TASK_LAYOUT = ("SLURM_NTASKS_PER_GPU", "SLURM_TRES_PER_TASK", "SLURM_NTASKS", "SLURM_NPROCS",
+                      "SLURM_NTASKS_PER_NODE")
+
+
+def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int = 29400,
+                   env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command, and its environment, that start training's processes: ``devices`` on each of
+    ``nodes`` nodes.
+
+    One node: ``torchrun --standalone``. Several: inside a SLURM allocation of that many nodes
+    (the rule runs on its first node), ``srun`` starts one ``torchrun`` per node with ``devices``
+    GPUs each, and they meet at a c10d rendezvous on this host named after the job.
+    """
+    env = dict(os.environ if env is None else env)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}"]
+    module = ["-m", "draftsmith.train", str(launch)]
+    if nodes == 1:
+        return [*torchrun, "--standalone", *module], env
+    job = env.get("SLURM_JOB_ID")
+    if job is None:
+        raise TrainingError(f"train.nodes is {nodes}, but this job is not a SLURM allocation",
+                            where="train.nodes",
+                            fix="run the workflow with --profile profiles/slurm and set nodes for train_draft "
+                                "there to train.nodes (docs/cluster.md), or set train.nodes: 1")
+    allocated = int(env.get("SLURM_JOB_NUM_NODES", "1"))
+    if allocated < nodes:
+        raise TrainingError(f"train.nodes is {nodes}, but SLURM job {job} has {allocated} node(s)",
+                            where="train.nodes",
+                            fix=f"give train_draft nodes: {nodes} in the profile's set-resources "
+                                f"(or --set-resources train_draft:nodes={nodes})")
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={devices}",
+           "--kill-on-bad-exit=1", *torchrun, f"--nnodes={nodes}", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint={socket.gethostname()}:{rdzv_port}", f"--rdzv_id=draftsmith-{job}", *module]
+    return cmd, {k: v for k, v in env.items() if k not in _SLURM_TASK_LAYOUT}
+
+
+def run_training(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
+                 work_dir: str | Path, settings: TrainSettings, *, devices: int = 1, nodes: int = 1,
+                 rdzv_port: int = 29400, log_path: str | Path | None = None,
+                 metrics_out: str | Path | None = None, summary_out: str | Path | None = None) -> dict:
+    """Train in this process, or with ``devices`` processes on each of ``nodes`` nodes (DDP;
+    ``launch_command``); then copy the metrics and summary from the work dir to the rule's outputs."""
+    work_dir = Path(work_dir)
+    launch = work_dir / "launch.json"
+    if devices * nodes > 1:  # a launch that cannot work stops before the store is read
+        cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port)
+    if settings.verify_shards:
+        # Every shard's checksums before any state is read (training reads them shuffled): a damaged
+        # shard stops the run here, by name, and its part is queued for re-extraction.
+        verify_store(index_path)
+        settings = dataclasses.replace(settings, verify_shards=False)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    args = {"index_path": str(index_path), "mapping_path": str(mapping_path), "target_json": str(target_json),
+            "out_dir": str(out_dir), "work_dir": str(work_dir), "settings": dataclasses.asdict(settings)}
+    if devices * nodes > 1:
+        import subprocess
+
+        atomic_write_json(launch, args)
+        log.info("launching %s", " ".join(cmd))
+        with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
+            code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None, env=env)
+        if code != 0:
+            raise TrainingError(f"{devices * nodes} training processes ({nodes} node(s)) exited with status {code}",
+                                where=str(log_path or "stderr"),
+                                fix="read the first traceback in the log; rerunning resumes from the last checkpoint")
+        summary = read_json(work_dir / "summary.json")
+    else:
+        summary = train_draft(index_path, mapping_path, target_json, out_dir, work_dir, settings)
+    if metrics_out is not None:
+        source = work_dir / "metrics.jsonl"
+        atomic_write_bytes(metrics_out, source.read_bytes() if source.exists() else b"")
+    if summary_out is not None:
+        atomic_write_json(summary_out, summary)
+    # The draft is delivered: a later run of the rule (--forcerun, outputs removed) trains again
+    # instead of resuming at the last step and re-saving this draft.
+    atomic_write_json(work_dir / FINISHED, {"checkpoint": summary.get("checkpoint"), "steps": summary.get("steps")})
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m draftsmith.train launch.json``: one torchrun worker."""
+    from draftsmith.logs import setup_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    setup_logging(None)
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    args = read_json(argv[0])
+    settings = TrainSettings(**args.pop("settings"))
+    if int(os.environ.get("RANK", "0")) != 0:
+        settings = dataclasses.replace(settings, progress=False)
+    train_draft(settings=settings, **args)

@@ -1,0 +1,84 @@
+"""TrainSettings: the train section of the config, and the launch keys split from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from draftsmith.settings import bad_setting, check_settings, from_schema, settings_from
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything that decides the trained weights, plus how often to log and checkpoint.
+
+    ``batch_tokens`` is per micro-batch (one process, one forward); an optimizer step takes
+    ``world_size * grad_accum_steps`` micro-batches, so 2 processes x 1 and 1 process x 2
+    train on the same global batches and give the same weights.
+    """
+
+    ttt_steps: int = from_schema("train.ttt_steps")
+    ttt_decay: float = from_schema("train.ttt_decay")
+    epochs: float = from_schema("train.epochs")  # a fraction trains on the first part of the last epoch's batches
+    max_steps: int | None = from_schema("train.max_steps")
+    batch_tokens: int = from_schema("train.batch_tokens")
+    grad_accum_steps: int = 1
+    lr: float = from_schema("train.lr")
+    warmup_steps: int = from_schema("train.warmup_steps")
+    weight_decay: float = from_schema("train.weight_decay")
+    max_grad_norm: float = from_schema("train.max_grad_norm")
+    checkpoint_every: int = from_schema("train.checkpoint_every")
+    keep_checkpoints: int = 2
+    log_every: int = from_schema("train.log_every")
+    seed: int = from_schema("seed")
+    dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "bfloat16", "float32"
+    num_layers: int = 1
+    norm_before_residual: bool = True  # speculators' trainer default (and vLLM's default reading)
+    train_lm_head: bool = False  # speculators 0.9 keeps lm_head frozen at the target's rows
+    attention: str = "auto"  # "flex" (GPU default) or "sdpa" (CPU default): same math
+    compile: str = "auto"  # torch.compile the draft step: "auto" = on GPU
+    verify_shards: bool = True
+    progress: bool = True
+    device: str = from_schema("device")  # "auto" (cuda when present), "cuda" or "cpu"
+
+    SECTION = "train"
+    NOT_SETTINGS = {key: "launch, not math: run_training's arguments (settings_and_launch)"
+                    for key in ("devices", "nodes", "rdzv_port")}
+
+    # settings that do not change the weights: a checkpoint stays valid when they change
+    NON_MATH = ("checkpoint_every", "keep_checkpoints", "log_every", "verify_shards", "progress",
+                "compile", "attention", "device")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Check the config keys against the schema, then the Python-only settings."""
+        check_settings(self)
+        choices = {"dtype": ("auto", "bfloat16", "float32"), "attention": ("auto", "flex", "sdpa"),
+                   "compile": ("auto", "true", "false", True, False)}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise bad_setting(f"train.{key}", getattr(self, key), "one of " + ", ".join(map(repr, allowed)))
+        for key in ("grad_accum_steps", "keep_checkpoints", "num_layers"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise bad_setting(f"train.{key}", getattr(self, key), "an integer >= 1")
+
+    def math_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NON_MATH}
+
+
+def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
+    """TrainSettings from the workflow's ``train:`` section (unknown keys are a ConfigError)."""
+    return settings_from(TrainSettings, values, "train")
+
+
+LAUNCH_KEYS = ("devices", "nodes", "rdzv_port")  # train: keys that decide the processes, not the math
+
+
+def settings_and_launch(values: dict[str, Any]) -> tuple[TrainSettings, dict[str, int]]:
+    """The workflow's ``train:`` section split into TrainSettings and ``run_training``'s launch
+    arguments (``devices``, ``nodes``, ``rdzv_port``)."""
+    launch = {k: values[k] for k in LAUNCH_KEYS if k in values}
+    return settings_from_dict({k: v for k, v in values.items() if k not in launch}), launch
