@@ -43,7 +43,7 @@ from draftsmith.hidden_states import (
     shard_dir_name,
 )
 from draftsmith.io import read_json, storage_error
-from draftsmith.settings import BACKENDS, bad_setting, check_settings, from_schema, settings_from
+from draftsmith.settings import BACKENDS, PROGRESS_INTERVAL_S, bad_setting, check_settings, from_schema, settings_from
 from draftsmith.targets.backends import CaptureBackend
 from draftsmith.targets.identity import weights_identity
 
@@ -462,7 +462,7 @@ class _Progress:
         # On a terminal the bar redraws each second; into a cluster job's log file, twice a minute.
         self.bar = tqdm(total=self.tokens_total, initial=self.tokens_total - todo_tokens, unit="tok",
                         unit_scale=True, desc=f"part {part}", dynamic_ncols=True,
-                        mininterval=1 if sys.stderr.isatty() else 30)
+                        mininterval=1 if sys.stderr.isatty() else PROGRESS_INTERVAL_S)
         self.started = self.logged = time.perf_counter()
 
     @property

@@ -16,17 +16,11 @@ import json
 import struct
 from pathlib import Path
 
+from draftsmith.io import sha256_file
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SMALL_FILE_BYTES = 64 << 20  # files up to this size (not weights) are hashed whole
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _safetensors_header(path: Path) -> str | None:
@@ -56,7 +50,7 @@ def weights_identity(model_path: str | Path) -> dict:
             if path.suffix == ".safetensors":
                 entry["header"] = _safetensors_header(path)
         elif stat.st_size <= SMALL_FILE_BYTES:
-            entry = {"sha256": _sha256(path)}
+            entry = {"sha256": sha256_file(path)}
         else:
             entry = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         files[name] = entry

@@ -1,0 +1,104 @@
+"""What an evaluation is asked (EvalSettings, the drafters, the prompts) and what decoding returns
+(Generation)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import EvaluationError
+from draftsmith.settings import check_settings, from_schema
+
+log = logging.getLogger(__name__)
+
+
+DRAFTER_KINDS = ("eagle3", "ngram", "target")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The eval section of the config; defaults and ranges from the schema.
+
+    ``sweep_max_prompts`` bounds the prompts used for the τ-against-k sweep (each k is a full
+    speculative run); the configured ``k`` always runs on all ``max_prompts`` prompts.
+    """
+
+    backend: str = from_schema("eval.backend")
+    k: int = from_schema("eval.k")
+    k_sweep: tuple[int, ...] = from_schema("eval.k_sweep")
+    max_prompts: int = from_schema("eval.max_prompts")
+    max_new_tokens: int = from_schema("eval.max_new_tokens")
+    ngram_max: int = from_schema("eval.ngram_max")
+    sweep_max_prompts: int = from_schema("eval.sweep_max_prompts")
+
+    SECTION = "eval"
+    NOT_SETTINGS = {}  # every key of the section is a setting
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k_sweep", tuple(sorted(set(self.k_sweep))))
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Which drafter to run, in terms any backend can translate (a vLLM backend would map these to
+    its speculative_config; the hf backend builds a ``Drafter``)."""
+
+    kind: str  # eagle3 | ngram | target
+    path: str | None = None  # eagle3: the speculators-format draft folder
+    ngram_max: int = 3  # ngram: longest suffix matched
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTER_KINDS:
+            raise EvaluationError(f"unknown drafter kind {self.kind!r}", fix="use one of " + ", ".join(DRAFTER_KINDS))
+
+    def describe(self) -> dict:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "eagle3":
+            out["path"] = self.path
+        if self.kind == "ngram":
+            out["ngram_max"] = self.ngram_max
+        return out
+
+
+@dataclass
+class Generation:
+    """One prompt decoded once: the generated tokens (stop token included), wall-clock seconds,
+    and for speculative runs the accepted and proposed draft tokens of each verification step."""
+
+    prompt_id: str
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+
+
+def read_prompts(heldout_jsonl: str | Path, max_prompts: int | None = None) -> list[Prompt]:
+    """The first ``max_prompts`` held-out prompts (heldout.jsonl rows: id, prompt_ids, ...)."""
+    prompts = []
+    with open(heldout_jsonl, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt = Prompt(str(row["id"]), [int(t) for t in row["prompt_ids"]])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise EvaluationError(f"not a held-out prompt row: {type(e).__name__}: {e}",
+                                      where=f"{heldout_jsonl}:{lineno}", fix="rerun prepare_dataset") from e
+            if not prompt.ids:
+                raise EvaluationError("the held-out prompt is empty", where=f"{heldout_jsonl}:{lineno}",
+                                      fix="rerun prepare_dataset")
+            prompts.append(prompt)
+            if max_prompts is not None and len(prompts) >= max_prompts:
+                break
+    return prompts

@@ -1,0 +1,83 @@
+"""Stage evaluate_draft: the held-out prompts, the backend, the runs, acceptance.json."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from draftsmith.errors import EvaluationError
+from draftsmith.evaluate.decoding import make_backend
+from draftsmith.evaluate.metrics import evaluate_runs
+from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, read_prompts
+from draftsmith.evaluate.vllm import evaluate_in_vllm, serve_with_vllm, vllm_outside_runs, vllm_section
+from draftsmith.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
+                   out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
+                   device: str = "auto", tensor_parallel_size: int = 1, engine_kwargs: dict | None = None,
+                   hf_reference: bool | None = None) -> dict:
+    """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
+    prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
+
+    With ``settings.backend == "vllm"`` the draft is first served by vLLM (``serve_with_vllm``; the
+    engines are closed before the HF loop loads the target, so the two never share the GPU), its
+    outputs are checked against the HF loop's greedy decoding, and vLLM's figures go under ``vllm``.
+    A target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False`` forces it)
+    is evaluated in vLLM alone (``evaluate_in_vllm``), with the vllm backend only.
+    """
+    from draftsmith.targets.hf_model import resolve_device, resolve_model_dtype, stop_ids_from_files
+    from draftsmith.targets.inspect import read_target_json
+
+    target = read_target_json(target_json)
+    if hf_reference is None:
+        hf_reference = True
+        if resolve_device(device).startswith("cuda") and "num_parameters" in target:
+            from draftsmith.errors import TargetError
+            from draftsmith.targets.inspect import check_fits_devices
+
+            try:  # before any engine starts
+                check_fits_devices(target, {"evaluate_draft": 1}, dtype=dtype)
+            except TargetError as e:
+                if settings.backend != "vllm":
+                    raise
+                log.warning("the HF loop cannot hold the target (%s): evaluating in vLLM alone", e.what)
+                hf_reference = False
+    prompts = read_prompts(heldout_jsonl, settings.max_prompts)
+    served = None
+    if settings.backend == "vllm":
+        if not prompts:
+            raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
+                                  fix="raise data.heldout_fraction or data.max_heldout")
+        vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
+        stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
+        if not hf_reference:
+            result = evaluate_in_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
+                                      tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
+            result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
+            atomic_write_json(out_path, result)
+            return result
+        served = serve_with_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
+                                 tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
+    elif not hf_reference:
+        raise EvaluationError("evaluation without the HF loop needs eval.backend: vllm", where="eval.backend",
+                              fix="set eval.backend: vllm")
+    backend = make_backend(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
+    if served is not None and served.stop_ids != backend.stop_ids:
+        raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "
+                              f"{backend.stop_ids}", where=f"{target['model_path']}/generation_config.json",
+                              fix="set eos_token_id in the model's generation_config.json")
+    log.info("evaluating %s on %d held-out prompts with %s (%s backend, %s)", draft_dir, len(prompts),
+             target["model_path"], settings.backend, backend.describe_device())
+    outside = vllm_outside_runs(served, settings.k) if served is not None else []
+    result, runs = evaluate_runs(backend, prompts, DrafterSpec("eagle3", path=str(draft_dir)),
+                             DrafterSpec("ngram", ngram_max=settings.ngram_max), settings, outside)
+    if served is not None:
+        result["vllm"] = vllm_section(served, result, runs["draft", settings.k], settings.k)
+        log.info("vLLM serving the draft: τ = %.3f (HF loop %.3f) at k=%d; speedup over vLLM greedy %.2fx",
+                 result["vllm"]["tau"] or 0, result["tau"] or 0, settings.k, result["vllm"]["speedup"] or 0)
+    result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
+    atomic_write_json(out_path, result)
+    return result

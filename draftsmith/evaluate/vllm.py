@@ -1,0 +1,251 @@
+"""The vLLM path: the target served with the draft as vLLM's EAGLE-3 speculator, its outputs checked
+against the HF loop, and a target too large for the HF loop evaluated in vLLM alone."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import EvaluationError
+from draftsmith.evaluate.decoding import check_draft_fits
+from draftsmith.evaluate.metrics import ACCEPTANCE_FORMAT, MAX_LISTED_TIES, OutsideRun, acceptance_stats
+from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VllmRun:
+    """The held-out prompts decoded by vLLM: the target alone, and with the draft as its EAGLE-3
+    speculator (``Generation.seconds`` is 0: vLLM decodes all prompts in one batched call)."""
+
+    greedy: list[Generation]
+    draft: list[Generation]
+    counters: Any  # draftsmith.targets.vllm_serving.SpecCounters over the timed speculative call
+    greedy_seconds: float
+    draft_seconds: float
+    speculative_config: dict
+    engine: dict
+    stop_ids: list[int]
+    # The n-gram baseline as vLLM's own speculator (``serve_with_vllm(..., baseline=True)``).
+    baseline: list[Generation] | None = None
+    baseline_counters: Any = None
+    baseline_seconds: float = 0.0
+    baseline_config: dict | None = None
+
+
+def check_servable(target: dict, draft_dir: str | Path) -> None:
+    """Refuse, before any engine starts, a target vLLM cannot run with an EAGLE-3 speculator or a
+    draft trained for another target."""
+    from safetensors import safe_open
+
+    from draftsmith.draft import Eagle3DraftConfig
+    from draftsmith.io import read_json
+
+    support = (target.get("backends") or {}).get("vllm") or {}
+    if support and not support.get("supported"):
+        raise EvaluationError(f"vLLM cannot run this target: {support.get('reason')}",
+                              where="target.json backends.vllm", fix=support.get("fix") or "set eval.backend: hf")
+    if support and support.get("supports_eagle3") is False:
+        raise EvaluationError(f"vLLM's {support.get('vllm_class')} does not implement SupportsEagle3, so it cannot "
+                              "hand aux hidden states to an EAGLE-3 speculator", where="target.json backends.vllm",
+                              fix="set eval.backend: hf")
+    draft_dir = Path(draft_dir)
+    config = Eagle3DraftConfig.from_speculators(read_json(draft_dir / "config.json"))
+    check_draft_fits(config, draft_dir, target["aux_layer_ids"], int(target["vocab_size"]))
+    with safe_open(draft_dir / "model.safetensors", "pt") as f:
+        has_d2t = "d2t" in f.keys()
+    if has_d2t and config.draft_vocab_size == config.target_vocab_size:
+        # vllm/model_executor/models/llama_eagle3.py creates draft_id_to_target_id only for a draft
+        # vocabulary smaller than the target's, and then fails on the checkpoint's d2t.
+        raise EvaluationError("the draft covers the target's whole vocabulary but its checkpoint holds d2t; vLLM 0.32 "
+                              "refuses d2t when draft_vocab_size equals the target's vocabulary",
+                              where=f"{draft_dir}/model.safetensors",
+                              fix="save the draft without d2t/t2d, or use a draft_vocab_size below the target's")
+
+
+def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
+                    dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, baseline: bool = False,
+                    **engine_kwargs) -> VllmRun:
+    """Decode ``prompts`` in vLLM twice, greedily: the target alone, then with the draft in
+    ``draft_dir`` as its EAGLE-3 speculator at ``settings.k`` (and with ``baseline``, a third time
+    with vLLM's n-gram speculator); one engine at a time, each closed before the next starts. Each
+    timed call follows a short warm-up request."""
+    from draftsmith.targets.vllm_serving import VllmServer
+
+    check_servable(target, draft_dir)
+    longest = max(len(p.ids) for p in prompts)
+    limit = (target.get("text_config") or {}).get("max_position_embeddings")
+    max_model_len = longest + settings.max_new_tokens + settings.k + 1
+    if limit and max_model_len > limit:
+        if longest + settings.max_new_tokens > limit:
+            raise EvaluationError(f"a held-out prompt of {longest} tokens plus eval.max_new_tokens "
+                                  f"({settings.max_new_tokens}) exceeds the target's {limit} positions",
+                                  where="eval.max_new_tokens", fix="lower eval.max_new_tokens or data.max_length")
+        max_model_len = limit
+    common = dict(dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                  trust_remote_code=bool(target.get("trust_remote_code", False)), **engine_kwargs)
+    ids = [p.ids for p in prompts]
+    decode = dict(max_new_tokens=settings.max_new_tokens, stop_ids=list(stop_ids))
+    warm = dict(max_new_tokens=min(4, settings.max_new_tokens), stop_ids=list(stop_ids))
+
+    def generations(served) -> list[Generation]:
+        return [Generation(p.id, s.tokens, 0.0, s.accepted, s.proposed) for p, s in zip(prompts, served)]
+
+    with VllmServer(target["model_path"], **common) as server:
+        server.generate(ids[:1], **warm)
+        greedy, _, greedy_seconds = server.generate(ids, **decode)
+    speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
+    with VllmServer(target["model_path"], speculative_config=speculative_config, **common) as server:
+        server.generate(ids[:1], **warm)
+        served, counters, draft_seconds = server.generate(ids, **decode)
+        engine = {**server.settings, "load_seconds": round(server.load_seconds, 2)}
+    log.info("vLLM: %d prompts in %.2fs greedy, %.2fs with the draft (k=%d); τ = %s by vLLM's counters",
+             len(prompts), greedy_seconds, draft_seconds, settings.k, counters.summary()["tau"])
+    run = VllmRun(generations(greedy), generations(served), counters, greedy_seconds, draft_seconds,
+                  speculative_config, engine, list(stop_ids))
+    if baseline:
+        # vLLM's prompt-lookup proposer: the longest suffix of up to ngram_max tokens found earlier.
+        run.baseline_config = {"method": "ngram", "num_speculative_tokens": settings.k,
+                               "prompt_lookup_max": settings.ngram_max, "prompt_lookup_min": 1}
+        with VllmServer(target["model_path"], speculative_config=run.baseline_config, **common) as server:
+            server.generate(ids[:1], **warm)
+            found, run.baseline_counters, run.baseline_seconds = server.generate(ids, **decode)
+        run.baseline = generations(found)
+    return run
+
+
+def vllm_outside_runs(run: VllmRun, k: int) -> list[OutsideRun]:
+    """Both vLLM runs as checks against the HF loop's greedy references: the target alone first,
+    so that a difference of the engines is reported as such and not blamed on speculation."""
+    return [
+        OutsideRun("target served by vLLM", run.greedy,
+                   problem="vLLM's greedy decoding of the target differs from Hugging Face's beyond rounding",
+                   candidate_name="vLLM", k=None,
+                   fix="vLLM runs another implementation of the target: check the dtype, that vLLM supports "
+                       "this architecture as is (docs/adapting-a-target.md), and the checkpoint's quantization"),
+        OutsideRun(f"draft served by vLLM (k={k})", run.draft,
+                   problem=f"vLLM with the draft as its EAGLE-3 speculator (k={k}) is not lossless",
+                   candidate_name="vLLM's speculative decoding", k=k,
+                   fix="vLLM without the draft matched greedy decoding, so speculation changed the output: "
+                       "a vLLM bug, or a near-tie beyond the dtype's tolerance; rerun in float32 to tell them apart"),
+    ]
+
+
+def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k: int) -> dict:
+    """acceptance.json's ``vllm`` entry: vLLM's own acceptance figures (its counters), the same
+    figures from its per-request step records, the HF loop's beside them, and vLLM's timing."""
+    from draftsmith.targets.vllm_serving import vllm_version
+
+    recorded = all(g.accepted is not None for g in run.draft)
+    if recorded:
+        per_request = acceptance_stats(run.draft, k)
+        for key in ("seconds", "tokens_per_second"):
+            per_request.pop(key)
+        per_request["source"] = ("each output's spec_decode_metrics (per_request_spec_decode_metrics=detailed), "
+                                 "counted as the HF loop counts")
+        same = sum(a.accepted == b.accepted and a.proposed == b.proposed for a, b in zip(run.draft, hf_runs))
+    else:
+        per_request = {"tau": None, "source": f"vLLM {vllm_version()} keeps no per-request record of its steps"}
+        same = None
+    tokens = sum(len(g.tokens) for g in run.draft)
+    greedy_tokens = sum(len(g.tokens) for g in run.greedy)
+    return {
+        "version": vllm_version(),
+        "speculative_config": run.speculative_config,
+        **run.counters.summary(),
+        "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over the timed call",
+        "per_request": per_request,
+        "hf_loop": {"tau": hf_result["tau"], "acceptance_rate_by_position": hf_result["acceptance_rate_by_position"],
+                    "num_steps": hf_result["num_steps"]},
+        "prompts_with_the_hf_loops_steps": same,
+        "prompts_identical_to_vllm_greedy": sum(a.tokens == b.tokens for a, b in zip(run.draft, run.greedy)),
+        "num_prompts": len(run.draft),
+        "num_tokens": tokens,
+        "seconds": round(run.draft_seconds, 4),
+        "tokens_per_second": tokens / run.draft_seconds if run.draft_seconds else None,
+        "greedy_seconds": round(run.greedy_seconds, 4),
+        "greedy_tokens_per_second": greedy_tokens / run.greedy_seconds if run.greedy_seconds else None,
+        "speedup": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+        "measured": "wall clock of one vLLM generate call over all prompts (batched), after a warm-up request",
+        "lossless": "both vLLM runs were checked token for token against the HF loop's greedy decoding "
+                    "(near-ties counted in lossless.numerical_ties)",
+        "baseline": "the n-gram baseline runs in the HF loop only",
+        "engine": run.engine,
+    }
+
+
+def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
+                     dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, **engine_kwargs) -> dict:
+    """acceptance.json's figures from vLLM alone, for a target the HF loop cannot hold: vLLM's greedy
+    decoding of the target is the reference, the draft (EAGLE-3) and the n-gram baseline run as
+    vLLM's speculators at ``settings.k``, and the figures come from vLLM's per-request step records.
+
+    What the HF loop adds and this lacks: without the target's logits a near-tie cannot be told
+    from a bug, so outputs that differ from the reference are counted and listed
+    (``lossless.differing``) and logged, not raised; and τ is measured at ``k`` only (each k of the
+    sweep would be another load of the target).
+    """
+    started = time.perf_counter()
+    run = serve_with_vllm(target, draft_dir, prompts, settings, dtype=dtype, stop_ids=stop_ids,
+                          tensor_parallel_size=tensor_parallel_size, baseline=True, **engine_kwargs)
+    k = settings.k
+    figures = {}
+    for name, generations, seconds in (("draft", run.draft, run.draft_seconds),
+                                       ("baseline", run.baseline, run.baseline_seconds)):
+        stats = acceptance_stats(generations, k)
+        stats["seconds"] = round(seconds, 4)
+        stats["tokens_per_second"] = stats["num_tokens"] / seconds if seconds else None
+        figures[name] = stats
+    differing = []
+    for name, generations in (("draft", run.draft), ("baseline", run.baseline)):
+        for reference, candidate in zip(run.greedy, generations):
+            if candidate.tokens != reference.tokens:
+                at = next((j for j, (a, b) in enumerate(zip(reference.tokens, candidate.tokens)) if a != b),
+                          min(len(reference.tokens), len(candidate.tokens)))
+                differing.append({"prompt_id": reference.prompt_id, "drafter": name, "position": at})
+    if differing:
+        log.warning("%d speculative output(s) differ from vLLM's greedy decoding (first: %s); without the "
+                    "target's logits a near-tie cannot be told from a bug (lossless.differing)",
+                    len(differing), differing[0])
+    draft, baseline = figures["draft"], figures["baseline"]
+    result = {
+        "format": ACCEPTANCE_FORMAT,
+        **draft,
+        "draft": DrafterSpec("eagle3", path=str(draft_dir)).describe(),
+        "baseline": {**DrafterSpec("ngram", ngram_max=settings.ngram_max).describe(), **baseline,
+                     "speculative_config": run.baseline_config},
+        "tau_by_k": {"k": [k], "draft": [draft["tau"]], "baseline": [baseline["tau"]],
+                     "num_prompts": len(prompts), "prompts": "all"},
+        "speedup": {
+            "draft": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+            "baseline": run.greedy_seconds / run.baseline_seconds if run.baseline_seconds else None,
+            "greedy_seconds": round(run.greedy_seconds, 4),
+            "draft_seconds": round(run.draft_seconds, 4),
+            "baseline_seconds": round(run.baseline_seconds, 4),
+            "num_prompts": len(prompts),
+            "measured": "wall clock of one vLLM generate call over all prompts (batched), after a warm-up request",
+        },
+        "lossless": {
+            "reference": "vLLM's greedy decoding of the target (the HF loop cannot hold it)",
+            "checked_generations": len(run.draft) + len(run.baseline),
+            "checked_tokens": sum(len(g.tokens) for g in (*run.draft, *run.baseline)),
+            "differing_count": len(differing),
+            "differing": differing[:MAX_LISTED_TIES],
+        },
+        "reference": "vllm",
+        "vllm": {"speculative_config": run.speculative_config, **run.counters.summary(),
+                 "baseline": run.baseline_counters.summary(),
+                 "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over each timed call"},
+        "device": {"backend": "vllm", **run.engine},
+        "settings": {**asdict(settings), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log.info("τ = %.3f (draft) vs %.3f (n-gram baseline) at k=%d over %d prompts in vLLM alone; speedup over "
+             "vLLM's greedy decoding %.2fx (draft), %.2fx (baseline)", draft["tau"] or 0, baseline["tau"] or 0,
+             k, len(prompts), result["speedup"]["draft"] or 0, result["speedup"]["baseline"] or 0)
+    return result
