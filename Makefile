@@ -3,7 +3,7 @@ CORES ?= all
 
 PYTHON ?= .venv/bin/python
 
-.PHONY: setup setup-cuda lock-cuda demo test test-gpu report
+.PHONY: setup setup-cuda lock-cuda demo lint test test-gpu report
 setup:
 	@scripts/setup.sh
 
@@ -21,7 +21,14 @@ demo: setup
 	.venv/bin/snakemake --cores $(CORES) --resources gpu=0
 	.venv/bin/snakemake --cores $(CORES) --report results/demo/report.html
 
-test: setup
+# The linters CI runs before the tests: ruff for the Python files (rules in pyproject.toml), snakefmt
+# and Snakemake's own --lint for the Snakefile and rules/.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/snakefmt --check Snakefile rules/
+	.venv/bin/snakemake --lint --cores 1
+
+test: setup lint
 	.venv/bin/python -m pytest -q tests
 
 # The GPU lane (docs/gpu-tests.md): on a CUDA machine, in the environment that holds vLLM's CUDA build

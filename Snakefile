@@ -14,7 +14,6 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-
 # Short messages naming each bad key first; then Snakemake fills in the schema's defaults.
 check_config(config, f"{workflow.basedir}/config/schema.yaml", workflow.configfiles)
 validate(config, "config/schema.yaml")
@@ -30,9 +29,9 @@ include: "rules/evaluation.smk"
 
 
 rule all:
+    default_target: True
     input:
         final_outputs(),
-    default_target: True
 
 
 rule preflight:

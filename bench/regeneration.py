@@ -63,8 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_target(folder: Path, shape: str, dtype: str, device: str) -> Path:
     """A random-init Llama of ``shape`` with a small ChatML tokenizer, saved once."""
-    import tiny
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    import tiny
 
     if (folder / "config.json").is_file():
         return folder

@@ -226,7 +226,7 @@ def bench_draftsmith(args, device, data, ddp):
         return loss.detach()
 
     result = timed(run_step, args, device)
-    del model, objective, draft, optimizer, prepared, plans
+    model = objective = draft = optimizer = prepared = plans = None  # frees the memory before the next run
     return result
 
 
@@ -285,7 +285,7 @@ def bench_speculators(args, device, data):
         return loss.detach()
 
     result = timed(run_step, args, device)
-    del model, optimizer, prepared
+    model = optimizer = prepared = None  # frees the memory before the next run
     return result
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any
 
 from draftsmith.errors import DataError
 
@@ -89,7 +90,7 @@ class BadRow:
         return row_where(self.file, self.line)
 
 
-Row = Union[Conversation, BadRow]
+Row = Conversation | BadRow
 
 
 def row_where(file: str, line: int) -> str:

@@ -13,20 +13,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import heapq
-import itertools
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from tqdm import tqdm
 
+from draftsmith.chat import (
+    ChatRenderer,
+    ChatTemplateError,
+    TokenizerFailure,
+    encode_text,
+    load_tokenizer,
+    require_chat_template,
+)
 from draftsmith.conversations import (  # noqa: F401 - Conversation is part of this stage's API too
     READ_REASONS,
     BadRow,
@@ -69,7 +75,6 @@ REASON_FIXES = {
 
 MAX_LOGGED_BAD_ROWS = 10
 
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
@@ -92,28 +97,12 @@ class DataSettings:
         check_settings(self)
 
 
-class ChatTemplateError(DataError):
-    """The chat template cannot render a conversation, or its assistant tokens cannot be located."""
-
-
-class TokenizerFailure(DataError):
-    """The tokenizer raised on a row's text: the row is bad, not the stage."""
-
-
-def encode_text(tokenizer, text: str, **kwargs):
-    """``tokenizer(text, **kwargs)``, with whatever the tokenizer raises as a TokenizerFailure."""
-    try:
-        return tokenizer(text, **kwargs)
-    except Exception as e:  # Rust tokenizers raise TypeError, ValueError, pyo3 panics, ...
-        raise TokenizerFailure(f"the tokenizer failed: {type(e).__name__}: {e}") from e
-
-
 # ---------------------------------------------------------------------------------------------
 # Held-out split
 
 
 def _score(seed: int, salt: str, row_id: str) -> int:
-    digest = hashlib.sha256(f"{seed}\0{salt}\0{row_id}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{salt}\0{row_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
 
 
@@ -140,159 +129,6 @@ def _sample_train(ids: Iterable[str], settings: DataSettings) -> set[str] | None
     if settings.max_samples is None:
         return None
     return set(heapq.nsmallest(settings.max_samples, ids, key=lambda i: _score(settings.seed, "train", i)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Chat template and loss mask
-
-
-def load_tokenizer(tokenizer_dir: str | Path):
-    """The target's fast tokenizer; character offsets (for the loss mask) need a fast one."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError, TypeError) as e:
-        raise DataError(f"cannot load a tokenizer from {tokenizer_dir}: {e}", where=str(tokenizer_dir),
-                        fix="point at the target model folder; it must hold tokenizer.json and "
-                            "tokenizer_config.json") from e
-    if not tokenizer.is_fast:
-        raise DataError(f"the tokenizer in {tokenizer_dir} is a slow (Python) tokenizer",
-                        where=str(tokenizer_dir),
-                        fix="add tokenizer.json (save the tokenizer once with AutoTokenizer(..., "
-                            "use_fast=True).save_pretrained) so character offsets are available")
-    return tokenizer
-
-
-def require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:
-    if not tokenizer.chat_template:
-        raise DataError(f"the tokenizer in {tokenizer_dir} has no chat template, so conversations "
-                        "cannot be rendered", where=str(tokenizer_dir),
-                        fix="use the tokenizer of an instruct/chat model, add a chat_template.jinja to "
-                            "the folder, or give plain text rows with data.format: text")
-
-
-class _ChatRenderer:
-    """Renders conversations with one tokenizer's chat template and finds the assistant's tokens."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-        special |= {t for t in (tokenizer.eos_token,) if t}
-        self.special = re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True)))) \
-            if special else None
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-        self.has_generation_tags = bool(_GENERATION_TAG.search(template))
-
-    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # Jinja templates raise anything (raise_exception, TypeError, ...)
-            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
-        if not isinstance(text, str):
-            raise ChatTemplateError(f"the chat template rendered a {type(text).__name__}, not text")
-        return text
-
-    def encode(self, text: str, offsets: bool = False):
-        return encode_text(self.tokenizer, text, add_special_tokens=False, return_offsets_mapping=offsets)
-
-    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the turns before the first assistant turn, ending in the generation prompt."""
-        first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
-        if first == 0:
-            raise ChatTemplateError("the conversation opens with an assistant turn: there is no prompt")
-        return list(self.encode(self.render(messages[:first], True, tools))["input_ids"])
-
-    def tokenize(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-        full = self.render(messages, add_generation_prompt=False, tools=tools)
-        spans = self._assistant_spans(messages, full, tools)
-        if spans is None:
-            return self._generation_tag_mask(messages, tools)
-        enc = self.encode(full, offsets=True)
-        marked = [0] * (len(full) + 1)  # marked[c] = 1 when character c is the assistant's
-        for start, end in spans:
-            marked[start:end] = [1] * (end - start)
-        covered = list(itertools.accumulate(marked, initial=0))  # covered[c] = sum(marked[:c])
-        mask = []
-        for s, e in enc["offset_mapping"]:
-            # A token straddling a span's edge (possible with some merges) counts as the assistant's.
-            mask.append(1 if (covered[e] - covered[s] if e > s else marked[s]) else 0)
-        return list(enc["input_ids"]), mask
-
-    def _assistant_spans(self, messages: list[dict], full: str,
-                         tools: list[dict] | None = None) -> list[tuple[int, int]] | None:
-        """Character spans of the assistant's text (and tool calls) plus the token that closes its
-        turn, or None when a prefix of the conversation does not render as a prefix of the whole."""
-        spans = []
-        for k, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            if k == 0:
-                raise ChatTemplateError("the conversation opens with an assistant turn: the chat template "
-                                        "cannot render the prompt before it")
-            before = self.render(messages[:k], add_generation_prompt=True, tools=tools)
-            through = self.render(messages[: k + 1], add_generation_prompt=False, tools=tools)
-            if not full.startswith(before):
-                return None
-            # Some templates close the last message differently (e.g. append an EOS): the turn
-            # ends where the rendering up to it stops agreeing with the whole.
-            end = len(os.path.commonprefix([through, full]))
-            turn = full[len(before):end]
-            content = message["content"]
-            found = turn.find(content)
-            if found < 0 and content.strip():
-                content = content.strip()  # templates that trim content (Llama 3)
-                found = turn.find(content)
-            if found < 0:
-                return None  # the template rewrote this turn
-            cut = found + len(content)
-            if message.get("tool_calls"):
-                # The calls follow the text in the template's own syntax (<tool_call>{json}</tool_call>,
-                # a bare JSON object, ...): the assistant wrote all of the turn up to and including
-                # its closing special token.
-                missing = [c["function"]["name"] for c in message["tool_calls"]
-                           if c["function"]["name"] not in turn[cut:]]
-                if missing:
-                    raise ChatTemplateError(
-                        f"the chat template does not render the assistant's tool calls ({', '.join(missing)} "
-                        "is missing from the rendered turn)",
-                        fix="use the target's tool-use chat template (one that renders message.tool_calls), "
-                            "or drop the tool-call rows")
-                closes = list(self.special.finditer(turn, cut)) if self.special else []
-                spans.append((len(before) + found, len(before) + (closes[-1].end() if closes else len(turn))))
-                continue
-            spans.append((len(before), len(before) + cut))
-            # The turn's end-of-turn token (<|im_end|>, <|eot_id|>, </s>): the assistant emits it.
-            close = self.special.search(turn, cut) if self.special else None
-            if close:
-                spans.append((len(before) + close.start(), len(before) + close.end()))
-        return spans
-
-    def _generation_tag_mask(self, messages: list[dict],
-                             tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-        if not self.has_generation_tags:
-            raise ChatTemplateError(
-                "the chat template rewrites earlier turns (rendering the turns before an assistant "
-                "turn is not a prefix of rendering the whole conversation), so the assistant's "
-                "tokens cannot be located, and it has no {% generation %} markers to say where they are",
-                fix="wrap assistant content (and the end-of-turn token) in {% generation %}..."
-                    "{% endgeneration %} in the chat template, or use a template that renders a "
-                    "conversation prefix by prefix")
-        try:
-            out = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                                     return_assistant_tokens_mask=True)
-        except Exception as e:  # as in render(): a template can raise anything
-            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
-        return list(out["input_ids"]), list(out["assistant_masks"])
-
-
-def tokenize_conversation(tokenizer, messages: list[dict],
-                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation (with ``tools`` given to the chat template) and its
-    loss mask: 1 exactly on the tokens each assistant turn wrote (its text, its tool calls and its
-    end-of-turn token); 0 on headers, system, user text, tool definitions and tool results."""
-    return _ChatRenderer(tokenizer).tokenize(messages, tools)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +196,7 @@ class _PendingFile:
         except OSError as e:
             raise storage_error(self.path, e) from e
 
-    def __enter__(self) -> "_PendingFile":
+    def __enter__(self) -> _PendingFile:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -430,14 +266,64 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     out_dir = Path(out_dir)
     names = ", ".join(map(str, sources))
     tally = _Tally(settings.max_bad_fraction)
+    max_line = max_line_bytes(settings.max_seq_len)
+    ids, chat_ids, prompt_keys, duplicates = _read_ids(sources, settings, max_line, tally, names)
 
-    # Pass 1: read and normalize every row; collect the kept ids, made unique in row order.
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if chat_ids:
+        require_chat_template(tokenizer, tokenizer_dir)
+    renderer = ChatRenderer(tokenizer)
+
+    heldout_ids = split_heldout(chat_ids, settings)
+    if len(heldout_ids) == len(ids):
+        raise DataError(f"only {len(ids)} usable row in {names}: nothing is left to train on once a "
+                        "prompt is held out for evaluation", where=names,
+                        fix="give at least two usable rows")
+    # A train row that shares its prompt with a held-out one would leak the evaluation prompt
+    # (and, after regeneration, the very answer) into training.
+    heldout_prompts = {prompt_keys[i] for i in heldout_ids}
+    leaked = {i for i, key in prompt_keys.items() if key in heldout_prompts and i not in heldout_ids}
+    del chat_ids, prompt_keys
+    sampled = _sample_train((i for i in ids if i not in heldout_ids and i not in leaked), settings)
+    counts = _write_rows(sources, out_dir, settings, max_line, tally, names, ids, heldout_ids, leaked, sampled,
+                         renderer, tokenizer)
+
+    stats = {
+        "rows_read": tally.read,
+        "rows_kept": counts["train_rows"] + counts["heldout_rows"],
+        "rows_dropped": {reason: tally.dropped[reason] for reason in REASONS},
+        "rows_over_max_samples": counts["over_max_samples"],
+        "rows_same_prompt_as_heldout": counts["same_prompt_as_heldout"],
+        "train_rows": counts["train_rows"],
+        "heldout_rows": counts["heldout_rows"],
+        "tokens": counts["tokens"],
+        "loss_tokens": counts["loss_tokens"],
+        "heldout_prompt_tokens": counts["heldout_prompt_tokens"],
+        "truncated_rows": counts["truncated_rows"],
+        "duplicate_ids": duplicates,
+        "first_bad_rows": tally.first_bad,
+        "max_seq_len": settings.max_seq_len,
+        "sources": [str(s) for s in sources],
+        "tokenizer": str(tokenizer_dir),
+        "settings": asdict(settings),
+    }
+    atomic_write_json(out_dir / "stats.json", stats)
+    log.info("prepared %d train rows (%d tokens, %d with loss) and %d held-out prompts from %d rows; "
+             "dropped %s", stats["train_rows"], stats["tokens"], stats["loss_tokens"],
+             stats["heldout_rows"], stats["rows_read"],
+             {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
+    return stats
+
+
+def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: int, tally: _Tally,
+              names: str) -> tuple[list[str], list[str], dict[str, bytes], int]:
+    """Pass 1: read and normalize every row; return the kept ids (made unique, in row order), the
+    ids of the chat rows, each chat row's prompt key, and how many ids were repeated."""
     ids: list[str] = []
     chat_ids: list[str] = []
     prompt_keys: dict[str, bytes] = {}
     seen: set[str] = set()
     duplicates = 0
-    max_line = max_line_bytes(settings.max_seq_len)
     for row in _progress(load_conversations(sources, settings.format, max_line), "reading rows"):
         tally.read += 1
         if isinstance(row, BadRow):
@@ -464,25 +350,14 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
                               if tally.first_bad else names,
                         fix=REASON_FIXES.get(top, "check data.format and the rows' fields (see the bad rows in "
                                                   "the log)"))
+    return ids, chat_ids, prompt_keys, duplicates
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    if chat_ids:
-        require_chat_template(tokenizer, tokenizer_dir)
-    renderer = _ChatRenderer(tokenizer)
 
-    heldout_ids = split_heldout(chat_ids, settings)
-    if len(heldout_ids) == len(ids):
-        raise DataError(f"only {len(ids)} usable row in {names}: nothing is left to train on once a "
-                        "prompt is held out for evaluation", where=names,
-                        fix="give at least two usable rows")
-    # A train row that shares its prompt with a held-out one would leak the evaluation prompt
-    # (and, after regeneration, the very answer) into training.
-    heldout_prompts = {prompt_keys[i] for i in heldout_ids}
-    leaked = {i for i, key in prompt_keys.items() if key in heldout_prompts and i not in heldout_ids}
-    del chat_ids, prompt_keys
-    sampled = _sample_train((i for i in ids if i not in heldout_ids and i not in leaked), settings)
-
-    # Pass 2: tokenize the rows kept and stream them out.
+def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSettings, max_line: int, tally: _Tally,
+                names: str, ids: list[str], heldout_ids: set[str], leaked: set[str], sampled: set[str] | None,
+                renderer: ChatRenderer, tokenizer) -> Counter:
+    """Pass 2: tokenize the rows kept and stream them to train.jsonl and heldout.jsonl (renamed into
+    place only when complete); return the counts for stats.json."""
     counts = Counter()
     with _PendingFile(out_dir / "train.jsonl") as train, _PendingFile(out_dir / "heldout.jsonl") as held:
         kept = iter(ids)
@@ -547,29 +422,4 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
             raise _nothing_to_train(names, tally, counts, len(heldout_ids), settings)
         train.commit()
         held.commit()
-
-    stats = {
-        "rows_read": tally.read,
-        "rows_kept": counts["train_rows"] + counts["heldout_rows"],
-        "rows_dropped": {reason: tally.dropped[reason] for reason in REASONS},
-        "rows_over_max_samples": counts["over_max_samples"],
-        "rows_same_prompt_as_heldout": counts["same_prompt_as_heldout"],
-        "train_rows": counts["train_rows"],
-        "heldout_rows": counts["heldout_rows"],
-        "tokens": counts["tokens"],
-        "loss_tokens": counts["loss_tokens"],
-        "heldout_prompt_tokens": counts["heldout_prompt_tokens"],
-        "truncated_rows": counts["truncated_rows"],
-        "duplicate_ids": duplicates,
-        "first_bad_rows": tally.first_bad,
-        "max_seq_len": settings.max_seq_len,
-        "sources": [str(s) for s in sources],
-        "tokenizer": str(tokenizer_dir),
-        "settings": asdict(settings),
-    }
-    atomic_write_json(out_dir / "stats.json", stats)
-    log.info("prepared %d train rows (%d tokens, %d with loss) and %d held-out prompts from %d rows; "
-             "dropped %s", stats["train_rows"], stats["tokens"], stats["loss_tokens"],
-             stats["heldout_rows"], stats["rows_read"],
-             {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
-    return stats
+    return counts

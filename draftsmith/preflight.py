@@ -48,7 +48,7 @@ def check_source(source: str | Path, format: str, max_seq_len: int,
 
 def check_sample(tokenizer, row: Conversation, max_seq_len: int) -> dict:
     """Render and tokenise one row as prepare_dataset will; a DataError when no token gets loss."""
-    from draftsmith.data import ChatTemplateError, TokenizerFailure, encode_text, tokenize_conversation
+    from draftsmith.chat import ChatTemplateError, TokenizerFailure, encode_text, tokenize_conversation
 
     try:
         if row.is_chat:
@@ -121,7 +121,7 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
                 engines: Mapping[str, str] | None = None) -> dict:
     """Run every weight-free check against the target folder ``model_path`` and write what was
     checked to ``out_path``."""
-    from draftsmith.data import load_tokenizer, require_chat_template
+    from draftsmith.chat import load_tokenizer, require_chat_template
 
     raw = read_config(model_path)
     text = text_config(raw)

@@ -52,17 +52,21 @@ def target_tokenizer_files():
     new chat template reruns preflight and what follows; the demo's appear with its config."""
     if config["target"]["source"] == "demo":
         return []
-    patterns = ("tokenizer*", "chat_template*", "special_tokens_map.json", "vocab.*", "merges.txt",
-                "*.tiktoken", "tiktoken.model")
+    patterns = (
+        "tokenizer*",
+        "chat_template*",
+        "special_tokens_map.json",
+        "vocab.*",
+        "merges.txt",
+        "*.tiktoken",
+        "tiktoken.model",
+    )
     folder = Path(target_dir())
     return sorted({str(p) for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
 
 
 def dataset_sources():
-    return [
-        f"{RESULTS}/data/demo_conversations.jsonl" if s == "demo" else s
-        for s in config["data"]["sources"]
-    ]
+    return [f"{RESULTS}/data/demo_conversations.jsonl" if s == "demo" else s for s in config["data"]["sources"]]
 
 
 def conversations_for_training():

@@ -4,13 +4,13 @@
 rule demo_dataset:
     output:
         data=f"{RESULTS}/data/demo_conversations.jsonl",
-    params:
-        code=script_code("demo_dataset"),
     log:
         f"{LOGS}/demo_dataset.log",
-    threads: 1
     conda:
         "../envs/trainer.yaml"
+    threads: 1
+    params:
+        code=script_code("demo_dataset"),
     script:
         "../workflow_scripts/demo_dataset.py"
 
@@ -21,6 +21,15 @@ rule regenerate_responses:
         target=rules.inspect_target.output.target,
     output:
         data=f"{RESULTS}/data/regenerated.jsonl",
+    log:
+        f"{LOGS}/regenerate_responses.log",
+    benchmark:
+        f"{BENCH}/regenerate_responses.tsv"
+    conda:
+        "../envs/vllm.yaml"
+    threads: job_threads(regenerate_gpus())
+    resources:
+        gpu=regenerate_gpus(),
     params:
         settings=config["regenerate"],
         dtype=config["target"]["dtype"],
@@ -30,15 +39,6 @@ rule regenerate_responses:
         work_dir=f"{RESULTS}/data/regenerate_work",
         weights=target_weights(),
         code=script_code("regenerate_responses"),
-    log:
-        f"{LOGS}/regenerate_responses.log",
-    benchmark:
-        f"{BENCH}/regenerate_responses.tsv"
-    threads: job_threads(regenerate_gpus())
-    resources:
-        gpu=regenerate_gpus(),
-    conda:
-        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/regenerate_responses.py"
 
@@ -55,16 +55,16 @@ rule prepare_dataset:
             caption="../report/data_stats.rst",
             category="2. Data",
         ),
-    params:
-        settings=data_settings(),
-        code=script_code("prepare_dataset"),
     log:
         f"{LOGS}/prepare_dataset.log",
     benchmark:
         f"{BENCH}/prepare_dataset.tsv"
-    threads: 1
     conda:
         "../envs/trainer.yaml"
+    threads: 1
+    params:
+        settings=data_settings(),
+        code=script_code("prepare_dataset"),
     script:
         "../workflow_scripts/prepare_dataset.py"
 
@@ -80,13 +80,13 @@ rule build_vocab_mapping:
             caption="../report/vocab_stats.rst",
             category="2. Data",
         ),
+    log:
+        f"{LOGS}/build_vocab_mapping.log",
+    conda:
+        "../envs/trainer.yaml"
+    threads: 1
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         code=script_code("build_vocab_mapping"),
-    log:
-        f"{LOGS}/build_vocab_mapping.log",
-    threads: 1
-    conda:
-        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/build_vocab_mapping.py"

@@ -13,6 +13,15 @@ rule evaluate_draft:
             caption="../report/acceptance.rst",
             category="4. Evaluation",
         ),
+    log:
+        f"{LOGS}/evaluate_draft.log",
+    benchmark:
+        f"{BENCH}/evaluate_draft.tsv"
+    conda:
+        "../envs/vllm.yaml"
+    threads: job_threads(eval_gpus())
+    resources:
+        gpu=eval_gpus(),
     params:
         settings=config["eval"],
         dtype=config["target"]["dtype"],
@@ -20,15 +29,6 @@ rule evaluate_draft:
         tensor_parallel_size=eval_tensor_parallel_size(),
         weights=target_weights(),
         code=script_code("evaluate_draft"),
-    log:
-        f"{LOGS}/evaluate_draft.log",
-    benchmark:
-        f"{BENCH}/evaluate_draft.tsv"
-    threads: job_threads(eval_gpus())
-    resources:
-        gpu=eval_gpus(),
-    conda:
-        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/evaluate_draft.py"
 
@@ -47,12 +47,12 @@ rule plot_evaluation:
             caption="../report/tau_vs_k.rst",
             category="4. Evaluation",
         ),
-    params:
-        code=script_code("plot_evaluation"),
     log:
         f"{LOGS}/plot_evaluation.log",
-    threads: 1
     conda:
         "../envs/trainer.yaml"
+    threads: 1
+    params:
+        code=script_code("plot_evaluation"),
     script:
         "../workflow_scripts/plot_evaluation.py"

@@ -8,6 +8,15 @@ rule extract_hidden_states:
         target=rules.inspect_target.output.target,
     output:
         manifest=f"{RESULTS}/hidden_states/part-{{part}}.json",
+    log:
+        f"{LOGS}/extract_hidden_states/part-{{part}}.log",
+    benchmark:
+        f"{BENCH}/extract_hidden_states/part-{{part}}.tsv"
+    conda:
+        "../envs/vllm.yaml"
+    threads: job_threads(target_gpus())
+    resources:
+        gpu=target_gpus(),
     params:
         parts=config["extraction"]["parts"],
         settings=config["extraction"],
@@ -15,32 +24,21 @@ rule extract_hidden_states:
         device=config["device"],
         weights=target_weights(),
         code=script_code("extract_hidden_states"),
-    log:
-        f"{LOGS}/extract_hidden_states/part-{{part}}.log",
-    benchmark:
-        f"{BENCH}/extract_hidden_states/part-{{part}}.tsv"
-    threads: job_threads(target_gpus())
-    resources:
-        gpu=target_gpus(),
-    conda:
-        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/extract_hidden_states.py"
 
 
 rule merge_hidden_states:
     input:
-        manifests=expand(
-            f"{RESULTS}/hidden_states/part-{{part}}.json", part=extraction_parts()
-        ),
+        manifests=expand(f"{RESULTS}/hidden_states/part-{{part}}.json", part=extraction_parts()),
     output:
         index=f"{RESULTS}/hidden_states/index.json",
-    params:
-        code=script_code("merge_hidden_states"),
     log:
         f"{LOGS}/merge_hidden_states.log",
-    threads: 1
     conda:
         "../envs/trainer.yaml"
+    threads: 1
+    params:
+        code=script_code("merge_hidden_states"),
     script:
         "../workflow_scripts/merge_hidden_states.py"

@@ -5,17 +5,17 @@
 rule demo_target:
     output:
         config=f"{RESULTS}/target/config.json",
-    params:
-        folder=lambda wildcards, output: os.path.dirname(output.config),
-        cache_dir="resources",
-        code=script_code("demo_target"),
     log:
         f"{LOGS}/demo_target.log",
     benchmark:
         f"{BENCH}/demo_target.tsv"
-    threads: 2
     conda:
         "../envs/trainer.yaml"
+    threads: 2
+    params:
+        folder=lambda wildcards, output: os.path.dirname(output.config),
+        cache_dir="resources",
+        code=script_code("demo_target"),
     script:
         "../workflow_scripts/demo_target.py"
 
@@ -30,19 +30,19 @@ rule inspect_target:
             caption="../report/target.rst",
             category="1. Target",
         ),
+    log:
+        f"{LOGS}/inspect_target.log",
+    conda:
+        # the environment of the rules that run the target, so target.json records the support
+        # of the vLLM they will run, not of the trainer's (which has none)
+        "../envs/vllm.yaml"
+    threads: 1
     params:
         aux_layer_ids=config["target"]["aux_layer_ids"],
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],
         engine=engine_version(),
         code=script_code("inspect_target"),
-    log:
-        f"{LOGS}/inspect_target.log",
-    threads: 1
-    conda:
-        # the environment of the rules that run the target, so target.json records the support
-        # of the vLLM they will run, not of the trainer's (which has none)
-        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/inspect_target.py"
 
@@ -54,6 +54,14 @@ rule check_setup:
         sources=dataset_sources(),
     output:
         report=f"{RESULTS}/preflight.json",
+    log:
+        f"{LOGS}/check_setup.log",
+    # seconds, and it stops a run whose data or engine would fail hours later: first when it can
+    priority: 50
+    conda:
+        # where the engine rules run: the vLLM it checks is the one they will use
+        "../envs/vllm.yaml"
+    threads: 1
     params:
         format=preflight_format(),
         max_seq_len=config["data"]["max_seq_len"],
@@ -61,13 +69,5 @@ rule check_setup:
         engines=target_engines(),
         engine=engine_version(),
         code=script_code("check_setup"),
-    log:
-        f"{LOGS}/check_setup.log",
-    # seconds, and it stops a run whose data or engine would fail hours later: first when it can
-    priority: 50
-    threads: 1
-    conda:
-        # where the engine rules run: the vLLM it checks is the one they will use
-        "../envs/vllm.yaml"
     script:
         "../workflow_scripts/check_setup.py"

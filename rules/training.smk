@@ -16,20 +16,20 @@ rule train_draft:
             caption="../report/train_summary.rst",
             category="3. Training",
         ),
+    log:
+        f"{LOGS}/train_draft.log",
+    benchmark:
+        f"{BENCH}/train_draft.tsv"
+    conda:
+        "../envs/trainer.yaml"
+    threads: job_threads(train_gpus())
+    resources:
+        gpu=train_gpus(),
     params:
         work_dir=f"{RESULTS}/train/state",
         settings={**config["train"], "seed": config["seed"]},
         device=config["device"],
         code=script_code("train_draft"),
-    log:
-        f"{LOGS}/train_draft.log",
-    benchmark:
-        f"{BENCH}/train_draft.tsv"
-    threads: job_threads(train_gpus())
-    resources:
-        gpu=train_gpus(),
-    conda:
-        "../envs/trainer.yaml"
     script:
         "../workflow_scripts/train_draft.py"
 
@@ -43,12 +43,12 @@ rule plot_training:
             caption="../report/training_curves.rst",
             category="3. Training",
         ),
-    params:
-        code=script_code("plot_training"),
     log:
         f"{LOGS}/plot_training.log",
-    threads: 1
     conda:
         "../envs/trainer.yaml"
+    threads: 1
+    params:
+        code=script_code("plot_training"),
     script:
         "../workflow_scripts/plot_training.py"

@@ -11,16 +11,15 @@ import pytest
 from transformers import AutoTokenizer
 
 import tiny
+from draftsmith.chat import ChatTemplateError, tokenize_conversation
 from draftsmith.data import (
     REASONS,
     BadRow,
-    ChatTemplateError,
     Conversation,
     DataSettings,
     load_conversations,
     prepare_dataset,
     split_heldout,
-    tokenize_conversation,
 )
 from draftsmith.errors import ConfigError, DataError
 
@@ -510,9 +509,9 @@ def test_tool_rows_in_sharegpt_and_parquet_shapes(tmp_path):
 
 
 def test_a_tokenizer_that_raises_costs_only_the_row(tmp_path, chatml_tokenizer, monkeypatch):
-    from draftsmith import data
+    from draftsmith import chat
 
-    real = data.encode_text
+    real = chat.encode_text
 
     def rust_error(text, **kwargs):  # what the Rust tokenizer raised on a lone surrogate
         raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
@@ -520,7 +519,7 @@ def test_a_tokenizer_that_raises_costs_only_the_row(tmp_path, chatml_tokenizer, 
     def fussy(tokenizer, text, **kwargs):
         return real(rust_error if "(#3)" in text else tokenizer, text, **kwargs)
 
-    monkeypatch.setattr(data, "encode_text", fussy)
+    monkeypatch.setattr(chat, "encode_text", fussy)
     source = tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(12))
     stats, train, held = run(tmp_path, [source], chatml_tokenizer)
     assert stats["rows_dropped"]["tokenizer_error"] >= 1

@@ -307,9 +307,9 @@ def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path):
     from safetensors.torch import load_file
     from speculators import SpeculatorModel
     from speculators.losses import resolve_loss_config
-    from torch.nn.attention.flex_attention import create_mask
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
+    from torch.nn.attention.flex_attention import create_mask
 
     from tests.tiny import build_llama
 

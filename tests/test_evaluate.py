@@ -430,9 +430,9 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
     acceptance.json keeps the shape the plots read."""
     pytest.importorskip("vllm")
     from test_vllm_serving import LLAMA_PROMPTS, random_draft
-    from tiny_vllm import ENGINE_ARGS
 
     from draftsmith.plots import plot_evaluation
+    from tiny_vllm import ENGINE_ARGS
 
     model = tiny.build_llama(tmp_path / "target", num_layers=4)
     write_target_json(tmp_path / "target.json", model)

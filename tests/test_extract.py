@@ -21,7 +21,8 @@ import tiny
 from draftsmith import extract
 from draftsmith.errors import ConfigError, ExtractionError
 from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_batches, plan_part
-from draftsmith.hidden_states import HiddenStateIndex, quantize_fp8, read_shard, write_safetensors
+from draftsmith.hidden_states import HiddenStateIndex, quantize_fp8, read_shard
+from draftsmith.safetensors_stream import write_safetensors
 from draftsmith.targets.backends import CaptureBackend
 from draftsmith.targets.hf_backend import HfBackend
 from draftsmith.targets.inspect import write_target_json

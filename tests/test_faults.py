@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 import draftsmith.extract as extract
-import draftsmith.hidden_states as hs
+import draftsmith.safetensors_stream as stream
 import tiny
 from draftsmith.errors import ExtractionError, StorageError
 from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
@@ -118,7 +118,7 @@ def world(tmp_path_factory) -> World:
         counter = _CountFsync(mp)
         opened = []
         real_open = builtins.open
-        mp.setattr(hs, "open", lambda path, mode="r", *a, **k: (opened.append(path), real_open(path, mode, *a, **k))[1],
+        mp.setattr(stream, "open", lambda path, mode="r", *a, **k: (opened.append(path), real_open(path, mode, *a, **k))[1],
                    raising=False)
         extract_part(train, root / "target.json", 0, settings, root / "hs", root / "hs" / "part-0.json")
         extract_fsyncs = counter.calls
@@ -209,7 +209,7 @@ def _arm(kind: str, k: int, events: Path | None, slow: bool) -> None:
             f = builtins.open(path, mode, *args, **kwargs)
             return _HalfWriter(f) if "w" in mode and tick() else f
 
-        hs.open = partial_open  # SafetensorsStream's open; nothing else in hidden_states opens for writing
+        stream.open = partial_open  # SafetensorsStream's open; nothing else there opens for writing
     real_capture = extract.capture_batches
     log = open(events, "a", buffering=1) if events else None  # noqa: SIM115 - lives as long as the child
 
@@ -613,7 +613,7 @@ class _FullDisk:
                 return self.f.write(data)
 
         real_open, real_fdopen = builtins.open, os.fdopen
-        monkeypatch.setattr(hs, "open", lambda p, mode="r", *a, **k: File(real_open(p, mode, *a, **k))
+        monkeypatch.setattr(stream, "open", lambda p, mode="r", *a, **k: File(real_open(p, mode, *a, **k))
                             if "w" in mode else real_open(p, mode, *a, **k), raising=False)
         monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: File(real_fdopen(fd, mode, *a, **k))
                             if "w" in mode else real_fdopen(fd, mode, *a, **k))

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, LlavaForConditionalGeneration
 
-import tiny
 from draftsmith.errors import ExtractionError
 from draftsmith.targets.hf_backend import HfBackend
 from draftsmith.targets.inspect import inspect_target

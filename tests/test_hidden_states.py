@@ -5,7 +5,13 @@ import torch
 
 from draftsmith.errors import ExtractionError
 from draftsmith.hidden_states import (
-    HiddenStateIndex, PartStore, bytes_per_token, dequantize_fp8, merge_parts, quantize_fp8, read_shard,
+    HiddenStateIndex,
+    PartStore,
+    bytes_per_token,
+    dequantize_fp8,
+    merge_parts,
+    quantize_fp8,
+    read_shard,
 )
 
 

@@ -121,7 +121,7 @@ def test_a_patched_trainer_trains_again_from_step_0_and_nothing_upstream_runs(fi
     before = load_file(results / "draft" / "model.safetensors")
     upstream = _mtimes(results / "hidden_states") | _mtimes(results / "data")
     # the math: a draft initialised from another seed learns other weights
-    _patch(workdir, "draftsmith.train", "\n_SEED_SHIFT = 1\n_seed = torch.manual_seed\n"
+    _patch(workdir, "draftsmith.train.loop", "\n_SEED_SHIFT = 1\n_seed = torch.manual_seed\n"
            "torch.manual_seed = lambda s: _seed(s + _SEED_SHIFT)\n")
     assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == \
         {"train_draft", "evaluate_draft", "plot_training", "plot_evaluation"}

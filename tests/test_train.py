@@ -26,9 +26,9 @@ from draftsmith.targets.weights import load_embedding_and_head
 from draftsmith.train import (
     DraftKL,
     LossKernels,
+    Pack,
     TrainSettings,
     TTTObjective,
-    Pack,
     build_batch,
     dequantize_batch,
     launch_command,

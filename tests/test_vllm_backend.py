@@ -32,7 +32,6 @@ from tiny_vllm import (
     vllm_test,
 )
 
-
 LENGTHS = (5, 33, 1, 17, 64, 9)
 MAX_MODEL_LEN = 128
 
@@ -231,8 +230,13 @@ def test_prompt_runs_are_the_rows_counting_up_from_position_zero():
 
 
 def test_supported_vllm_releases_are_a_stated_range():
-    from draftsmith.targets.vllm_compat import NEWEST_VLLM, OLDEST_VLLM, TESTED_VLLM, release_series, \
-        support_range_problem
+    from draftsmith.targets.vllm_compat import (
+        NEWEST_VLLM,
+        OLDEST_VLLM,
+        TESTED_VLLM,
+        release_series,
+        support_range_problem,
+    )
 
     assert release_series("0.32.0+cpu") == "0.32" and release_series("0.24.0") == "0.24"
     assert set(TESTED_VLLM) == {OLDEST_VLLM, NEWEST_VLLM}

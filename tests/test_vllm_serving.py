@@ -370,8 +370,7 @@ def test_stop_ids_without_loading_weights(tmp_path):
     the same ones the loaded model and tokenizer give."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from draftsmith.targets.hf_model import stop_ids_from_files
-    from draftsmith.targets.hf_model import load_target_model, stop_token_ids
+    from draftsmith.targets.hf_model import load_target_model, stop_ids_from_files, stop_token_ids
 
     path = tiny.build_llama(tmp_path / "target", num_layers=1)
     loaded = lambda: stop_token_ids(load_target_model(path, dtype="float32", device="cpu"),  # noqa: E731

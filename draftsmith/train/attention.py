@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 try:
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:  # torch < 2.9
