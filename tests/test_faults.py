@@ -565,7 +565,8 @@ def test_the_training_rule_checks_every_shard_before_training_reads_any(world, t
                                weights=str(out / "draft" / "model.safetensors"), summary=str(out / "summary.json")),
         params=SimpleNamespace(work_dir=str(out / "state"), device="cpu", settings={"max_steps": 1, "devices": 1},
                                get=lambda key, default=None: default),
-        resources=SimpleNamespace(gpu=0), log=[str(tmp_path / "train.log")])
+        resources=SimpleNamespace(gpu=0),
+        log=[str(tmp_path / "train.log")])
     with pytest.raises(ExtractionError, match="part 0 shard 3: layer-8.safetensors fails its checksum"):
         runpy.run_path(str(Path(__file__).parents[1] / "workflow_scripts" / "train_draft.py"),
                        init_globals={"snakemake": rule})

@@ -1,5 +1,7 @@
 """Code fingerprints follow the draftsmith modules a stage imports, and nothing else."""
 
+import pytest
+
 from draftsmith.fingerprint import PACKAGE_DIR, code_fingerprint, module_closure
 
 
@@ -17,7 +19,9 @@ def test_closure_of_a_stage_excludes_other_stages():
     assert "targets/inspect.py" not in names(module_closure("draftsmith.vocab"))
 
 
-def test_fingerprint_changes_with_the_code(tmp_path, monkeypatch):
+@pytest.fixture
+def toy_package(tmp_path, monkeypatch):
+    """A package of three modules in place of draftsmith's: a imports b, c stands alone."""
     package = tmp_path / "draftsmith"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -25,6 +29,11 @@ def test_fingerprint_changes_with_the_code(tmp_path, monkeypatch):
     (package / "b.py").write_text("X = 1\n")
     (package / "c.py").write_text("Y = 1\n")
     monkeypatch.setattr("draftsmith.fingerprint.PACKAGE_DIR", package)
+    return package
+
+
+def test_fingerprint_changes_with_the_code(toy_package):
+    package = toy_package
     before = code_fingerprint("draftsmith.a")
     (package / "c.py").write_text("Y = 2\n")
     assert code_fingerprint("draftsmith.a") == before
@@ -52,16 +61,9 @@ def test_reading_conversations_does_not_pull_in_tokenising():
     assert "conversations.py" in closure and "data.py" not in closure
 
 
-def test_rerun_table_follows_imports_and_the_rule_graph(tmp_path, monkeypatch):
+def test_rerun_table_follows_imports_and_the_rule_graph(toy_package, tmp_path):
     from draftsmith.fingerprint import rerun_table
 
-    package = tmp_path / "draftsmith"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("from draftsmith import b\n")
-    (package / "b.py").write_text("X = 1\n")
-    (package / "c.py").write_text("Y = 1\n")
-    monkeypatch.setattr("draftsmith.fingerprint.PACKAGE_DIR", package)
     first, second = tmp_path / "first.py", tmp_path / "second.py"
     first.write_text("import draftsmith.c\n")
     second.write_text("from draftsmith.a import X\n")

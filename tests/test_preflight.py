@@ -63,7 +63,7 @@ def test_an_untested_vllm_is_refused_for_the_stages_that_use_it(target, tmp_path
 @pytest.mark.slow
 def test_preflight_with_regeneration_on_needs_no_weights_and_no_regenerated_data(tmp_path):
     workdir, config = tiny_workflow(tmp_path)
-    config.update(regenerate={"enabled": True}, vocab={"draft_vocab_size": 64})
+    config.update(regenerate={"enabled": True, "max_new_tokens": 8}, vocab={"draft_vocab_size": 64})
     configfile = write_config(workdir, config)
     plan = snakemake(workdir, "-n", "preflight", configfile=configfile)
     assert planned_rules(plan) == {"inspect_target", "check_setup"}

@@ -574,7 +574,8 @@ def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
                                 "warmup_steps": 1, "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8,
                                 "checkpoint_every": 2, "log_every": 1, "devices": 1, "nodes": 1,
                                 "rdzv_port": 29400, "seed": 0}),
-        resources=SimpleNamespace(gpu=0), log=[str(log)])
+        resources=SimpleNamespace(gpu=0),
+        log=[str(log)])
     runpy.run_path(str(REPO / "workflow_scripts" / "train_draft.py"), init_globals={"snakemake": rule})
     for path in vars(rule.output).values():
         assert Path(path).exists(), path

