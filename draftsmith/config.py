@@ -147,6 +147,11 @@ def cuda_present() -> bool:
     return Path("/dev/nvidiactl").exists()
 
 
+def uses_gpu(device: str) -> bool:
+    """Whether the run's ``device`` setting puts the target's stages on GPUs."""
+    return device == "cuda" or (device == "auto" and cuda_present())
+
+
 def check_config(config: dict, schema_path: str | Path, config_files: list[str] | None = None) -> None:
     """Raise ConfigError listing every problem, or return (command-line strings given their types)."""
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))

@@ -3,7 +3,7 @@
 import os
 from pathlib import Path
 
-from draftsmith.config import cuda_present
+from draftsmith.config import uses_gpu
 from draftsmith.fingerprint import script_fingerprint
 from draftsmith.targets.identity import weights_fingerprint
 from draftsmith.targets.vllm_support import installed_vllm_version
@@ -98,10 +98,6 @@ def target_engines():
     if config["regenerate"]["enabled"]:
         engines["regenerate"] = config["regenerate"].get("backend", "hf")
     return engines
-
-
-def uses_gpu(device):
-    return device == "cuda" or (device == "auto" and cuda_present())
 
 
 def target_gpus():

@@ -109,6 +109,6 @@ def vllm_test(fn):
 
 def per_request_records() -> bool:
     """Whether the installed vLLM returns each output's own record of its verification steps."""
-    from vllm.engine.arg_utils import EngineArgs
+    from draftsmith.targets.vllm_compat import has_engine_arg
 
-    return "per_request_spec_decode_metrics" in EngineArgs.__dataclass_fields__
+    return has_engine_arg("per_request_spec_decode_metrics")

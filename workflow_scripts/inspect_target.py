@@ -2,8 +2,7 @@
 
 from pathlib import Path
 
-import torch
-
+from draftsmith.config import uses_gpu
 from draftsmith.logs import setup_logging
 from draftsmith.targets.inspect import hf_stages, write_target_json
 
@@ -17,6 +16,5 @@ write_target_json(
     # read from the config, not params: a backend switched elsewhere must not rerun preflight and
     # with it every stage downstream
     dtype=snakemake.config["target"]["dtype"],
-    hf_stages=hf_stages(snakemake.config, gpu=snakemake.config["device"] == "cuda"
-                        or (snakemake.config["device"] == "auto" and torch.cuda.is_available())),
+    hf_stages=hf_stages(snakemake.config, gpu=uses_gpu(snakemake.config["device"])),
 )

@@ -114,7 +114,8 @@ class VllmBackend(CaptureBackend):
                                       f"1..{self.max_model_len - 1} (max_model_len minus the one sampled token)",
                                       where="extraction.max_model_len", fix="raise max_model_len or drop long samples")
         # Equal samples have equal states: each distinct prompt runs once.
-        distinct = list(dict.fromkeys(tuple(int(t) for t in ids) for ids in batch))
+        keys = [tuple(int(t) for t in ids) for ids in batch]
+        distinct = list(dict.fromkeys(keys))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         try:
             self.llm.collective_rpc("draftsmith_expect", args=([list(p) for p in distinct],))
@@ -138,7 +139,7 @@ class VllmBackend(CaptureBackend):
             number, row0, row1 = where
             rows = passes[number][:, row0:row1]
             states[prompt] = {lid: rows[k] for k, lid in enumerate(self.layer_ids)}
-        return [states[tuple(int(t) for t in ids)] for ids in batch]
+        return [states[key] for key in keys]
 
     def _empty_spool(self) -> None:
         for name in os.listdir(self.spool):

@@ -57,10 +57,14 @@ def _engine_arg_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
 
 
+def has_engine_arg(name: str) -> bool:
+    """Whether the installed vLLM's engine takes the argument ``name``."""
+    return name in _engine_arg_names()
+
+
 def engine_kwargs(kwargs: dict) -> dict:
     """``kwargs`` for ``vllm.LLM`` without the optional arguments the installed release does not know."""
-    known = _engine_arg_names()
-    dropped = [k for k in kwargs if k in OPTIONAL_ENGINE_ARGS and k not in known]
+    dropped = [k for k in kwargs if k in OPTIONAL_ENGINE_ARGS and not has_engine_arg(k)]
     for k in dropped:
         log.warning("this vLLM has no engine argument %s: without %s", k, OPTIONAL_ENGINE_ARGS[k])
     return {k: v for k, v in kwargs.items() if k not in dropped}
