@@ -136,13 +136,24 @@ def train_gpus():
 
 
 def job_threads(gpus):
-    """CPU threads of a job that runs the target or trains. On GPUs a few cores per device do its
-    CPU work (tokenising, scheduling, writing shards, loading batches); the rest stay free for the
-    CPU stages that run beside it (build_vocab_mapping, plots). On the CPU the math is the job: all
-    cores."""
-    if gpus:
-        return max(1, min(workflow.cores - 1, 4 * gpus))
-    return workflow.cores
+    """CPU threads of a job that runs the target or trains. On GPUs each device's job gets an equal
+    share of the cores (at most 4 per device: tokenising, scheduling, writing shards, loading
+    batches), one core staying free for the CPU stages beside them (build_vocab_mapping, plots). The
+    share is of all the GPUs the run was given (--resources gpu=N): with fewer, jobs that could run
+    side by side on their own GPUs would wait for cores instead. On the CPU the math is the job:
+    all cores."""
+    if not gpus:
+        return workflow.cores
+    machine_gpus = max(gpus, run_gpus())
+    per_gpu = max(1, min(4, (workflow.cores - 1) // machine_gpus))
+    return max(1, min(workflow.cores - 1, per_gpu * gpus))
+
+
+def run_gpus():
+    """The GPUs of --resources gpu=N (0 when not given)."""
+    given = workflow.global_resources.get("gpu")
+    value = given.value if given is not None else None
+    return int(value) if isinstance(value, (int, float)) else 0
 
 
 def extraction_parts():

@@ -151,3 +151,20 @@ def test_two_extraction_parts_run_on_different_gpus(tmp_path):
         assert found, log[-2000:]
         uuids.append(found.group(2))
     assert uuids[0] != uuids[1], uuids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cores, threads_each", [(4, 1), (32, 4)])
+def test_gpu_jobs_share_the_cores_so_every_gpu_can_be_busy(tmp_path, cores, threads_each):
+    """Two TP=1 extraction parts on a run given 2 GPUs: their threads fit the cores together (one
+    left for the CPU stages), so Snakemake starts both at once instead of one after the other."""
+    from workflow_helpers import planned_jobs, snakemake, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path)
+    config["device"] = "cuda"
+    config["extraction"] = {"parts": 2, "tensor_parallel_size": 1}
+    plan = snakemake(workdir, "-n", "--cores", str(cores), "--resources", "gpu=2",
+                     configfile=write_config(workdir, config))
+    jobs = planned_jobs(plan)
+    assert jobs["extract_hidden_states"]["threads"] == threads_each
+    assert 2 * threads_each <= cores - 1

@@ -212,6 +212,45 @@ def test_multiprocess_engine_bf16(tmp_path):
     assert_parity(got, path, batch, layer_ids, dtype="bfloat16")
 
 
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if ON_CUDA else 0
+
+
+def _build_llama(path):
+    return build_llama(path, num_layers=4)
+
+
+def _build_idefics3(path):
+    return build_idefics3(path, num_layers=4, vision_heads=2)
+
+
+@vllm_test
+@pytest.mark.skipif(_cuda_devices() < 2, reason="tensor parallelism 2 needs two CUDA devices")
+@pytest.mark.parametrize("builder", [_build_llama, build_deepseek_v3_for_platform, _build_idefics3],
+                         ids=["llama", "deepseek-v3-mla", "idefics3"])
+def test_tensor_parallel_2_matches_hf(builder, tmp_path):
+    """Two ranks, each with half of every attention and MLP (and of the experts' weights): rank 0's
+    residual stream, after the all-reduce, is what the capture keeps; it must be HF's."""
+    from draftsmith.targets.vllm_backend import VllmBackend
+
+    path = builder(tmp_path / "target")
+    layer_ids = [1, 2, 4]
+    multiprocessing = os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # TP ranks run in processes
+    try:
+        backend = VllmBackend(str(path), layer_ids, tensor_parallel_size=2, dtype=CAPTURE_DTYPE,
+                              max_model_len=MAX_MODEL_LEN, **ENGINE_ARGS)
+        try:
+            assert backend.info["rank"] == 0
+            batch = random_batch(384)
+            got = backend.capture(batch)
+        finally:
+            backend.close()
+    finally:
+        if multiprocessing is not None:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+    assert_parity(got, path, batch, layer_ids)
+
+
 def test_module_imports_without_vllm():
     code = ("import sys; import draftsmith.targets.vllm_backend, draftsmith.targets.vllm_worker; "
             "assert 'vllm' not in sys.modules, 'vllm was imported'")

@@ -73,14 +73,15 @@ def build_deepseek_v3(path: str | Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def build_idefics3(path: str | Path, seed: int = 0, **text_overrides) -> Path:
-    """A second multimodal wrapper (Idefics3: SigLIP-style vision + Llama text model at model.text_model)."""
+def build_idefics3(path: str | Path, seed: int = 0, vision_heads: int = 1, **text_overrides) -> Path:
+    """A second multimodal wrapper (Idefics3: SigLIP-style vision + Llama text model at model.text_model).
+    ``vision_heads``: vLLM builds the vision tower even for text-only use, split over TP ranks."""
     path = Path(path)
     build_tokenizer(path)
     text = llama_config(**text_overrides)
     config = Idefics3Config(
         text_config=text.to_dict(),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=vision_heads,
                            image_size=28, patch_size=14),
         image_token_id=text.vocab_size - 1, scale_factor=1, tie_word_embeddings=False, pad_token_id=0)
     torch.manual_seed(seed)
