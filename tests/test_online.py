@@ -3,13 +3,7 @@ for later epochs, and a killed producer or trainer resumes at a consistent point
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 import tiny
-from draftsmith.errors import ConfigError, TrainingError
+from draftsmith.errors import ConfigError
 from draftsmith.extract import ExtractionSettings, extract_part, merge
 from draftsmith.io import read_json
 from draftsmith.online import OnlineSettings, run_online_training
-from draftsmith.online.window import process_alive
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.train import TrainSettings, run_training
 from draftsmith.vocab import build_vocab_mapping

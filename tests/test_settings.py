@@ -12,11 +12,12 @@ from draftsmith.data import DataSettings
 from draftsmith.errors import ConfigError
 from draftsmith.evaluate import EvalSettings
 from draftsmith.extract import ExtractionSettings
+from draftsmith.online import OnlineSettings
 from draftsmith.regenerate import RegenerateSettings
 from draftsmith.settings import key_schema, load_schema
 from draftsmith.train import TrainSettings, settings_from_dict
 
-SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, EvalSettings]
+SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, OnlineSettings, EvalSettings]
 
 JSON_TYPES = {int: {"integer"}, float: {"number"}, bool: {"boolean"}, str: {"string"}, type(None): {"null"},
               tuple: {"array"}, list: {"array"}}
