@@ -78,6 +78,7 @@ def test_every_config_key_of_a_section_is_a_setting_or_said_why_not(cls):
     (lambda: TrainSettings(seed=-1), "seed"),
     (lambda: EvalSettings(k_sweep=(0, 2)), "eval.k_sweep"),
     (lambda: EvalSettings(backend="sglang"), "eval.backend"),
+    (lambda: OnlineSettings(cache_fraction=1.5), "online.cache_fraction"),
     (lambda: settings_from_dict({"learning_rate": 1e-3}), "train"),
     (lambda: ExtractionSettings.from_config({"batch_size": 4}), "extraction"),
 ])
