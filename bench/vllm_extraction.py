@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
 
-from draftsmith.extract import extract_shards, plan_batches  # noqa: E402
-from draftsmith.hidden_states import PartStore  # noqa: E402
+from draftsmith.capture import extract_shards, plan_batches  # noqa: E402
+from draftsmith.shard_writer import PartStore  # noqa: E402
 from draftsmith.targets.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
 from draftsmith.targets.vllm_compat import engine_kwargs, shutdown_llm  # noqa: E402
 

@@ -83,6 +83,13 @@ def setting_conflicts(config: dict) -> list[str]:
         lines.append(f"regenerate.max_new_tokens: {regenerate['max_new_tokens']} is not below data.max_seq_len "
                      f"({data['max_seq_len']}): an answer that long could never be trained whole (samples are cut "
                      f"to max_seq_len); lower it or raise data.max_seq_len")
+    if train["mode"] == "online":
+        if extraction["parts"] > 1:
+            lines.append(f"extraction.parts: {extraction['parts']} with train.mode: online, which runs one engine "
+                         "beside the trainer; set extraction.parts: 1 (or train.mode: offline)")
+        if train["nodes"] > 1:
+            lines.append(f"train.nodes: {train['nodes']} with train.mode: online, whose engine and trainer share one "
+                         "node and its window; set train.nodes: 1 (or train.mode: offline)")
     max_model_len = extraction["max_model_len"]
     if max_model_len is not None and max_model_len < data["max_seq_len"]:
         lines.append(f"extraction.max_model_len: {max_model_len} is smaller than data.max_seq_len ({data['max_seq_len']}), "

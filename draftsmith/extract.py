@@ -6,8 +6,7 @@ tokens. The plan depends only on train.jsonl and the settings, so a restarted pa
 the same shards in the same batches and writes the same bytes. Complete shards are checked
 against their checksums and skipped; the target loads only when some shard is missing.
 
-While the backend computes the next batch, a writer thread appends the last one to its shard's
-files (checksummed on the way); a shard is synced and renamed into place when its last batch is in.
+The capture itself (backends, batches, the writer thread) is in ``draftsmith.capture``.
 """
 
 from __future__ import annotations
@@ -15,11 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import queue
 import shutil
 import sys
-import threading
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -29,25 +25,25 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import DraftsmithError, ExtractionError, StorageError
+from draftsmith.capture import extract_shards, make_backend, model_dtype_name
+from draftsmith.errors import ExtractionError
 from draftsmith.hidden_states import (
     STORAGE_DTYPES,
     DamagedShard,
     HiddenStateIndex,
-    PartStore,
     ShardInfo,
-    ShardWriter,
     bytes_per_token,
     load_shard_manifest,
     merge_parts,
     shard_dir_name,
 )
-from draftsmith.io import read_json, storage_error
-from draftsmith.settings import BACKENDS, PROGRESS_INTERVAL_S, bad_setting, check_settings, from_schema, settings_from
-from draftsmith.targets.backends import CaptureBackend
+from draftsmith.io import read_json
+from draftsmith.settings import PROGRESS_INTERVAL_S, bad_setting, check_settings, from_schema, settings_from
+from draftsmith.shard_writer import PartStore
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ExtractionSettings:
@@ -164,21 +160,6 @@ def plan_part(train_jsonl: str | Path, part: int, parts: int, settings: Extracti
     return shards
 
 
-def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
-    """Consecutive runs of the shard's samples, each at most ``batch_tokens`` padded tokens
-    (a sample longer than that forms a batch of its own)."""
-    batches, current, longest = [], [], 0
-    for sample in shard:
-        length = len(sample["input_ids"])
-        if current and (len(current) + 1) * max(longest, length) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(sample)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
-
 
 def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settings: ExtractionSettings) -> str:
     """Hash of everything the part's shards are made from: the capture code (this module and every
@@ -197,7 +178,7 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
         "layer_ids": target_info["captured_layer_ids"],
         "hidden_size": target_info["hidden_size"],
         "dtype": settings.dtype,
-        "model_dtype": _model_dtype_name(settings.model_dtype, device),
+        "model_dtype": model_dtype_name(settings.model_dtype, device),
     }
     digest.update(json.dumps(head, sort_keys=True).encode())
     for number, shard in enumerate(shards):
@@ -208,204 +189,6 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
             digest.update(array("b", sample["loss_mask"]).tobytes())
     return digest.hexdigest()
 
-
-def _model_dtype_name(model_dtype: str, device: str) -> str:
-    if model_dtype != "auto":
-        return model_dtype
-    return "float32" if device == "cpu" else "bfloat16"
-
-
-# ---------------------------------------------------------------------------------------------
-# Backends
-
-
-def make_backend(name: str, target_info: dict, settings: ExtractionSettings) -> CaptureBackend:
-    """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers."""
-    from draftsmith.targets.hf_model import resolve_device
-
-    layer_ids = target_info["captured_layer_ids"]
-    trust = bool(target_info.get("trust_remote_code", False))
-    device = resolve_device(settings.device)
-    if name == "hf":
-        from draftsmith.targets.hf_backend import HfBackend
-
-        return HfBackend.load(
-            target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
-            final_layer_id=target_info["final_layer_id"], lm_head_path=target_info.get("lm_head_path"),
-            dtype=settings.model_dtype, device=device, device_map=settings.device_map, trust_remote_code=trust)
-    if name == "vllm":
-        support = (target_info.get("backends") or {}).get("vllm") or {}
-        if support and not support.get("supported"):
-            raise ExtractionError(f"the vLLM backend cannot capture this target: {support.get('reason')}",
-                                  where="target.json backends.vllm",
-                                  fix=support.get("fix") or "use extraction.backend: hf")
-        from draftsmith.targets.vllm_backend import VllmBackend
-
-        return VllmBackend(
-            target_info["model_path"], layer_ids, tensor_parallel_size=settings.tensor_parallel_size,
-            dtype=_model_dtype_name(settings.model_dtype, device), max_model_len=settings.max_model_len,
-            trust_remote_code=trust, layers_path=target_info["layers_path"])
-    raise ExtractionError(f"unknown extraction backend {name!r}", where="extraction.backend",
-                          fix=f"use one of {', '.join(BACKENDS)}")
-
-
-def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
-                    ) -> Iterator[list[dict[int, torch.Tensor]]]:
-    """The backend's results batch by batch; pipelined where the backend can keep one batch in flight."""
-    stream = getattr(backend, "capture_stream", None)
-    if stream is not None:
-        yield from stream(batches)
-    else:
-        for batch in batches:
-            yield backend.capture(batch)
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, torch.Tensor]], where: str,
-                 storage: str = "bfloat16") -> None:
-    """Stop on NaN/Inf anywhere (also values the storage dtype cannot hold), or on a sample whose
-    states at a layer are all zero."""
-    limit = torch.finfo(STORAGE_DTYPES[storage]).max if storage != "fp8" else math.inf  # fp8: scaled per token
-    for sample_id, layers in zip(sample_ids, states, strict=True):
-        for layer_id, rows in sorted(layers.items()):
-            low, high = torch.aminmax(rows)  # NaN propagates; cheap even on CPU
-            if not (torch.isfinite(low) and torch.isfinite(high) and max(-low, high) <= limit):
-                bad = (~torch.isfinite(rows) | (rows.abs() > limit)).any(dim=-1).nonzero()[0].item()
-                raise ExtractionError(
-                    f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf, or values beyond "
-                    f"{storage}'s range (first at token {bad})",
-                    where=where, fix="with extraction.dtype: float16, large states overflow: use bfloat16; "
-                                     "otherwise run the target in bfloat16 or float32 (target.dtype) and check "
-                                     "that its weights load correctly")
-            if low == 0 and high == 0:
-                raise ExtractionError(
-                    f"sample {sample_id!r}: layer {layer_id} states are all zero", where=where,
-                    fix="the capture hook took the wrong tensor or the weights did not load; "
-                        "check target.json layers_path and the model folder")
-
-
-@dataclass
-class _BatchJob:
-    number: int  # the shard it belongs to
-    samples: list[dict]  # the batch's samples, consecutive in the shard
-    states: list[dict[int, torch.Tensor]]  # per sample: layer id -> [length, hidden] as captured
-
-
-class _ShardWriter:
-    """A background thread that checks each captured batch and appends it to its shard's files,
-    committing a shard when its last batch is in; at most ``max_pending`` batches wait."""
-
-    def __init__(self, store: PartStore, shards: dict[int, list[dict]], max_pending: int = 2) -> None:
-        self.store, self.shards = store, shards
-        self.written: list[ShardInfo] = []
-        self._open: ShardWriter | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
-        self._abort = False
-        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _BatchJob) -> None:
-        while True:
-            self._raise_error()
-            try:
-                self._queue.put(job, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                break
-            if self._error is not None or self._abort:
-                continue
-            try:
-                self._write(job)
-            except BaseException as e:  # handed to the main thread, which raises it
-                self._error = e
-        if self._open is not None:  # an unfinished shard (error or abort): no trace of it stays
-            self._open.abort()
-            self._open = None
-
-    def _write(self, job: _BatchJob) -> None:
-        where = f"part {self.store.part} shard {job.number}"
-        samples = self.shards[job.number]
-        try:
-            if self._open is None:
-                self._open = self.store.open_shard(job.number, sum(len(s["input_ids"]) for s in samples))
-            check_states([s["id"] for s in job.samples], job.states, where=where, storage=self.store.meta["dtype"])
-            # Each sample's rows are written as they are (views of the backend's batch buffer): no copy.
-            self._open.append({i: [s[i] for s in job.states] for i in self.store.layer_ids})
-            if self._open.rows < self._open.num_tokens:
-                return
-            shard, self._open = self._open, None
-            info = shard.commit([s["id"] for s in samples], [s["input_ids"] for s in samples],
-                                [s["loss_mask"] for s in samples])
-        except OSError as e:
-            if isinstance(e, DraftsmithError):  # already says what, where and how to fix
-                raise
-            raise StorageError(f"writing {where} failed: {e.strerror or e}", where=str(self.store.dir),
-                               fix=storage_error(self.store.dir, e).fix, errno=e.errno) from e
-        self.written.append(info)
-        log.debug("part %d shard %d written: %d samples, %d tokens", info.part, info.shard, info.num_samples,
-                  info.num_tokens)
-
-    def close(self, abort: bool = False) -> None:
-        """Wait for the queued batches to be written (or drop them with ``abort``) and stop."""
-        self._abort = self._abort or abort
-        self._queue.put(None)
-        self._thread.join()
-        if not abort:
-            self._raise_error()
-
-
-def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tuple[int, list[dict]]],
-                   *, batch_tokens: int, max_pending: int = 2, progress=None) -> list[ShardInfo]:
-    """Capture and store the listed (shard number, samples) shards; returns their infos in order.
-
-    Each batch's states go to the writer thread as they come back and are appended to the
-    shard's files there, while the backend computes the next batch: the disk works alongside
-    the accelerator, and a shard's end costs only its last batch's write and the syncs.
-    """
-    hidden = store.meta["hidden_size"]
-    jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
-    writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
-    ok = False
-    try:
-        results = capture_batches(backend, ([s["input_ids"] for s in batch] for _, batch in jobs))
-        for (number, batch), captured in zip(jobs, results, strict=True):
-            where = f"part {store.part} shard {number}"
-            if len(captured) != len(batch):
-                raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
-                                      f"of {len(batch)} samples", where=where)
-            for sample, states in zip(batch, captured):
-                length = len(sample["input_ids"])
-                if sorted(states) != store.layer_ids:
-                    raise ExtractionError(
-                        f"the {backend.name} backend returned layers {sorted(states)} for sample {sample['id']!r}, "
-                        f"expected {store.layer_ids}", where=where)
-                for layer_id, tensor in states.items():
-                    if tensor.shape != (length, hidden):
-                        raise ExtractionError(
-                            f"the {backend.name} backend returned layer {layer_id} states of shape "
-                            f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
-                            f"(expected ({length}, {hidden}))", where=where)
-            writer.submit(_BatchJob(number, batch, captured))
-            if progress is not None:
-                progress(len(batch), sum(len(s["input_ids"]) for s in batch))
-        ok = True
-    finally:
-        writer.close(abort=not ok)
-    return sorted(writer.written, key=lambda s: s.shard)
 
 
 # ---------------------------------------------------------------------------------------------

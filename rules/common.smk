@@ -135,6 +135,12 @@ def train_gpus():
     return train["devices"] * train["nodes"] if uses_gpu(config["device"]) else 0
 
 
+def online_gpus():
+    """GPUs of the online training job: the engine's (extraction.tensor_parallel_size) and the
+    trainer's (train.devices), side by side on one node."""
+    return target_gpus() + train_gpus()
+
+
 def job_threads(gpus):
     """CPU threads of a job that runs the target or trains. On GPUs each device's job gets an equal
     share of the cores (at most 4 per device: tokenising, scheduling, writing shards, loading

@@ -4,7 +4,7 @@
 
 rule evaluate_draft:
     input:
-        draft=rules.train_draft.output.config,
+        draft=f"{RESULTS}/draft/config.json",
         target=rules.inspect_target.output.target,
         heldout=rules.prepare_dataset.output.heldout,
     output:

@@ -181,3 +181,16 @@ def test_fuzz_every_key_with_odd_values_gives_a_config_error_or_passes(schema, t
                 pass
             checked += 1
     assert checked > 500
+
+
+def test_online_mode_runs_one_engine_on_one_node(schema):
+    config = _defaults(schema)
+    config["train"].update(mode="online", nodes=2)
+    config["extraction"]["parts"] = 2
+    with pytest.raises(ConfigError) as info:
+        check_semantics(config)
+    message = str(info.value)
+    assert "extraction.parts: 2 with train.mode: online" in message and "set extraction.parts: 1" in message
+    assert "train.nodes: 2 with train.mode: online" in message
+    config["train"]["nodes"], config["extraction"]["parts"] = 1, 1
+    check_semantics(config)

@@ -19,10 +19,12 @@ from safetensors.torch import save as save_safetensors
 
 import tiny
 from draftsmith import extract
+from draftsmith.capture import plan_batches
 from draftsmith.errors import ConfigError, ExtractionError
-from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_batches, plan_part
-from draftsmith.hidden_states import HiddenStateIndex, quantize_fp8, read_shard
+from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
+from draftsmith.hidden_states import HiddenStateIndex, read_shard
 from draftsmith.safetensors_stream import write_safetensors
+from draftsmith.shard_writer import quantize_fp8
 from draftsmith.targets.backends import CaptureBackend
 from draftsmith.targets.hf_backend import HfBackend
 from draftsmith.targets.inspect import write_target_json
@@ -233,8 +235,8 @@ def test_changed_inputs_never_mix_with_old_shards(train, target, tmp_path):
 KILL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
-import draftsmith.hidden_states as hs
-import draftsmith.extract as ex
+import draftsmith.shard_writer as hs
+import draftsmith.capture as ex
 import draftsmith.targets.hf_backend
 from transformers import LlamaForCausalLM
 from draftsmith.extract import ExtractionSettings, extract_part

@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import draftsmith.capture as capture_module
 import draftsmith.extract as extract
 import draftsmith.safetensors_stream as stream
 import tiny
@@ -210,7 +211,7 @@ def _arm(kind: str, k: int, events: Path | None, slow: bool) -> None:
             return _HalfWriter(f) if "w" in mode and tick() else f
 
         stream.open = partial_open  # SafetensorsStream's open; nothing else there opens for writing
-    real_capture = extract.capture_batches
+    real_capture = capture_module.capture_batches
     log = open(events, "a", buffering=1) if events else None  # noqa: SIM115 - lives as long as the child
 
     def capture(backend, batches):
@@ -227,7 +228,7 @@ def _arm(kind: str, k: int, events: Path | None, slow: bool) -> None:
                 _die()
             yield result
 
-    extract.capture_batches = capture
+    capture_module.capture_batches = capture
 
 
 def _child(fn, *args) -> multiprocessing.Process:
@@ -319,7 +320,7 @@ def _extraction_points(world: World, rng: random.Random) -> list[tuple[str, floa
 
 
 def _all_batches(world: World):
-    from draftsmith.extract import plan_batches
+    from draftsmith.capture import plan_batches
 
     for shard in plan_part(world.train, 0, 1, ExtractionSettings(**EXTRACTION)):
         yield from plan_batches(shard, EXTRACTION["batch_tokens"])

@@ -4,15 +4,8 @@ import pytest
 import torch
 
 from draftsmith.errors import ExtractionError
-from draftsmith.hidden_states import (
-    HiddenStateIndex,
-    PartStore,
-    bytes_per_token,
-    dequantize_fp8,
-    merge_parts,
-    quantize_fp8,
-    read_shard,
-)
+from draftsmith.hidden_states import HiddenStateIndex, bytes_per_token, dequantize_fp8, merge_parts, read_shard
+from draftsmith.shard_writer import PartStore, quantize_fp8
 
 
 def _store(root, dtype, states, ids):

@@ -37,7 +37,7 @@ def test_each_rule_fingerprints_the_script_it_runs():
     """A rule's code parameter names its own script: rule X runs workflow_scripts/X.py and takes
     script_code("X"), so no rule can fingerprint code other than what it runs."""
     for smk in sorted((ROOT / "rules").glob("*.smk")):
-        for rule, body in re.findall(r"^rule (\w+):\n((?:[ \t]+.*\n|\n)*)", smk.read_text(), flags=re.M):
+        for rule, body in re.findall(r"^[ \t]*rule (\w+):\n((?:[ \t]+.*\n|\n)*)", smk.read_text(), flags=re.M):
             script = re.search(r'script:\s*\n\s*"\.\./workflow_scripts/(\w+)\.py"', body)
             if script is None:
                 continue

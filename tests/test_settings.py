@@ -12,11 +12,12 @@ from draftsmith.data import DataSettings
 from draftsmith.errors import ConfigError
 from draftsmith.evaluate import EvalSettings
 from draftsmith.extract import ExtractionSettings
+from draftsmith.online import OnlineSettings
 from draftsmith.regenerate import RegenerateSettings
 from draftsmith.settings import key_schema, load_schema
 from draftsmith.train import TrainSettings, settings_from_dict
 
-SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, EvalSettings]
+SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, OnlineSettings, EvalSettings]
 
 JSON_TYPES = {int: {"integer"}, float: {"number"}, bool: {"boolean"}, str: {"string"}, type(None): {"null"},
               tuple: {"array"}, list: {"array"}}
@@ -77,6 +78,7 @@ def test_every_config_key_of_a_section_is_a_setting_or_said_why_not(cls):
     (lambda: TrainSettings(seed=-1), "seed"),
     (lambda: EvalSettings(k_sweep=(0, 2)), "eval.k_sweep"),
     (lambda: EvalSettings(backend="sglang"), "eval.backend"),
+    (lambda: OnlineSettings(cache_fraction=1.5), "online.cache_fraction"),
     (lambda: settings_from_dict({"learning_rate": 1e-3}), "train"),
     (lambda: ExtractionSettings.from_config({"batch_size": 4}), "extraction"),
 ])

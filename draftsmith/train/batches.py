@@ -12,7 +12,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -36,13 +36,20 @@ class ShardMeta:
 
 
 def shard_meta(index: HiddenStateIndex, shard: ShardInfo, cap: int, ttt_steps: int, verify: bool) -> ShardMeta:
+    """The metadata of a shard on disk, from its tokens file."""
     data = read_shard(index, shard, layer_ids=[], verify=verify)
-    offsets = data.offsets.numpy().astype(np.int64)
+    return tokens_meta(data.offsets.numpy(), data.loss_mask.numpy(), cap, ttt_steps)
+
+
+def tokens_meta(offsets: np.ndarray, loss_mask: np.ndarray, cap: int, ttt_steps: int) -> ShardMeta:
+    """The metadata of a shard's samples from their offsets [n+1] and flat loss mask [T]: what a
+    shard on disk says, and what online training computes before the shard exists."""
+    offsets = np.asarray(offsets).astype(np.int64)
     starts, ends = offsets[:-1], offsets[1:]
     lengths = np.minimum(ends - starts - 1, cap)
     keep = lengths >= 1
     starts, lengths = starts[keep], lengths[keep]
-    cs = np.concatenate([[0], np.cumsum(data.loss_mask.numpy().astype(np.int64))])
+    cs = np.concatenate([[0], np.cumsum(np.asarray(loss_mask).astype(np.int64))])
     counts = np.zeros((len(starts), ttt_steps), dtype=np.int64)
     for j in range(ttt_steps):
         # shifted positions t+j for t in [0, m-j) are rows start+1+j .. start+m
@@ -256,12 +263,14 @@ class ShardVerifier(threading.Thread):
                     return
 
 
-def plan_run(index: HiddenStateIndex, settings: TrainSettings, group: int,
-             index_path: Path) -> tuple[list[ShardMeta], list[Step]]:
+def plan_run(index: HiddenStateIndex, settings: TrainSettings, group: int, index_path: Path,
+             metas: list[ShardMeta] | None = None) -> tuple[list[ShardMeta], list[Step]]:
     """Every optimizer step of the run, from shard metadata alone (cheap), identically on every rank;
-    ``group`` micro-batches make one step (processes x gradient accumulation)."""
-    metas = [shard_meta(index, s, settings.batch_tokens, settings.ttt_steps, settings.verify_shards)
-             for s in index.shards]
+    ``group`` micro-batches make one step (processes x gradient accumulation). ``metas`` are given
+    when the shards are not on disk yet (online training)."""
+    if metas is None:
+        metas = [shard_meta(index, s, settings.batch_tokens, settings.ttt_steps, settings.verify_shards)
+                 for s in index.shards]
     steps = plan_steps(metas, settings, group)
     if not steps:
         raise TrainingError("the hidden states hold no sample with at least 2 tokens", where=str(index_path),
@@ -269,13 +278,31 @@ def plan_run(index: HiddenStateIndex, settings: TrainSettings, group: int,
     return metas, steps
 
 
+class StateSource(Protocol):
+    """Where the shards come from while training, when they are not all on disk (online training)."""
+
+    index: HiddenStateIndex  # the shards the run will read, with their counts (no checksums)
+    fingerprint: str  # what the states are made from: the checkpoint key's ``index`` part
+
+    def metas(self, cap: int, ttt_steps: int) -> list[ShardMeta]: ...
+
+    def start(self, steps: list[Step], start: int, main: bool) -> None: ...
+
+    def before_read(self, shard: int) -> None: ...
+
+    def step_done(self, done: int) -> None: ...
+
+
 class BatchFeed:
     """This rank's micro-batches of ``steps``, in order: built on a thread from one open shard at a
-    time, then copied to the device while the previous step computes."""
+    time, then copied to the device while the previous step computes. With a ``source``, each
+    shard is waited for before it is opened."""
 
     def __init__(self, index: HiddenStateIndex, metas: list[ShardMeta], steps: list[Step], settings: TrainSettings,
-                 *, rank: int, device: torch.device, attention: str, dtype: torch.dtype) -> None:
+                 *, rank: int, device: torch.device, attention: str, dtype: torch.dtype,
+                 source: StateSource | None = None) -> None:
         self.index, self.metas, self.settings, self.device, self.dtype = index, metas, settings, device, dtype
+        self.source = source
         self.aux_ids, self.final_id = list(index.aux_layer_ids), index.final_layer_id
         # On GPU every batch has the same padded length, so the compiled step, the compiled flex
         # kernel and its block mask are built once; the best-fit packing keeps the padding small.
@@ -290,6 +317,8 @@ class BatchFeed:
     def _make(self, pack: Pack) -> dict:
         if pack.shard not in self.open_rows:
             self.open_rows.clear()  # one shard open at a time
+            if self.source is not None:
+                self.source.before_read(pack.shard)
             self.open_rows[pack.shard] = ShardRows(self.index, self.index.shards[pack.shard],
                                                    [*self.aux_ids, self.final_id])
         return build_batch(pack, self.metas[pack.shard], self.open_rows[pack.shard], self.aux_ids, self.final_id,

@@ -22,11 +22,12 @@ CHECKPOINT_FORMAT = "draftsmith.train-checkpoint/2"
 FINISHED = "finished.json"  # in the work dir once the rule's outputs are written: its checkpoints are not resumed
 
 
-def checkpoint_key(settings: TrainSettings, index_path: Path, mapping_path: Path, target: dict,
-                    group: int) -> dict[str, str]:
+def checkpoint_key(settings: TrainSettings, index_path: Path | None, mapping_path: Path, target: dict,
+                    group: int, states: str | None = None) -> dict[str, str]:
     """What a checkpoint was made from, part by part, so a refusal can say which part changed:
     the training code (this module and every draftsmith module it imports), the settings that
-    change the math, the hidden states, the vocab mapping and the target."""
+    change the math, the hidden states (the hash of index.json, or online the fingerprint of what
+    the states are made from, ``states``), the vocab mapping and the target."""
     from draftsmith.fingerprint import code_fingerprint
 
     keys = ("model_path", "hidden_size", "vocab_size", "num_hidden_layers", "aux_layer_ids", "final_layer_id",
@@ -39,7 +40,7 @@ def checkpoint_key(settings: TrainSettings, index_path: Path, mapping_path: Path
         "format": CHECKPOINT_FORMAT,
         "code": code_fingerprint("draftsmith.train"),
         "settings": digest({"math": settings.math_dict(), "micro_batches_per_step": group}),
-        "index": sha256_file(index_path),
+        "index": states if states is not None else sha256_file(index_path),
         "mapping": sha256_file(mapping_path),
         "target": digest({k: target.get(k) for k in keys}),
     }

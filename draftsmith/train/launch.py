@@ -14,6 +14,7 @@ from pathlib import Path
 from draftsmith.errors import TrainingError
 from draftsmith.hidden_states import verify_store
 from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.train.batches import StateSource
 from draftsmith.train.checkpoints import FINISHED
 from draftsmith.train.loop import train_draft
 from draftsmith.train.settings import TrainSettings
@@ -27,17 +28,18 @@ _SLURM_TASK_LAYOUT = ("SLURM_NTASKS_PER_GPU", "SLURM_TRES_PER_TASK", "SLURM_NTAS
 
 
 def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int = 29400,
-                   env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+                   env: dict[str, str] | None = None, worker: str = "draftsmith.train") -> tuple[list[str], dict[str, str]]:
     """The command, and its environment, that start training's processes: ``devices`` on each of
     ``nodes`` nodes.
 
     One node: ``torchrun --standalone``. Several: inside a SLURM allocation of that many nodes
     (the rule runs on its first node), ``srun`` starts one ``torchrun`` per node with ``devices``
-    GPUs each, and they meet at a c10d rendezvous on this host named after the job.
+    GPUs each, and they meet at a c10d rendezvous on this host named after the job. ``worker`` is
+    the module each process runs (``python -m worker launch.json``).
     """
     env = dict(os.environ if env is None else env)
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}"]
-    module = ["-m", "draftsmith.train", str(launch)]
+    module = ["-m", worker, str(launch)]
     if nodes == 1:
         return [*torchrun, "--standalone", *module], env
     job = env.get("SLURM_JOB_ID")
@@ -58,24 +60,30 @@ def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int
     return cmd, {k: v for k, v in env.items() if k not in _SLURM_TASK_LAYOUT}
 
 
-def run_training(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
-                 work_dir: str | Path, settings: TrainSettings, *, devices: int = 1, nodes: int = 1,
-                 rdzv_port: int = 29400, log_path: str | Path | None = None,
-                 metrics_out: str | Path | None = None, summary_out: str | Path | None = None) -> dict:
+def run_training(index_path: str | Path | None, mapping_path: str | Path, target_json: str | Path,
+                 out_dir: str | Path, work_dir: str | Path, settings: TrainSettings, *, devices: int = 1,
+                 nodes: int = 1, rdzv_port: int = 29400, log_path: str | Path | None = None,
+                 metrics_out: str | Path | None = None, summary_out: str | Path | None = None,
+                 source: StateSource | None = None, worker: str = "draftsmith.train",
+                 worker_args: dict | None = None) -> dict:
     """Train in this process, or with ``devices`` processes on each of ``nodes`` nodes (DDP;
-    ``launch_command``); then copy the metrics and summary from the work dir to the rule's outputs."""
+    ``launch_command``); then copy the metrics and summary from the work dir to the rule's outputs.
+
+    Online training passes the ``source`` of its shards for this process, or, for torchrun's
+    processes, the ``worker`` module that builds one from ``worker_args`` (in launch.json)."""
     work_dir = Path(work_dir)
     launch = work_dir / "launch.json"
     if devices * nodes > 1:  # a launch that cannot work stops before the store is read
-        cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port)
-    if settings.verify_shards:
+        cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port, worker=worker)
+    if settings.verify_shards and index_path is not None:
         # Every shard's checksums before any state is read (training reads them shuffled): a damaged
         # shard stops the run here, by name, and its part is queued for re-extraction.
         verify_store(index_path)
         settings = dataclasses.replace(settings, verify_shards=False)
     work_dir.mkdir(parents=True, exist_ok=True)
-    args = {"index_path": str(index_path), "mapping_path": str(mapping_path), "target_json": str(target_json),
-            "out_dir": str(out_dir), "work_dir": str(work_dir), "settings": dataclasses.asdict(settings)}
+    args = {"index_path": None if index_path is None else str(index_path), "mapping_path": str(mapping_path),
+            "target_json": str(target_json), "out_dir": str(out_dir), "work_dir": str(work_dir),
+            "settings": dataclasses.asdict(settings), **(worker_args or {})}
     if devices * nodes > 1:
         import subprocess
 
@@ -89,7 +97,7 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
                                 fix="read the first traceback in the log; rerunning resumes from the last checkpoint")
         summary = read_json(work_dir / "summary.json")
     else:
-        summary = train_draft(index_path, mapping_path, target_json, out_dir, work_dir, settings)
+        summary = train_draft(index_path, mapping_path, target_json, out_dir, work_dir, settings, source=source)
     if metrics_out is not None:
         source = work_dir / "metrics.jsonl"
         atomic_write_bytes(metrics_out, source.read_bytes() if source.exists() else b"")
@@ -101,16 +109,22 @@ def run_training(index_path: str | Path, mapping_path: str | Path, target_json: 
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m draftsmith.train launch.json``: one torchrun worker."""
+def worker_args(argv: list[str] | None = None) -> tuple[dict, TrainSettings]:
+    """A torchrun worker's launch.json (named in ``argv``): its arguments and settings, with logging
+    set up (warnings only, and no progress bar, beyond rank 0)."""
     from draftsmith.logs import setup_logging
 
     argv = sys.argv[1:] if argv is None else argv
     setup_logging(None)
-    if int(os.environ.get("RANK", "0")) != 0:
-        logging.getLogger().setLevel(logging.WARNING)
     args = read_json(argv[0])
     settings = TrainSettings(**args.pop("settings"))
     if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)
         settings = dataclasses.replace(settings, progress=False)
+    return args, settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m draftsmith.train launch.json``: one torchrun worker."""
+    args, settings = worker_args(argv)
     train_draft(settings=settings, **args)

@@ -26,7 +26,7 @@ from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_sp
 from draftsmith.errors import TrainingError
 from draftsmith.hidden_states import HiddenStateIndex
 from draftsmith.io import atomic_write_json, read_json
-from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, Step, plan_run
+from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, StateSource, Step, plan_run
 from draftsmith.train.checkpoints import (
     CHECKPOINT_FORMAT,
     checkpoint_key,
@@ -43,20 +43,23 @@ from draftsmith.train.settings import TrainSettings
 log = logging.getLogger(__name__)
 
 
-def train_draft(index_path: str | Path, mapping_path: str | Path, target_json: str | Path, out_dir: str | Path,
-                work_dir: str | Path, settings: TrainSettings = TrainSettings()) -> dict:
+def train_draft(index_path: str | Path | None, mapping_path: str | Path, target_json: str | Path,
+                out_dir: str | Path, work_dir: str | Path, settings: TrainSettings = TrainSettings(),
+                source: StateSource | None = None) -> dict:
     """Train an EAGLE-3 draft and write it to ``out_dir`` in the speculators format; returns a summary.
 
     Resumable: checkpoints under ``work_dir`` (never the rule's output) are picked up when they
     were made by the same code from the same data and settings, and the run that wrote them has not
     delivered its draft (``run_training`` marks that); the log says why a checkpoint is or is not
-    resumed. Under torchrun every process calls this function.
+    resumed. Under torchrun every process calls this function. With a ``source`` (online training)
+    the shards arrive while training runs and ``index_path`` is None.
     """
     settings.check()
-    index_path, mapping_path, out_dir, work_dir = map(Path, (index_path, mapping_path, out_dir, work_dir))
+    mapping_path, out_dir, work_dir = map(Path, (mapping_path, out_dir, work_dir))
+    index_path = Path(index_path) if index_path is not None else None
     ddp = init_distributed(use_cuda(settings))
     try:
-        return _train(index_path, mapping_path, Path(target_json), out_dir, work_dir, settings, ddp)
+        return _train(index_path, mapping_path, Path(target_json), out_dir, work_dir, settings, ddp, source)
     finally:
         if ddp.owns_group:
             dist.destroy_process_group()
@@ -84,15 +87,18 @@ class _Run:
     resume: str  # why a checkpoint is or is not resumed, for the log and the summary
     checkpoint: Path | None
     checkpoint_state: dict | None
+    source: StateSource | None
 
 
-def _train(index_path: Path, mapping_path: Path, target_json: Path, out_dir: Path, work_dir: Path,
-           settings: TrainSettings, ddp: Dist) -> dict:
-    run = _prepare(index_path, mapping_path, target_json, work_dir, settings, ddp)
+def _train(index_path: Path | None, mapping_path: Path, target_json: Path, out_dir: Path, work_dir: Path,
+           settings: TrainSettings, ddp: Dist, source: StateSource | None) -> dict:
+    run = _prepare(index_path, mapping_path, target_json, work_dir, settings, ddp, source)
+    if source is not None:
+        source.start(run.steps, run.start, ddp.main)
     feed = BatchFeed(run.index, run.metas, run.steps[run.start:], settings, rank=ddp.rank, device=run.device,
-                     attention=run.attention, dtype=run.dtype)
+                     attention=run.attention, dtype=run.dtype, source=source)
     verifier = None
-    if settings.verify_shards:
+    if settings.verify_shards and source is None:  # online shards are checked as they arrive
         verifier = ShardVerifier(run.index, [s for i, s in enumerate(run.index.shards) if i % ddp.world == ddp.rank])
         verifier.start()
     run_log = RunLog(work_dir, run.start, [s.tokens for s in run.steps], main=ddp.main, progress=settings.progress)
@@ -157,6 +163,8 @@ def _loop(run: _Run, feed: BatchFeed, verifier: ShardVerifier | None, run_log: R
                                                  max_grad_norm=settings.max_grad_norm, autocast=autocast,
                                                  world=ddp.world, exact=log_now)
         del micro
+        if run.source is not None:  # before the next fetch: it may wait for room this frees
+            run.source.step_done(done)
         upcoming = feed.fetch() if done < total else []  # copies while this step computes
         acc_stats += stats
         bad = ~torch.isfinite(step_loss) | ~torch.isfinite(grad_norm)
@@ -260,20 +268,23 @@ def _wait_for_verification(verifier: ShardVerifier, ddp: Dist, device: torch.dev
 # Building the run
 
 
-def _prepare(index_path: Path, mapping_path: Path, target_json: Path, work_dir: Path, settings: TrainSettings,
-             ddp: Dist) -> _Run:
+def _prepare(index_path: Path | None, mapping_path: Path, target_json: Path, work_dir: Path,
+             settings: TrainSettings, ddp: Dist, source: StateSource | None) -> _Run:
     """The draft and its objective, the plan of every step, the optimizer, and the resume point
     (a matching checkpoint loaded, or the stale state of an earlier run cleared)."""
     device = torch.device(f"cuda:{ddp.local_rank}") if use_cuda(settings) else torch.device("cpu")
     dtype, attention, compile_ = _resolve(settings, device)
-    index = HiddenStateIndex.load(index_path)
+    index = HiddenStateIndex.load(index_path) if source is None else source.index
+    where = index_path or index.root
     target = read_json(target_json)
-    config, draft, objective = _build(index, target, index_path, mapping_path, target_json, settings, device,
+    config, draft, objective = _build(index, target, where, mapping_path, target_json, settings, device,
                                       dtype, attention, compile_)
     group = ddp.world * settings.grad_accum_steps
-    metas, steps = plan_run(index, settings, group, index_path)
+    metas = None if source is None else source.metas(settings.batch_tokens, settings.ttt_steps)
+    metas, steps = plan_run(index, settings, group, where, metas)
 
-    key = checkpoint_key(settings, index_path, mapping_path, target, group)
+    states = None if source is None else source.fingerprint
+    key = checkpoint_key(settings, index_path, mapping_path, target, group, states)
     checkpoint, checkpoint_state, resume = find_checkpoint(work_dir, key)
     log.info("%s", resume)
     trainable = [p for p in draft.parameters() if p.requires_grad]
@@ -297,7 +308,7 @@ def _prepare(index_path: Path, mapping_path: Path, target_json: Path, work_dir: 
             objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     batch_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return _Run(settings, ddp, device, batch_dtype, attention, index, config, draft, model, trainable, optimizer,
-                metas, steps, key, start, resume, checkpoint, checkpoint_state)
+                metas, steps, key, start, resume, checkpoint, checkpoint_state, source)
 
 
 def _resolve(settings: TrainSettings, device: torch.device) -> tuple[torch.dtype, str, bool]:

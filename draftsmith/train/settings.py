@@ -43,8 +43,9 @@ class TrainSettings:
     device: str = from_schema("device")  # "auto" (cuda when present), "cuda" or "cpu"
 
     SECTION = "train"
-    NOT_SETTINGS = {key: "launch, not math: run_training's arguments (settings_and_launch)"
-                    for key in ("devices", "nodes", "rdzv_port")}
+    NOT_SETTINGS = {**{key: "launch, not math: run_training's arguments (settings_and_launch)"
+                       for key in ("devices", "nodes", "rdzv_port")},
+                    "mode": "which rule trains (train_draft or train_draft_online), not math: the same draft either way"}
 
     # settings that do not change the weights: a checkpoint stays valid when they change
     NON_MATH = ("checkpoint_every", "keep_checkpoints", "log_every", "verify_shards", "progress",
@@ -79,6 +80,7 @@ LAUNCH_KEYS = ("devices", "nodes", "rdzv_port")  # train: keys that decide the p
 
 def settings_and_launch(values: dict[str, Any]) -> tuple[TrainSettings, dict[str, int]]:
     """The workflow's ``train:`` section split into TrainSettings and ``run_training``'s launch
-    arguments (``devices``, ``nodes``, ``rdzv_port``)."""
+    arguments (``devices``, ``nodes``, ``rdzv_port``); ``mode`` chose the rule and is dropped."""
     launch = {k: values[k] for k in LAUNCH_KEYS if k in values}
-    return settings_from_dict({k: v for k, v in values.items() if k not in launch}), launch
+    rest = {k: v for k, v in values.items() if k not in launch and k != "mode"}
+    return settings_from_dict(rest), launch

@@ -1,0 +1,174 @@
+"""Online training against its two halves: extraction alone, training alone, and both at once
+through the window, in one run; plus the window's peak on disk against ``online.window_tokens``.
+
+On two GPUs the engine (HF backend) runs on GPU 0 and the trainer on GPU 1, for a random-init
+model of the 8B Llama shape; each phase runs in a process of its own with its
+``CUDA_VISIBLE_DEVICES``. Rates are training tokens over each phase's wall time (model loads and
+compilation included, so use enough ``--tokens`` for them to amortise). Printed and written to
+``--out``: the three rates, online / min(extraction, training), and the peak window in bytes.
+
+    python bench/online_training.py --out bench-online.json     # 2 GPUs
+    python bench/online_training.py --tiny                      # CPU smoke check, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+PHASE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from draftsmith.extract import ExtractionSettings, extract_part, merge
+from draftsmith.online import OnlineSettings, run_online_training
+from draftsmith.train import TrainSettings, run_training
+a = json.loads({args!r})
+ex, tr = ExtractionSettings(**a["extraction"]), TrainSettings(**a["train"])
+d = a["dir"]
+if a["phase"] == "extract":
+    extract_part(d + "/train.jsonl", d + "/target.json", 0, ex, d + "/hs", d + "/hs/part-0.json")
+    merge([d + "/hs/part-0.json"], d + "/hs/index.json")
+elif a["phase"] == "train":
+    run_training(d + "/hs/index.json", d + "/mapping.safetensors", d + "/target.json", d + "/draft-offline",
+                 d + "/work-offline", tr)
+else:
+    run_online_training(d + "/train.jsonl", d + "/target.json", d + "/mapping.safetensors", d + "/draft-online",
+                        d + "/work-online", tr, ex, OnlineSettings(**a["online"]),
+                        engine_devices=a["engine"], trainer_devices=a["trainer"])
+"""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke check in seconds")
+    p.add_argument("--tokens", type=int, default=4_194_304, help="training tokens (samples of --seq-len)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--shard-tokens", type=int, default=262_144)
+    p.add_argument("--window-tokens", type=int, default=1_048_576)
+    p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one, removed)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.tokens, args.seq_len, args.shard_tokens, args.window_tokens = 4096, 64, 512, 1024
+    return args
+
+
+def build_inputs(args, folder: Path) -> None:
+    """The model (random init), target.json, train.jsonl of random tokens, and the vocab mapping."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tiny
+    from draftsmith.targets.inspect import write_target_json
+    from draftsmith.vocab import build_vocab_mapping
+
+    model = folder / "model"
+    if args.tiny:
+        tiny.build_llama(model)
+        vocab, draft_vocab = 384, 128
+    else:
+        config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                             torch_dtype="bfloat16")
+        with torch.device("cuda"):
+            LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
+        tiny.build_tokenizer(model)
+        vocab, draft_vocab = 128256, 32000
+    write_target_json(folder / "target.json", model)
+    rng = random.Random(0)
+    # mostly tokens the draft vocabulary can hold, as in real text (build_vocab_mapping refuses less)
+    rows = [{"id": f"s{i}", "input_ids": [rng.randrange(1, draft_vocab if rng.random() < 0.95 else vocab)
+                                          for _ in range(args.seq_len)],
+             "loss_mask": [0] * (args.seq_len // 4) + [1] * (args.seq_len - args.seq_len // 4)}
+            for i in range(max(1, args.tokens // args.seq_len))]
+    tiny.write_jsonl(folder / "train.jsonl", rows)
+    build_vocab_mapping(folder / "train.jsonl", vocab, draft_vocab, folder / "mapping.safetensors",
+                        folder / "vocab_stats.json")
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the states under ``path`` (the small JSON files of the window left out)."""
+    return sum(f.stat().st_size for f in path.rglob("*.safetensors")) if path.exists() else 0
+
+
+def run_phase(name: str, spec: dict, env: dict, watch: Path | None = None) -> tuple[float, int]:
+    """Wall seconds of the phase's process, and the peak bytes under ``watch`` while it ran."""
+    peak, done = [0], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], folder_bytes(watch))
+            except FileNotFoundError:  # a shard deleted while listed
+                pass
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=poll, daemon=True) if watch is not None else None
+    if watcher:
+        watcher.start()
+    started = time.perf_counter()
+    code = PHASE.format(root=str(ROOT), args=json.dumps({**spec, "phase": name}))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    seconds = time.perf_counter() - started
+    done.set()
+    if watcher:
+        watcher.join()
+    return seconds, peak[0]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    folder = args.dir or Path(tempfile.mkdtemp(prefix="online-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.tiny else "cuda"
+    spec = {"dir": str(folder), "engine": None if args.tiny else "0", "trainer": None if args.tiny else "1",
+            "extraction": {"device": device, "shard_tokens": args.shard_tokens, "batch_tokens": 16384},
+            "train": {"device": device, "batch_tokens": max(args.seq_len, 8192 if not args.tiny else 128),
+                      "epochs": 1, "warmup_steps": 2, "log_every": 10, "checkpoint_every": 1000,
+                      "progress": False},
+            "online": {"window_tokens": args.window_tokens, "cache_fraction": 0.0}}
+    try:
+        build_inputs(args, folder)
+        base = {**os.environ, "PYTHONPATH": str(ROOT)}
+        def gpu(ids: str) -> dict:
+            return {} if args.tiny else {"CUDA_VISIBLE_DEVICES": ids}
+
+        extract_s, _ = run_phase("extract", spec, {**base, **gpu("0")})
+        train_s, _ = run_phase("train", spec, {**base, **gpu("1")})
+        online_s, peak = run_phase("online", spec, {**base, **gpu("0,1")}, watch=folder / "work-online" / "window")
+        summary = json.loads((folder / "work-online" / "summary.json").read_text())
+        index = json.loads((folder / "hs" / "index.json").read_text())
+        tokens = summary["tokens"]
+        per_token = index["bytes"] / index["num_tokens"]
+        rates = {"extraction": tokens / extract_s, "training": tokens / train_s, "online": tokens / online_s}
+        result = {
+            "tokens": tokens, "seconds": {"extraction": extract_s, "training": train_s, "online": online_s},
+            "tokens_per_s": rates, "online_vs_slower": rates["online"] / min(rates["extraction"], rates["training"]),
+            "window_tokens": args.window_tokens, "window_bytes": args.window_tokens * per_token,
+            "peak_window_bytes": peak, "peak_window_tokens": summary["online"]["peak_window_tokens"],
+            "store_bytes": index["bytes"],
+        }
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

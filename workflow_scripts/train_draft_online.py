@@ -1,0 +1,35 @@
+"""Snakemake entry: train the draft online, the engine on the first GPUs of the job, the trainer on the rest."""
+
+from pathlib import Path
+
+from draftsmith.extract import ExtractionSettings
+from draftsmith.logs import setup_logging
+from draftsmith.online import OnlineSettings, run_online_training
+from draftsmith.placement import engine_env, engine_placement
+from draftsmith.train import settings_and_launch
+
+# vLLM may start its engine with multiprocessing "spawn", which runs this file again as
+# __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
+if __name__ == "__main__":
+    setup_logging(snakemake.log[0])
+    params = snakemake.params
+    settings, launch = settings_and_launch({**params.settings, "device": params.device})
+    engine = params.engine_gpus
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)) as claim:
+        ids = [d.index for d in claim.devices]
+        run_online_training(
+            snakemake.input.train,
+            snakemake.input.target,
+            snakemake.input.mapping,
+            Path(snakemake.output.config).parent,
+            params.work_dir,
+            settings,
+            ExtractionSettings.from_config(params.extraction, model_dtype=params.model_dtype, device=params.device),
+            OnlineSettings.from_config(params.online),
+            devices=launch.get("devices", 1),
+            engine_devices=",".join(ids[:engine]) if ids else None,
+            trainer_devices=",".join(ids[engine:]) if ids else None,
+            log_path=snakemake.log[0],
+            metrics_out=snakemake.output.metrics,
+            summary_out=snakemake.output.summary,
+        )
