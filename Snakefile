@@ -1,10 +1,17 @@
 # Draftsmith: train an EAGLE-3 draft model for a target LLM, one cached stage per rule.
 # README.md has the stage map; every artifact's contract is in the README's "Artifacts" section.
 
+import os
+
 from snakemake.utils import min_version, validate
 from draftsmith.config import check_config, check_semantics
 
 min_version("9.0")
+
+# Torch's CPU threads wait for the next parallel region by spinning (GNU OpenMP's default): beside
+# another busy process a CPU stage then takes several times as long. Sleeping waits cost little
+# even on a quiet machine (docs/benchmarks.md, bench/cpu_contention.py). Every job inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The embedded demo's config, unless --configfile names another: a user's config then starts from

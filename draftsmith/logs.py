@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from draftsmith.errors import DraftsmithError
@@ -22,6 +23,9 @@ def setup_logging(log_path: str | None) -> None:
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.excepthook = _log_uncaught
+    logging.getLogger("draftsmith").info("CPU threads: OMP_NUM_THREADS=%s, OMP_WAIT_POLICY=%s",
+                                         os.environ.get("OMP_NUM_THREADS", "unset"),
+                                         os.environ.get("OMP_WAIT_POLICY", "unset"))
 
 
 def _log_uncaught(kind, error, traceback) -> None:

@@ -1,5 +1,7 @@
 """Honest caching, checked through real `snakemake` runs of the first stages on a tiny target."""
 
+import os
+
 import pytest
 
 from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
@@ -25,6 +27,9 @@ def test_caching_follows_inputs_params_and_code(workflow):
 
     snakemake(workdir, *PREFLIGHT_TARGETS, configfile=config)
     assert (workdir / "results/t/target.json").exists()
+    # Jobs' torch threads sleep while they wait (the Snakefile's default), and the log says so.
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert f"OMP_WAIT_POLICY={wait_policy}" in (workdir / "logs/t/prepare_dataset.log").read_text()
     again = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
     assert planned_rules(again) == set(), again.stdout
     assert "Nothing to be done" in again.stdout + again.stderr
