@@ -149,3 +149,35 @@ def test_estimate_payoff_writes_json_and_plot(tmp_path):
     assert [len(row) for row in result["draft"]["speedup"]] == [2] * 5
     assert result["sources"]["gsm8k"]["tau"][2] == pytest.approx(2.5)
     assert (tmp_path / "payoff.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_workflow_evaluates_each_prompt_set_and_estimates_the_payoff(tmp_path):
+    """Real snakemake on the tiny target: an eval.sources set goes through prepare_eval_prompts into
+    acceptance.json, the plots and payoff.json; caching follows the source file and eval.payoff."""
+    import tiny
+    from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path, max_heldout=2)
+    source = tiny.write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": f"What is {i} + 1?"} for i in range(3)])
+    config.update(vocab={"draft_vocab_size": 64},
+                  train={"epochs": 1, "max_steps": 3, "batch_tokens": 512, "warmup_steps": 1},
+                  eval={"max_prompts": 2, "max_new_tokens": 6, "k_sweep": [1, 2], "k": 2,
+                        "sources": [{"name": "gsm8k", "path": str(source)}], "payoff": {"batch_sizes": [1, 16]}})
+    configfile = write_config(workdir, config)
+    snakemake(workdir, configfile=configfile)
+    results = workdir / "results" / "t"
+    acceptance = json.loads((results / "eval" / "acceptance.json").read_text())
+    assert acceptance["sources"]["gsm8k"]["num_prompts"] == 2  # eval.max_prompts of the three
+    payoff = json.loads((results / "eval" / "payoff.json").read_text())
+    assert payoff["batch_sizes"] == [1, 16] and set(payoff["sources"]) == {"gsm8k"}
+    assert payoff["draft"]["tau"][1] == pytest.approx(1 + sum(acceptance["acceptance_rate_by_position"]))
+    for png in ("prompt_sets.png", "payoff.png"):
+        assert (results / "eval" / png).stat().st_size > 0
+
+    changed = snakemake(workdir, "-n", "--config", "eval={payoff: {gpu: h100}}", configfile=configfile)
+    assert planned_rules(changed) == {"estimate_payoff"}
+    tiny.write_jsonl(source, [{"question": f"What is {i} + 2?"} for i in range(3)])
+    edited = snakemake(workdir, "-n", configfile=configfile)
+    assert planned_rules(edited) == {"prepare_eval_prompts", "evaluate_draft", "plot_evaluation",
+                                     "estimate_payoff"}
