@@ -481,6 +481,10 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
     heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
         {"id": pid, "messages": [], "prompt_ids": ids, "source": {"file": "x.jsonl", "line": i}}
         for i, (pid, ids) in enumerate(LLAMA_PROMPTS.items())])
+    # one eval.sources set, decoded in the same engines as the held-out prompts
+    repeats = tiny.write_jsonl(tmp_path / "repeats.jsonl", [
+        {"id": f"r{i}", "messages": [], "prompt_ids": [5, 6, 7, 8] * 3 + [i], "source": {"file": "y.jsonl", "line": i}}
+        for i in range(2)])
     out = tmp_path / "eval" / "acceptance.json"
     script = tmp_path / "evaluate.py"
     script.write_text(textwrap.dedent(f"""
@@ -494,7 +498,8 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
             settings = EvalSettings(backend="vllm", k=3, max_prompts={len(LLAMA_PROMPTS)}, max_new_tokens=16)
             result = evaluate_draft({str(draft)!r}, {str(tmp_path / "target.json")!r}, {str(heldout)!r},
                                     {str(out)!r}, settings, dtype="float32", device="cpu",
-                                    engine_kwargs=ENGINE_ARGS, hf_reference=False)
+                                    engine_kwargs=ENGINE_ARGS, hf_reference=False,
+                                    sources={{"repeats": {str(repeats)!r}}})
             with open({str(tmp_path / "result.json")!r}, "w") as f:
                 json.dump(result, f)
     """))
@@ -506,6 +511,10 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
     assert result["tau_by_k"]["k"] == [3] and len(result["acceptance_rate_by_position"]) == 3
     # float32 on the CPU: speculation in vLLM reproduces vLLM's greedy decoding exactly
     assert result["lossless"]["differing_count"] == 0, result["lossless"]["differing"]
-    assert result["vllm"]["num_drafts"] == result["num_steps"]  # counters and per-request records agree
+    found = result["sources"]["repeats"]
+    assert found["num_prompts"] == 2 and found["prompts"] == str(repeats) and found["tau"] >= 1
+    assert found["lossless"]["differing_count"] == 0 and found["baseline"]["kind"] == "ngram"
+    # the counters cover every prompt set; the per-request records each set's own
+    assert result["vllm"]["num_drafts"] == result["num_steps"] + found["num_steps"]
     plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png", tmp_path / "sets.png")
     assert (tmp_path / "tau_vs_k.png").stat().st_size > 0

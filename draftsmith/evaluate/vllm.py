@@ -214,7 +214,8 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
     figures, begin = {}, 0
     for name, found in sets.items():
         end = begin + len(found)
-        figures[name] = _vllm_figures(run.greedy[begin:end], run.draft[begin:end], run.baseline[begin:end], k)
+        figures[name] = _vllm_figures(run.greedy[begin:end], run.draft[begin:end], run.baseline[begin:end], k,
+                                      settings.ngram_max)
         begin = end
     result = figures.pop("")
     result.update({
@@ -229,8 +230,7 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
         "settings": {**asdict(settings), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
         "seconds": round(time.perf_counter() - started, 2),
     })
-    result["baseline"].update(DrafterSpec("ngram", ngram_max=settings.ngram_max).describe(),
-                              speculative_config=run.baseline_config)
+    result["baseline"]["speculative_config"] = run.baseline_config
     # Throughput of the timed calls, which decoded every prompt set at once.
     for figures_of, generations, seconds in ((result, run.draft, run.draft_seconds),
                                              (result["baseline"], run.baseline, run.baseline_seconds)):
@@ -245,7 +245,7 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
 
 
 def _vllm_figures(greedy: Sequence[Generation], draft: Sequence[Generation], baseline: Sequence[Generation],
-                  k: int) -> dict:
+                  k: int, ngram_max: int) -> dict:
     """One prompt set's figures from vLLM's runs: acceptance of the draft (top level) and the baseline
     from the per-request step records, and the outputs that differ from vLLM's greedy decoding."""
     differing = []
@@ -263,7 +263,7 @@ def _vllm_figures(greedy: Sequence[Generation], draft: Sequence[Generation], bas
              for name, found in (("draft", draft), ("baseline", baseline))}
     return {
         **stats["draft"],
-        "baseline": stats["baseline"],
+        "baseline": {**DrafterSpec("ngram", ngram_max=ngram_max).describe(), **stats["baseline"]},
         "tau_by_k": {"k": [k], "draft": [stats["draft"]["tau"]], "baseline": [stats["baseline"]["tau"]],
                      "num_prompts": len(greedy), "prompts": "all"},
         "lossless": {
