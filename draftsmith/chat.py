@@ -81,8 +81,9 @@ class ChatRenderer:
         return encode_text(self.tokenizer, text, add_special_tokens=False, return_offsets_mapping=offsets)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the turns before the first assistant turn, ending in the generation prompt."""
-        first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+        """Token ids of the turns before the first assistant turn (all of them for a conversation
+        without one: an evaluation prompt), ending in the generation prompt."""
+        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
         if first == 0:
             raise ChatTemplateError("the conversation opens with an assistant turn: there is no prompt")
         return list(self.encode(self.render(messages[:first], True, tools))["input_ids"])

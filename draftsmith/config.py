@@ -58,6 +58,15 @@ def semantic_errors(config: dict) -> list[str]:
         problem = None if source == "demo" else source_problem(source)
         if problem:
             lines.append(f"data.sources: {source!r} {problem}")
+    names = [source["name"] for source in config["eval"]["sources"]]
+    for i, source in enumerate(config["eval"]["sources"]):
+        if source["name"] == "heldout" or names.count(source["name"]) > 1:
+            lines.append(f"eval.sources[{i}].name: {source['name']!r} is "
+                         + ("the held-out split's name" if source["name"] == "heldout" else "used twice")
+                         + "; give each prompt set a name of its own")
+        problem = source_problem(source["path"])
+        if problem:
+            lines.append(f"eval.sources[{i}].path: {source['path']!r} {problem}")
     lines += setting_conflicts(config)
     for folder in ("results", "logs", "benchmarks"):
         problem = unwritable(Path(folder) / config["run"])

@@ -9,6 +9,7 @@ This is all that regeneration needs of the data; tokenising and masking live in
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import json
@@ -44,6 +45,11 @@ ROLES = {
     # Llama 3.1 names tool results ipython
     "ipython": "tool",
 }
+
+# Fields a prompt-only row (eval.sources) may hold its prompt in, in the order they are looked
+# for: MT-bench (turns), HumanEval (prompt), GSM8K (question), Alpaca (instruction), plain text.
+PROMPT_FIELDS = ("turns", "prompt", "question", "instruction", "text")
+ID_FIELDS = ("id", "question_id", "task_id")
 
 # The source file types read, each with its gzip-compressed form (parquet compresses inside).
 SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
@@ -151,15 +157,53 @@ def load_conversations(sources: Sequence[str | Path], format: str = "auto",
     if format not in FORMATS:
         raise DataError(f"unknown data format {format!r}", where="config key data.format",
                         fix="use one of " + ", ".join(FORMATS))
+    for source, line, raw in _rows(sources, max_line, "data.sources"):
+        yield raw if isinstance(raw, BadRow) else _normalize(raw, source, line, format)
+
+
+def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[Row]:
+    """Yield every row of evaluation prompt sets (eval.sources) as a ``Conversation`` whose messages
+    are the prompt (the turns before the first answer; an answer is not needed), or a ``BadRow``.
+
+    Besides conversations, a row may hold its prompt in one of ``PROMPT_FIELDS``, which becomes a
+    user turn; its id may be in one of ``ID_FIELDS``.
+    """
+    for source, line, raw in _rows(sources, max_line, "eval.sources"):
+        if isinstance(raw, BadRow):
+            yield raw
+            continue
+        if isinstance(raw, dict) and raw.get("messages") is None and raw.get("conversations") is None:
+            field = next((f for f in PROMPT_FIELDS if raw.get(f) is not None), None)
+            if field is None:
+                keys = ", ".join(sorted(map(str, raw))) or "none"
+                yield BadRow(source, line, "unknown_format", f"no 'messages', 'conversations' or prompt field "
+                                                             f"({', '.join(PROMPT_FIELDS)}) (keys: {keys})")
+                continue
+            value = raw[field]
+            if field == "turns" and isinstance(value, list) and value:
+                value = value[0]  # MT-bench: later turns follow the target's own first answer
+            row_id = next((raw[f] for f in ID_FIELDS if raw.get(f) not in (None, "")), None)
+            raw = {"id": row_id, "messages": [{"role": "user", "content": value}]}
+        row = _normalize(raw, source, line, "auto", answer_required=False)
+        if isinstance(row, Conversation):
+            first = next((i for i, m in enumerate(row.messages) if m["role"] == "assistant"), len(row.messages))
+            if first == 0:
+                row = BadRow(source, line, "missing_turns", "no turn before the first answer")
+            else:
+                row = dataclasses.replace(row, messages=row.messages[:first])
+        yield row
+
+
+def _rows(sources: Sequence[str | Path], max_line: int, key: str) -> Iterator[tuple[str, int, Any]]:
+    """(source, line, raw row or BadRow) for every row of ``sources``; a source without rows raises."""
     for source in sources:
-        path = Path(source)
         rows = 0
-        for line, raw in _read_source(path, max_line):
+        for line, raw in _read_source(Path(source), max_line):
             rows += 1
-            yield raw if isinstance(raw, BadRow) else _normalize(raw, str(source), line, format)
+            yield str(source), line, raw
         if rows == 0:
             raise DataError(f"data source {source} holds no rows", where=str(source),
-                            fix="fill it or remove it from data.sources")
+                            fix=f"fill it or remove it from {key}")
 
 
 def _read_source(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
@@ -291,7 +335,7 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
 # Normalizing rows
 
 
-def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
+def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool = True) -> Row:
     def bad(reason: str, detail: str) -> BadRow:
         return BadRow(file, line, reason, detail)
 
@@ -358,17 +402,19 @@ def _normalize(raw: Any, file: str, line: int, fmt: str) -> Row:
         messages.append(message)
 
     last_assistant = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    if last_assistant < 0:
+    if last_assistant < 0 and answer_required:
         return bad("no_assistant_turn", f"roles: {', '.join(m['role'] for m in messages)}")
-    surrogate = _lone_surrogate([messages[: last_assistant + 1], tools])
+    # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
+    # A prompt (no answer required) keeps them all.
+    end = last_assistant + 1 if answer_required else len(messages)
+    surrogate = _lone_surrogate([messages[:end], tools])
     if surrogate:
         return bad("invalid_unicode", surrogate)
     try:  # parquet and datasets can hold values JSON has no form for (bytes, timestamps) in tools or calls
         json.dumps([messages, tools])
     except (TypeError, ValueError) as e:
         return bad("invalid_tool_call", f"a tool definition or call holds a value that is not JSON: {e}")
-    # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
-    return Conversation(row_id, file, line, messages=messages[: last_assistant + 1], tools=tools or None)
+    return Conversation(row_id, file, line, messages=messages[:end], tools=tools or None)
 
 
 def _parse_json_field(value: Any) -> Any:

@@ -34,11 +34,13 @@ from draftsmith.chat import (
     require_chat_template,
 )
 from draftsmith.conversations import (  # noqa: F401 - Conversation is part of this stage's API too
+    PROMPT_FIELDS,
     READ_REASONS,
     BadRow,
     Conversation,
     Row,
     load_conversations,
+    load_prompts,
     max_line_bytes,
     row_where,
 )
@@ -423,3 +425,66 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
         train.commit()
         held.commit()
     return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation prompt sets (eval.sources)
+
+
+def prepare_eval_prompts(source: str | Path, tokenizer_dir: str | Path, out_path: str | Path, *,
+                         max_prompts: int, max_seq_len: int, max_bad_fraction: float) -> dict:
+    """Write ``out_path`` in heldout.jsonl's format (id, messages, prompt_ids, source) from the
+    first ``max_prompts`` usable prompts of the evaluation set ``source``, rendered with the chat
+    template of ``tokenizer_dir``, and ``<out_path stem>.stats.json``; return the stats.
+
+    Rows are read and dropped as prepare_dataset reads them (``data.max_bad_fraction`` applies).
+    """
+    out_path = Path(out_path)
+    tally = _Tally(max_bad_fraction)
+    tally.fixes["unknown_format"] = ("rows need 'messages', 'conversations' or a prompt in one of the fields "
+                                     + ", ".join(PROMPT_FIELDS))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    require_chat_template(tokenizer, tokenizer_dir)
+    renderer = ChatRenderer(tokenizer)
+    seen: set[str] = set()
+    tokens = 0
+    with _PendingFile(out_path) as out:
+        for row in load_prompts([source], max_line_bytes(max_seq_len)):
+            if len(seen) >= max_prompts:
+                break
+            tally.read += 1
+            if isinstance(row, BadRow):
+                tally.bad(row)
+                continue
+            try:
+                prompt = renderer.prompt_ids(row.messages, row.tools)
+            except (ChatTemplateError, TokenizerFailure) as e:
+                reason = "template_error" if isinstance(e, ChatTemplateError) else "tokenizer_error"
+                tally.bad(BadRow(row.file, row.line, reason, e.what))
+                if e.fix:
+                    tally.fixes.setdefault(reason, e.fix)
+                continue
+            if len(prompt) >= max_seq_len:  # as held-out prompts: the target must have room to answer
+                tally.bad(BadRow(row.file, row.line, "too_long_prompt",
+                                 f"{len(prompt)} tokens, data.max_seq_len is {max_seq_len}"))
+                continue
+            row_id = _unique_id(row.id, seen)
+            seen.add(row_id)
+            out.write_row({"id": row_id, "messages": row.messages, "prompt_ids": prompt,
+                           **({"tools": row.tools} if row.tools else {}),
+                           "source": {"file": row.file, "line": row.line}})
+            tokens += len(prompt)
+        tally.check()
+        if not seen:
+            reason = tally.dropped.most_common(1)[0][0] if tally.dropped else ""
+            raise DataError(f"no usable prompt in the evaluation set {source} ({dict(tally.dropped)})",
+                            where=f"config key eval.sources, {source}",
+                            fix={**REASON_FIXES, **tally.fixes}.get(reason, "give rows with a prompt"))
+        out.commit()
+    stats = {"source": str(source), "rows_read": tally.read, "prompts": len(seen), "prompt_tokens": tokens,
+             "rows_dropped": {reason: tally.dropped[reason] for reason in REASONS},
+             "first_bad_rows": tally.first_bad, "max_prompts": max_prompts, "max_seq_len": max_seq_len}
+    atomic_write_json(out_path.with_suffix(".stats.json"), stats)
+    log.info("%d prompts (%d tokens) from %s; dropped %s", len(seen), tokens, source,
+             {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
+    return stats

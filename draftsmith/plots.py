@@ -196,7 +196,70 @@ def plot_tau_vs_k(acceptance_json: str | Path, out_path: str | Path) -> Path:
     return _save(fig, out_path)
 
 
-def plot_evaluation(acceptance_json: str | Path, by_position_png: str | Path, tau_vs_k_png: str | Path) -> None:
-    """Both evaluation figures from one acceptance.json."""
+def plot_prompt_sets(acceptance_json: str | Path, out_path: str | Path) -> Path:
+    """τ of the draft and the baseline on each prompt set (held-out split first, then eval.sources),
+    and the draft's acceptance by position on each."""
+    result = _read_acceptance(acceptance_json)
+    sets = {"held-out": result, **(result.get("sources") or {})}
+    names = _label(result)
+    fig = _figure(max(11, 1.4 * len(sets) + 7), 4.5)
+    bars_ax, position_ax = fig.subplots(1, 2)
+    width = 0.38
+    xs = range(len(sets))
+    for offset, pick, name, color in ((-width / 2, lambda r: r["tau"], names[0], DRAFT_COLOR),
+                                      (width / 2, lambda r: r["baseline"]["tau"], names[1], BASELINE_COLOR)):
+        values = _nan([pick(r) for r in sets.values()])
+        bars = bars_ax.bar([x + offset for x in xs], [0 if math.isnan(v) else v for v in values], width,
+                           color=color, label=name)
+        bars_ax.bar_label(bars, labels=["n/a" if math.isnan(v) else f"{v:.2f}" for v in values], fontsize=8,
+                          padding=2)
+    bars_ax.set_xticks(list(xs), [f"{n}\n({r['num_prompts']} prompts)" for n, r in sets.items()], fontsize=8)
+    bars_ax.set_ylabel("mean acceptance length τ")
+    bars_ax.set_title(f"τ by prompt set, k = {result['settings']['k']}")
+    bars_ax.grid(axis="y", alpha=0.3)
+    bars_ax.legend(fontsize=9)
+    for i, (name, found) in enumerate(sets.items()):
+        rates = _nan(found["acceptance_rate_by_position"])
+        position_ax.plot(range(1, len(rates) + 1), rates, marker="o", color=f"C{i}", label=name)
+    position_ax.set_xticks(range(1, len(result["acceptance_rate_by_position"]) + 1))
+    position_ax.set_xlabel("draft position j")
+    position_ax.set_ylabel("acceptance rate (share of verification steps)")
+    position_ax.set_ylim(0, 1.05)
+    position_ax.grid(alpha=0.3)
+    position_ax.legend(fontsize=8, title=names[0])
+    position_ax.set_title("The draft's acceptance by position, per prompt set")
+    return _save(fig, out_path)
+
+
+def plot_evaluation(acceptance_json: str | Path, by_position_png: str | Path, tau_vs_k_png: str | Path,
+                    prompt_sets_png: str | Path) -> None:
+    """The evaluation figures from one acceptance.json."""
     plot_acceptance_by_position(acceptance_json, by_position_png)
     plot_tau_vs_k(acceptance_json, tau_vs_k_png)
+    plot_prompt_sets(acceptance_json, prompt_sets_png)
+
+
+def plot_payoff(payoff_json: str | Path, out_path: str | Path) -> Path:
+    """Expected decode speedup against the batch size, one line per k, for the draft and the baseline."""
+    payoff = read_json(payoff_json)
+    batches = payoff["batch_sizes"]
+    fig = _figure(12, 4.5)
+    axes = fig.subplots(1, 2, sharey=True)
+    server = payoff["server"]
+    for ax, name, title in ((axes[0], "draft", "EAGLE-3 draft"), (axes[1], "baseline", "n-gram baseline")):
+        for k, row in zip(payoff["k"], payoff[name]["speedup"]):
+            ax.plot(batches, row, marker="o", markersize=3, label=f"k = {k}")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("concurrent sequences (batch)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("expected decode speedup (below 1: slower)")
+    target = payoff["target"]
+    shape = (f"MoE, {target['experts']} experts top-{target['top_k']}" if target["kind"] == "moe" else "dense")
+    fig.suptitle(f"Expected speedup on {server['tensor_parallel_size']}× {server['gpu'].upper()} "
+                 f"({shape}, {target['active_params'] / 1e9:.1f}B active), context {server['context_tokens']} "
+                 "tokens: a cost model (docs/payoff.md)")
+    return _save(fig, out_path)

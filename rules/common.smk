@@ -166,11 +166,34 @@ def extraction_parts():
     return range(config["extraction"]["parts"])
 
 
+def eval_sources():
+    """The evaluation prompt sets besides the held-out split, by name (eval.sources)."""
+    return {source["name"]: source["path"] for source in config["eval"]["sources"]}
+
+
+def eval_source_path(wildcards):
+    return eval_sources()[wildcards.name]
+
+
+def eval_source_prompts():
+    """Each evaluation prompt set rendered for the target (prepare_eval_prompts' outputs)."""
+    return [f"{RESULTS}/data/eval_sources/{name}.jsonl" for name in eval_sources()]
+
+
+def eval_settings():
+    """evaluate_draft's settings: the eval section less its inputs (sources) and the payoff
+    estimate's own section, so a change to those does not rerun the evaluation."""
+    return {k: v for k, v in config["eval"].items() if k not in ("sources", "payoff")}
+
+
 def final_outputs():
     return [
         f"{RESULTS}/preflight.json",
         f"{RESULTS}/eval/acceptance.json",
         f"{RESULTS}/eval/acceptance_by_position.png",
         f"{RESULTS}/eval/tau_vs_k.png",
+        f"{RESULTS}/eval/prompt_sets.png",
+        f"{RESULTS}/eval/payoff.json",
+        f"{RESULTS}/eval/payoff.png",
         f"{RESULTS}/train/training_curves.png",
     ]

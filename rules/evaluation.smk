@@ -1,5 +1,6 @@
-# Evaluation: speculative decoding of held-out prompts with the target and the trained draft,
-# checked token for token against plain greedy decoding, beside a prompt-lookup baseline.
+# Evaluation: speculative decoding of held-out prompts (and of each eval.sources prompt set) with
+# the target and the trained draft, checked token for token against plain greedy decoding, beside a
+# prompt-lookup baseline; then the decode speedup those acceptance rates would give on a server.
 
 
 rule evaluate_draft:
@@ -7,6 +8,7 @@ rule evaluate_draft:
         draft=f"{RESULTS}/draft/config.json",
         target=rules.inspect_target.output.target,
         heldout=rules.prepare_dataset.output.heldout,
+        sources=eval_source_prompts(),
     output:
         acceptance=report(
             f"{RESULTS}/eval/acceptance.json",
@@ -23,7 +25,8 @@ rule evaluate_draft:
     resources:
         gpu=eval_gpus(),
     params:
-        settings=config["eval"],
+        settings=eval_settings(),
+        sources=list(eval_sources()),
         dtype=config["target"]["dtype"],
         device=config["device"],
         tensor_parallel_size=eval_tensor_parallel_size(),
@@ -47,6 +50,11 @@ rule plot_evaluation:
             caption="../report/tau_vs_k.rst",
             category="4. Evaluation",
         ),
+        prompt_sets=report(
+            f"{RESULTS}/eval/prompt_sets.png",
+            caption="../report/prompt_sets.rst",
+            category="4. Evaluation",
+        ),
     log:
         f"{LOGS}/plot_evaluation.log",
     conda:
@@ -56,3 +64,54 @@ rule plot_evaluation:
         code=script_code("plot_evaluation"),
     script:
         "../workflow_scripts/plot_evaluation.py"
+
+
+rule prepare_eval_prompts:
+    input:
+        source=eval_source_path,
+        target=rules.inspect_target.output.target,
+    output:
+        prompts=f"{RESULTS}/data/eval_sources/{{name}}.jsonl",
+        stats=f"{RESULTS}/data/eval_sources/{{name}}.stats.json",
+    log:
+        f"{LOGS}/prepare_eval_prompts/{{name}}.log",
+    conda:
+        "../envs/trainer.yaml"
+    threads: 1
+    params:
+        max_prompts=config["eval"]["max_prompts"],
+        max_seq_len=config["data"]["max_seq_len"],
+        max_bad_fraction=config["data"]["max_bad_fraction"],
+        code=script_code("prepare_eval_prompts"),
+    script:
+        "../workflow_scripts/prepare_eval_prompts.py"
+
+
+rule estimate_payoff:
+    input:
+        acceptance=rules.evaluate_draft.output.acceptance,
+        target=rules.inspect_target.output.target,
+        draft=rules.train_draft.output.config,
+    output:
+        payoff=report(
+            f"{RESULTS}/eval/payoff.json",
+            caption="../report/payoff.rst",
+            category="4. Evaluation",
+        ),
+        plot=report(
+            f"{RESULTS}/eval/payoff.png",
+            caption="../report/payoff_plot.rst",
+            category="4. Evaluation",
+        ),
+    log:
+        f"{LOGS}/estimate_payoff.log",
+    conda:
+        "../envs/trainer.yaml"
+    threads: 1
+    params:
+        settings=config["eval"]["payoff"],
+        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
+        dtype=config["target"]["dtype"],
+        code=script_code("estimate_payoff"),
+    script:
+        "../workflow_scripts/estimate_payoff.py"

@@ -129,6 +129,17 @@ def _(tmp, env):
     _check({"data": {"sources": [str(tmp / "missing.jsonl")]}})
 
 
+@case("config-eval-source-missing", ConfigError, "eval.sources[0].path: ")
+def _(tmp, env):
+    _check({"eval": {"sources": [{"name": "mt-bench", "path": str(tmp / "missing.jsonl")}]}})
+
+
+@case("config-eval-source-name-twice", ConfigError, "eval.sources[1].name: 'gsm8k' is used twice")
+def _(tmp, env):
+    source = str(tiny.write_jsonl(tmp / "gsm8k.jsonl", [{"question": "2 + 2?"}]))
+    _check({"eval": {"sources": [{"name": "gsm8k", "path": source}, {"name": "gsm8k", "path": source}]}})
+
+
 @case("config-layer-repeated", ConfigError, "target.aux_layer_ids: [2, 2] repeats a layer")
 def _(tmp, env):
     _check({"target": {"aux_layer_ids": [2, 2]}})
@@ -187,6 +198,16 @@ def _chat(i: int, user: str | None = None) -> dict:
 
 def _prepare(tmp: Path, env: dict, sources, **settings) -> None:
     prepare_dataset(sources, env["model"], tmp / "out", DataSettings(**settings))
+
+
+@case("eval-source-without-prompts", DataError, "no usable prompt in the evaluation set", "out/set.jsonl",
+      "out/set.stats.json")
+def _(tmp, env):
+    from draftsmith.data import prepare_eval_prompts
+
+    rows = [{"answer": str(i), "solution": "x"} for i in range(4)]  # no prompt field anywhere
+    prepare_eval_prompts(tiny.write_jsonl(tmp / "set_in.jsonl", rows), env["model"], tmp / "out" / "set.jsonl",
+                         max_prompts=8, max_seq_len=64, max_bad_fraction=1.0)
 
 
 @case("data-empty-file", DataError, "holds no rows", *DATA_OUTPUTS)

@@ -653,3 +653,65 @@ def test_parquet_values_json_cannot_hold_make_a_bad_row(tmp_path):
                         {"role": "assistant", "content": "", "tool_calls": [call]}]}
     (got,) = load_conversations([write_parquet(tmp_path / "t.parquet", [row])])
     assert isinstance(got, BadRow) and got.reason == "invalid_tool_call" and "not JSON" in got.detail
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation prompt sets (eval.sources)
+
+
+def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
+    """MT-bench (turns), HumanEval (prompt, task_id), GSM8K (question), conversations with or
+    without an answer: each becomes the turns before the first answer; a row without a prompt is
+    a bad row."""
+    from draftsmith.conversations import BadRow, load_prompts
+
+    source = tiny.write_jsonl(tmp_path / "mixed.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "canonical_solution": "    return a + b"},
+        {"question": "What is 2 + 3?", "answer": "5"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]},
+        {"conversations": [{"from": "human", "value": "Only a question"}]},
+        {"answer": "no prompt here"},
+        {"messages": [{"role": "assistant", "content": "an answer to nothing"}]},
+    ])
+    rows = list(load_prompts([source]))
+    assert [r.id for r in rows[:3]] == ["81", "HumanEval/0", "mixed:3"]
+    assert rows[0].messages == [{"role": "user", "content": "Write a poem."}]
+    assert rows[1].messages == [{"role": "user", "content": "def add(a, b):\n"}]
+    assert rows[2].messages == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert [m["role"] for m in rows[3].messages] == ["system", "user"]
+    assert rows[4].messages == [{"role": "user", "content": "Only a question"}]
+    assert isinstance(rows[5], BadRow) and rows[5].reason == "unknown_format" and "question" in rows[5].detail
+    assert isinstance(rows[6], BadRow) and rows[6].reason == "missing_turns"
+
+
+def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
+    from draftsmith.chat import ChatRenderer, load_tokenizer
+    from draftsmith.data import prepare_eval_prompts
+    from draftsmith.evaluate import read_prompts
+
+    model = tiny.build_llama(tmp_path / "model")
+    source = tiny.write_jsonl(tmp_path / "gsm8k.jsonl",
+                              [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
+                              + ["{broken"])
+    out = tmp_path / "eval_sources" / "gsm8k.jsonl"
+    stats = prepare_eval_prompts(source, model, out, max_prompts=4, max_seq_len=64, max_bad_fraction=0.5)
+    assert stats["prompts"] == 4 and stats["rows_read"] == 4  # stops once max_prompts are kept
+    renderer = ChatRenderer(load_tokenizer(model))
+    prompts = read_prompts(out)
+    assert [p.ids for p in prompts] == [renderer.prompt_ids([{"role": "user", "content": f"What is {i} + {i}?"}])
+                                        for i in range(4)]
+    assert json.loads(out.with_suffix(".stats.json").read_text()) == stats
+
+    # the same bad-row handling as prepare_dataset: too many bad rows stop it, naming the first
+    bad = tiny.write_jsonl(tmp_path / "bad.jsonl", ["{broken", "{broken", {"question": "ok?"}])
+    with pytest.raises(DataError, match="invalid_json=2") as error:
+        prepare_eval_prompts(bad, model, tmp_path / "bad_out.jsonl", max_prompts=4, max_seq_len=64,
+                             max_bad_fraction=0.2)
+    assert f"{bad}:1" in str(error.value) and not (tmp_path / "bad_out.jsonl").exists()
+    long = tiny.write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 200}])
+    with pytest.raises(DataError, match="no usable prompt") as error:
+        prepare_eval_prompts(long, model, tmp_path / "long_out.jsonl", max_prompts=4, max_seq_len=64,
+                             max_bad_fraction=1.0)
+    assert "data.max_seq_len" in str(error.value)

@@ -391,6 +391,44 @@ def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
     assert written["speedup"]["draft"] is None and written["speedup"]["num_prompts"] == 3
     assert "fewer than" in written["speedup"]["measured"] and written["device"]["type"] == "cpu"
     assert written["lossless"]["numerical_ties"] == []
+    assert "sources" not in written
+
+
+def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_dir, draft_dir):
+    """eval.sources: every set decoded by both drafters, checked lossless, with its own figures."""
+    from draftsmith.plots import plot_evaluation
+
+    target_json = tmp_path / "target.json"
+    write_target_json(target_json, model_dir)
+
+    def prompt_file(name, prompts):
+        return tiny.write_jsonl(tmp_path / f"{name}.jsonl", [
+            {"id": p.id, "messages": [], "prompt_ids": p.ids, "source": {"file": "x.jsonl", "line": i}}
+            for i, p in enumerate(prompts)])
+
+    heldout = prompt_file("heldout", PROMPTS[:2])
+    repeating = [Prompt(f"r{i}", [5, 6, 7, 8] * 4 + [i]) for i in range(3)]
+    sources = {"code": prompt_file("code", PROMPTS), "repeats": prompt_file("repeats", repeating)}
+    out = tmp_path / "eval" / "acceptance.json"
+    settings = EvalSettings(k=2, k_sweep=(1, 2), max_prompts=3, max_new_tokens=8, sweep_max_prompts=1)
+    result = evaluate_draft(draft_dir, target_json, heldout, out, settings, dtype="float32", device="cpu",
+                            sources=sources)
+    assert result["num_prompts"] == 2 and set(result["sources"]) == {"code", "repeats"}
+    for name, path in sources.items():
+        found = result["sources"][name]
+        assert found["prompts"] == str(path) and found["num_prompts"] == 3
+        assert len(found["acceptance_rate_by_position"]) == 2 and found["tau"] >= 1
+        assert found["baseline"]["kind"] == "ngram" and found["tau_by_k"]["k"] == [1, 2]
+        assert found["lossless"]["checked_generations"] == 3 * 2 + 1 * 2 * 1  # k=2 on all, k=1 on the first
+        assert "settings" not in found and "device" not in found
+    # a set's figures are those of an evaluation of that set alone
+    alone = evaluate_draft(draft_dir, target_json, sources["repeats"], tmp_path / "alone.json", settings,
+                           dtype="float32", device="cpu")
+    for key in ("tau", "acceptance_rate_by_position", "num_tokens", "num_steps", "tau_by_k"):
+        assert result["sources"]["repeats"][key] == alone[key], key
+    assert result["sources"]["repeats"]["baseline"]["tau"] == alone["baseline"]["tau"]
+    plot_evaluation(out, tmp_path / "a.png", tmp_path / "b.png", tmp_path / "sets.png")
+    assert (tmp_path / "sets.png").stat().st_size > 0
 
 
 def test_eagle3_through_a_multimodal_wrapper(tmp_path):
@@ -443,6 +481,10 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
     heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
         {"id": pid, "messages": [], "prompt_ids": ids, "source": {"file": "x.jsonl", "line": i}}
         for i, (pid, ids) in enumerate(LLAMA_PROMPTS.items())])
+    # one eval.sources set, decoded in the same engines as the held-out prompts
+    repeats = tiny.write_jsonl(tmp_path / "repeats.jsonl", [
+        {"id": f"r{i}", "messages": [], "prompt_ids": [5, 6, 7, 8] * 3 + [i], "source": {"file": "y.jsonl", "line": i}}
+        for i in range(2)])
     out = tmp_path / "eval" / "acceptance.json"
     script = tmp_path / "evaluate.py"
     script.write_text(textwrap.dedent(f"""
@@ -456,7 +498,8 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
             settings = EvalSettings(backend="vllm", k=3, max_prompts={len(LLAMA_PROMPTS)}, max_new_tokens=16)
             result = evaluate_draft({str(draft)!r}, {str(tmp_path / "target.json")!r}, {str(heldout)!r},
                                     {str(out)!r}, settings, dtype="float32", device="cpu",
-                                    engine_kwargs=ENGINE_ARGS, hf_reference=False)
+                                    engine_kwargs=ENGINE_ARGS, hf_reference=False,
+                                    sources={{"repeats": {str(repeats)!r}}})
             with open({str(tmp_path / "result.json")!r}, "w") as f:
                 json.dump(result, f)
     """))
@@ -468,6 +511,10 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
     assert result["tau_by_k"]["k"] == [3] and len(result["acceptance_rate_by_position"]) == 3
     # float32 on the CPU: speculation in vLLM reproduces vLLM's greedy decoding exactly
     assert result["lossless"]["differing_count"] == 0, result["lossless"]["differing"]
-    assert result["vllm"]["num_drafts"] == result["num_steps"]  # counters and per-request records agree
-    plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png")
+    found = result["sources"]["repeats"]
+    assert found["num_prompts"] == 2 and found["prompts"] == str(repeats) and found["tau"] >= 1
+    assert found["lossless"]["differing_count"] == 0 and found["baseline"]["kind"] == "ngram"
+    # the counters cover every prompt set; the per-request records each set's own
+    assert result["vllm"]["num_drafts"] == result["num_steps"] + found["num_steps"]
+    plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png", tmp_path / "sets.png")
     assert (tmp_path / "tau_vs_k.png").stat().st_size > 0

@@ -46,7 +46,7 @@ def test_snakemake_plans_the_example(kimi_dir, tmp_path):
     assert planned_rules(plan) == {
         "inspect_target", "check_setup", "regenerate_responses", "prepare_dataset", "extract_hidden_states",
         "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
-        "plot_training", "plot_evaluation"}
+        "plot_training", "plot_evaluation", "estimate_payoff"}
     text = plan.stdout
     assert text.count("rule extract_hidden_states:") == 4  # extraction.parts
     jobs = planned_jobs(plan)

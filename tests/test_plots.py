@@ -9,7 +9,7 @@ from PIL import Image
 
 import tiny
 from draftsmith.errors import TrainingError
-from draftsmith.plots import plot_evaluation, plot_training
+from draftsmith.plots import plot_evaluation, plot_prompt_sets, plot_training
 
 
 def _png(path, min_width=400):
@@ -62,6 +62,16 @@ def test_evaluation_figures(tmp_path):
     }
     path = tmp_path / "acceptance.json"
     path.write_text(json.dumps(acceptance))
-    plot_evaluation(path, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png")
+    plot_evaluation(path, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png", tmp_path / "sets.png")
     _png(tmp_path / "by_position.png")
     _png(tmp_path / "tau_vs_k.png")
+    _png(tmp_path / "sets.png")  # the held-out split alone
+
+    # each eval.sources set beside the held-out split, one with a position never reached
+    acceptance["sources"] = {
+        "mt-bench": {**acceptance, "tau": 1.9, "num_prompts": 80, "acceptance_rate_by_position": [0.6, 0.3, None],
+                     "baseline": {**acceptance["baseline"], "tau": 1.1}},
+        "gsm8k": {**acceptance, "num_prompts": 64},
+    }
+    path.write_text(json.dumps(acceptance))
+    _png(plot_prompt_sets(path, tmp_path / "sets.png"))

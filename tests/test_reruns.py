@@ -124,7 +124,7 @@ def test_a_patched_trainer_trains_again_from_step_0_and_nothing_upstream_runs(fi
     _patch(workdir, "draftsmith.train.loop", "\n_SEED_SHIFT = 1\n_seed = torch.manual_seed\n"
            "torch.manual_seed = lambda s: _seed(s + _SEED_SHIFT)\n")
     assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == \
-        {"train_draft", "evaluate_draft", "plot_training", "plot_evaluation"}
+        {"train_draft", "evaluate_draft", "plot_training", "plot_evaluation", "estimate_payoff"}
     snakemake(workdir, configfile=configfile)
     after = load_file(results / "draft" / "model.safetensors")
     assert any(not before[k].equal(after[k]) for k in before), "the patched trainer wrote the old weights"
@@ -150,7 +150,7 @@ def test_a_patched_capture_rewrites_the_shards_and_nothing_upstream_runs(finishe
     _patch(workdir, "draftsmith.extract", "\nCAPTURE_PATCH = 1\n")
     planned = planned_rules(snakemake(workdir, "-n", configfile=configfile))
     assert planned == {"extract_hidden_states", "merge_hidden_states", "train_draft", "evaluate_draft",
-                       "plot_training", "plot_evaluation"}
+                       "plot_training", "plot_evaluation", "estimate_payoff"}
     snakemake(workdir, configfile=configfile)
     rewritten = {k: v for k, v in _mtimes(results / "hidden_states").items() if "/shard-" in k}
     assert rewritten.keys() == shards.keys() and all(rewritten[k] != shards[k] for k in shards), \

@@ -13,11 +13,13 @@ from draftsmith.errors import ConfigError
 from draftsmith.evaluate import EvalSettings
 from draftsmith.extract import ExtractionSettings
 from draftsmith.online import OnlineSettings
+from draftsmith.payoff import PayoffSettings
 from draftsmith.regenerate import RegenerateSettings
-from draftsmith.settings import key_schema, load_schema
+from draftsmith.settings import key_schema
 from draftsmith.train import TrainSettings, settings_from_dict
 
-SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, OnlineSettings, EvalSettings]
+SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, OnlineSettings, EvalSettings,
+            PayoffSettings]
 
 JSON_TYPES = {int: {"integer"}, float: {"number"}, bool: {"boolean"}, str: {"string"}, type(None): {"null"},
               tuple: {"array"}, list: {"array"}}
@@ -48,7 +50,7 @@ def test_every_setting_that_is_a_config_key_has_the_schema_default_and_type(cls)
         key = f.metadata.get("schema")
         if key is None:
             # a Python-only setting must not shadow a config key of its section
-            assert f.name not in load_schema()["properties"][cls.SECTION]["properties"], (
+            assert f.name not in key_schema(cls.SECTION)["properties"], (
                 f"{cls.__name__}.{f.name} is the config key {cls.SECTION}.{f.name}: declare it from_schema")
             continue
         schema = key_schema(key)
@@ -60,8 +62,8 @@ def test_every_setting_that_is_a_config_key_has_the_schema_default_and_type(cls)
 
 @pytest.mark.parametrize("cls", SETTINGS, ids=lambda c: c.__name__)
 def test_every_config_key_of_a_section_is_a_setting_or_said_why_not(cls):
-    section = set(load_schema()["properties"][cls.SECTION]["properties"])
-    covered = {f.metadata["schema"].split(".", 1)[1] for f in dataclasses.fields(cls)
+    section = set(key_schema(cls.SECTION)["properties"])
+    covered = {f.metadata["schema"][len(cls.SECTION) + 1:] for f in dataclasses.fields(cls)
                if f.metadata.get("schema", "").startswith(cls.SECTION + ".")}
     assert section - covered == set(cls.NOT_SETTINGS), f"{cls.SECTION}: keys neither settings nor NOT_SETTINGS"
 

@@ -51,7 +51,7 @@ def expected(rule: str) -> tuple[int, int, int, int]:
 
 PREFLIGHT_RULES = {"inspect_target", "prepare_dataset", "build_vocab_mapping", "extract_hidden_states"}
 ALL_RULES = PREFLIGHT_RULES | {"check_setup", "merge_hidden_states", "train_draft", "plot_training",
-                               "evaluate_draft", "plot_evaluation"}
+                               "evaluate_draft", "plot_evaluation", "estimate_payoff"}
 SACCT_FIELDS = ["JobID", "JobName", "Comment", "State", "ExitCode", "Account", "Partition",
                 "NTasks", "AllocCPUS", "ReqMem", "TimelimitRaw", "ReqTRES", "AllocTRES"]
 

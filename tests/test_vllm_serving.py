@@ -133,7 +133,7 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
     # other 2, and vLLM's two runs on every prompt.
     assert written["lossless"]["checked_generations"] == 2 * 2 * 2 + 2 * 2 + 2 * len(LLAMA_PROMPTS)
     assert written["lossless"]["numerical_ties"] == []
-    plot_evaluation(llama_eval.out, tmp_path / "by_position.png", tmp_path / "tau.png")
+    plot_evaluation(llama_eval.out, tmp_path / "by_position.png", tmp_path / "tau.png", tmp_path / "sets.png")
     assert (tmp_path / "tau.png").stat().st_size > 0
 
 

@@ -20,4 +20,5 @@ if __name__ == "__main__":
             dtype=snakemake.params.dtype,
             device=snakemake.params.device,
             tensor_parallel_size=snakemake.params.tensor_parallel_size,
+            sources=dict(zip(snakemake.params.sources, snakemake.input.sources, strict=True)),
         )

@@ -35,7 +35,8 @@ class EvalSettings:
     sweep_max_prompts: int = from_schema("eval.sweep_max_prompts")
 
     SECTION = "eval"
-    NOT_SETTINGS = {}  # every key of the section is a setting
+    NOT_SETTINGS = {"sources": "the rule's inputs (evaluate_draft's sources argument)",
+                    "payoff": "estimate_payoff's own settings (draftsmith.payoff.PayoffSettings)"}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k_sweep", tuple(sorted(set(self.k_sweep))))

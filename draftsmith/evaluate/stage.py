@@ -18,9 +18,11 @@ log = logging.getLogger(__name__)
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
                    out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
                    device: str = "auto", tensor_parallel_size: int = 1, engine_kwargs: dict | None = None,
-                   hf_reference: bool | None = None) -> dict:
+                   hf_reference: bool | None = None, sources: dict[str, str | Path] | None = None) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
     prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
+    ``sources`` (name -> prompts in heldout.jsonl's format, from prepare_eval_prompts) are evaluated
+    the same way, each reported on its own under ``sources``.
 
     With ``settings.backend == "vllm"`` the draft is first served by vLLM (``serve_with_vllm``; the
     engines are closed before the HF loop loads the target, so the two never share the GPU), its
@@ -54,8 +56,12 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
         vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
         stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
         if not hf_reference:
+            sets = {name: read_prompts(path, settings.max_prompts) for name, path in (sources or {}).items()}
             result = evaluate_in_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
-                                      tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
+                                      tensor_parallel_size=tensor_parallel_size, sources=sets,
+                                      **(engine_kwargs or {}))
+            for name, path in (sources or {}).items():
+                result["sources"][name] = source_section(result["sources"][name], path)
             result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
             atomic_write_json(out_path, result)
             return result
@@ -78,6 +84,26 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
         result["vllm"] = vllm_section(served, result, runs["draft", settings.k], settings.k)
         log.info("vLLM serving the draft: τ = %.3f (HF loop %.3f) at k=%d; speedup over vLLM greedy %.2fx",
                  result["vllm"]["tau"] or 0, result["tau"] or 0, settings.k, result["vllm"]["speedup"] or 0)
+    if sources:
+        result["sources"] = {name: _evaluate_set(backend, name, path, draft_dir, settings)
+                             for name, path in sources.items()}
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
+
+
+def _evaluate_set(backend, name: str, path: str | Path, draft_dir: str | Path, settings: EvalSettings) -> dict:
+    """One eval.sources prompt set through the HF loop, as the held-out prompts (vLLM's serving
+    check covers the held-out prompts only: each set would be two more engine starts)."""
+    log.info("evaluating the prompt set %s (%s)", name, path)
+    found, _ = evaluate_runs(backend, read_prompts(path, settings.max_prompts),
+                             DrafterSpec("eagle3", path=str(draft_dir)),
+                             DrafterSpec("ngram", ngram_max=settings.ngram_max), settings)
+    return source_section(found, path)
+
+
+def source_section(result: dict, path: str | Path) -> dict:
+    """acceptance.json's entry for one prompt set: its figures, less what the whole evaluation shares
+    (format, drafter, device, settings)."""
+    shared = ("format", "draft", "device", "settings", "vllm", "reference")
+    return {"prompts": str(path), **{k: v for k, v in result.items() if k not in shared}}

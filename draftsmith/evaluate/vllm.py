@@ -182,10 +182,13 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
 
 
 def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
-                     dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, **engine_kwargs) -> dict:
+                     dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1,
+                     sources: dict[str, Sequence[Prompt]] | None = None, **engine_kwargs) -> dict:
     """acceptance.json's figures from vLLM alone, for a target the HF loop cannot hold: vLLM's greedy
     decoding of the target is the reference, the draft (EAGLE-3) and the n-gram baseline run as
     vLLM's speculators at ``settings.k``, and the figures come from vLLM's per-request step records.
+    The prompt sets of ``sources`` run in the same engines (each engine start costs minutes on a
+    large target), their figures under ``sources``; timing and vLLM's counters cover all prompts.
 
     What the HF loop adds and this lacks: without the target's logits a near-tie cannot be told
     from a bug, so outputs that differ from the reference are counted and listed
@@ -193,19 +196,61 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
     sweep would be another load of the target).
     """
     started = time.perf_counter()
-    run = serve_with_vllm(target, draft_dir, prompts, settings, dtype=dtype, stop_ids=stop_ids,
+    sets = {"": list(prompts), **{name: list(found) for name, found in (sources or {}).items()}}
+    everything = [Prompt(f"{name}/{p.id}" if name else p.id, p.ids) for name, found in sets.items() for p in found]
+    run = serve_with_vllm(target, draft_dir, everything, settings, dtype=dtype, stop_ids=stop_ids,
                           tensor_parallel_size=tensor_parallel_size, baseline=True, **engine_kwargs)
     k = settings.k
-    figures = {}
-    for name, generations, seconds in (("draft", run.draft, run.draft_seconds),
-                                       ("baseline", run.baseline, run.baseline_seconds)):
-        stats = acceptance_stats(generations, k)
-        stats["seconds"] = round(seconds, 4)
-        stats["tokens_per_second"] = stats["num_tokens"] / seconds if seconds else None
-        figures[name] = stats
+    timing = {
+        "draft": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+        "baseline": run.greedy_seconds / run.baseline_seconds if run.baseline_seconds else None,
+        "greedy_seconds": round(run.greedy_seconds, 4),
+        "draft_seconds": round(run.draft_seconds, 4),
+        "baseline_seconds": round(run.baseline_seconds, 4),
+        "num_prompts": len(everything),
+        "measured": "wall clock of one vLLM generate call over all prompts (batched, every prompt set), after a "
+                    "warm-up request",
+    }
+    figures, begin = {}, 0
+    for name, found in sets.items():
+        end = begin + len(found)
+        figures[name] = _vllm_figures(run.greedy[begin:end], run.draft[begin:end], run.baseline[begin:end], k,
+                                      settings.ngram_max)
+        begin = end
+    result = figures.pop("")
+    result.update({
+        "format": ACCEPTANCE_FORMAT,
+        "draft": DrafterSpec("eagle3", path=str(draft_dir)).describe(),
+        "speedup": timing,
+        "reference": "vllm",
+        "vllm": {"speculative_config": run.speculative_config, **run.counters.summary(),
+                 "baseline": run.baseline_counters.summary(),
+                 "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over each timed call"},
+        "device": {"backend": "vllm", **run.engine},
+        "settings": {**asdict(settings), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
+        "seconds": round(time.perf_counter() - started, 2),
+    })
+    result["baseline"]["speculative_config"] = run.baseline_config
+    # Throughput of the timed calls, which decoded every prompt set at once.
+    for figures_of, generations, seconds in ((result, run.draft, run.draft_seconds),
+                                             (result["baseline"], run.baseline, run.baseline_seconds)):
+        figures_of["tokens_per_second"] = sum(len(g.tokens) for g in generations) / seconds if seconds else None
+    result["baseline"]["seconds"] = round(run.baseline_seconds, 4)
+    if figures:
+        result["sources"] = figures
+    log.info("τ = %.3f (draft) vs %.3f (n-gram baseline) at k=%d over %d prompts in vLLM alone; speedup over "
+             "vLLM's greedy decoding %.2fx (draft), %.2fx (baseline)", result["tau"] or 0,
+             result["baseline"]["tau"] or 0, k, len(everything), timing["draft"] or 0, timing["baseline"] or 0)
+    return result
+
+
+def _vllm_figures(greedy: Sequence[Generation], draft: Sequence[Generation], baseline: Sequence[Generation],
+                  k: int, ngram_max: int) -> dict:
+    """One prompt set's figures from vLLM's runs: acceptance of the draft (top level) and the baseline
+    from the per-request step records, and the outputs that differ from vLLM's greedy decoding."""
     differing = []
-    for name, generations in (("draft", run.draft), ("baseline", run.baseline)):
-        for reference, candidate in zip(run.greedy, generations):
+    for name, generations in (("draft", draft), ("baseline", baseline)):
+        for reference, candidate in zip(greedy, generations):
             if candidate.tokens != reference.tokens:
                 at = next((j for j, (a, b) in enumerate(zip(reference.tokens, candidate.tokens)) if a != b),
                           min(len(reference.tokens), len(candidate.tokens)))
@@ -214,40 +259,18 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
         log.warning("%d speculative output(s) differ from vLLM's greedy decoding (first: %s); without the "
                     "target's logits a near-tie cannot be told from a bug (lossless.differing)",
                     len(differing), differing[0])
-    draft, baseline = figures["draft"], figures["baseline"]
-    result = {
-        "format": ACCEPTANCE_FORMAT,
-        **draft,
-        "draft": DrafterSpec("eagle3", path=str(draft_dir)).describe(),
-        "baseline": {**DrafterSpec("ngram", ngram_max=settings.ngram_max).describe(), **baseline,
-                     "speculative_config": run.baseline_config},
-        "tau_by_k": {"k": [k], "draft": [draft["tau"]], "baseline": [baseline["tau"]],
-                     "num_prompts": len(prompts), "prompts": "all"},
-        "speedup": {
-            "draft": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
-            "baseline": run.greedy_seconds / run.baseline_seconds if run.baseline_seconds else None,
-            "greedy_seconds": round(run.greedy_seconds, 4),
-            "draft_seconds": round(run.draft_seconds, 4),
-            "baseline_seconds": round(run.baseline_seconds, 4),
-            "num_prompts": len(prompts),
-            "measured": "wall clock of one vLLM generate call over all prompts (batched), after a warm-up request",
-        },
+    stats = {name: {**acceptance_stats(found, k), "seconds": None, "tokens_per_second": None}
+             for name, found in (("draft", draft), ("baseline", baseline))}
+    return {
+        **stats["draft"],
+        "baseline": {**DrafterSpec("ngram", ngram_max=ngram_max).describe(), **stats["baseline"]},
+        "tau_by_k": {"k": [k], "draft": [stats["draft"]["tau"]], "baseline": [stats["baseline"]["tau"]],
+                     "num_prompts": len(greedy), "prompts": "all"},
         "lossless": {
             "reference": "vLLM's greedy decoding of the target (the HF loop cannot hold it)",
-            "checked_generations": len(run.draft) + len(run.baseline),
-            "checked_tokens": sum(len(g.tokens) for g in (*run.draft, *run.baseline)),
+            "checked_generations": len(draft) + len(baseline),
+            "checked_tokens": sum(len(g.tokens) for g in (*draft, *baseline)),
             "differing_count": len(differing),
             "differing": differing[:MAX_LISTED_TIES],
         },
-        "reference": "vllm",
-        "vllm": {"speculative_config": run.speculative_config, **run.counters.summary(),
-                 "baseline": run.baseline_counters.summary(),
-                 "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over each timed call"},
-        "device": {"backend": "vllm", **run.engine},
-        "settings": {**asdict(settings), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
-        "seconds": round(time.perf_counter() - started, 2),
     }
-    log.info("τ = %.3f (draft) vs %.3f (n-gram baseline) at k=%d over %d prompts in vLLM alone; speedup over "
-             "vLLM's greedy decoding %.2fx (draft), %.2fx (baseline)", draft["tau"] or 0, baseline["tau"] or 0,
-             k, len(prompts), result["speedup"]["draft"] or 0, result["speedup"]["baseline"] or 0)
-    return result

@@ -1,0 +1,18 @@
+"""Snakemake entry: the decode speedup the measured acceptance would give on the configured server."""
+
+from pathlib import Path
+
+from draftsmith.logs import setup_logging
+from draftsmith.payoff import estimate_payoff
+
+setup_logging(snakemake.log[0])
+estimate_payoff(
+    snakemake.input.acceptance,
+    snakemake.input.target,
+    Path(snakemake.input.draft).parent,
+    snakemake.output.payoff,
+    snakemake.params.settings,
+    tensor_parallel_size=snakemake.params.tensor_parallel_size,
+    dtype=snakemake.params.dtype,
+    plot_path=snakemake.output.plot,
+)
