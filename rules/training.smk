@@ -27,7 +27,7 @@ rule train_draft:
         gpu=train_gpus(),
     params:
         work_dir=f"{RESULTS}/train/state",
-        settings={**config["train"], "seed": config["seed"]},
+        settings={**config["train"], **config["draft"], "seed": config["seed"]},
         device=config["device"],
         code=script_code("train_draft"),
     script:
