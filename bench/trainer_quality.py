@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.hidden_states import HiddenStateIndex, ShardRows, read_shard  # noqa: E402
+from draftsmith.hidden_states import HiddenStateIndex, ShardRows, dequantize_fp8, read_shard  # noqa: E402
 
 TRAIN_KEYS = ("variant", "num_layers", "ttt_steps", "ttt_decay", "epochs", "batch_tokens", "lr", "warmup_steps",
               "weight_decay")
@@ -164,7 +164,7 @@ def store_dataset(index_path: Path, dtype: torch.dtype):
 
             def state(layer: int) -> torch.Tensor:
                 values, scales = rows.rows(layer, a, b)
-                return (values.float() * scales if scales is not None else values).to(dtype)
+                return dequantize_fp8(values, scales, dtype) if scales is not None else values.to(dtype)
 
             return {"hidden_states": torch.cat([state(i) for i in index.aux_layer_ids], -1),
                     "input_ids": rows.input_ids[a:b].clone(), "loss_mask": rows.loss_mask[a:b].clone(),
@@ -271,20 +271,21 @@ def evaluate(draft: Path, inputs: dict, args: argparse.Namespace, out: Path, dev
 
     settings = EvalSettings(backend="hf", k=args.k, k_sweep=(args.k,), max_prompts=args.eval_prompts or 10**6,
                             max_new_tokens=args.max_new_tokens, sweep_max_prompts=1)
-    result = evaluate_draft(draft, inputs["target"], inputs["heldout"], out, settings,
-                            dtype="bfloat16" if device == "cuda" else "float32", device=device)
+    result = evaluate_draft(draft, inputs["target"], inputs["heldout"], out, settings, dtype="auto", device=device)
     return {"tau": result["tau"], "acceptance_rate_by_position": result["acceptance_rate_by_position"],
             "num_prompts": result["num_prompts"], "num_tokens": result["num_tokens"],
             "ngram_tau": result["baseline"]["tau"]}
 
 
 def main(argv=None) -> dict:
+    import shutil
     import tempfile
 
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="trainer-quality-"))
     inputs = tiny_inputs(work, args.seed) if args.tiny else inputs_in(work, args.store)
     runs = work / "trainer_quality"
+    shutil.rmtree(runs, ignore_errors=True)  # both trainers start from step 0, and their drafts are this run's
     start = time.perf_counter()
     summary = train_draftsmith(inputs, args, runs / "draftsmith", args.device)
     seconds = {"draftsmith_train": time.perf_counter() - start}
