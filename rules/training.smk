@@ -31,7 +31,7 @@ if config["train"]["mode"] == "online":
             gpu=online_gpus(),
         params:
             work_dir=f"{RESULTS}/train/state",
-            settings={**config["train"], "seed": config["seed"]},
+            settings={**config["train"], **config["draft"], "seed": config["seed"]},
             extraction=config["extraction"],
             online=config["online"],
             model_dtype=config["target"]["dtype"],
@@ -69,7 +69,7 @@ else:
             gpu=train_gpus(),
         params:
             work_dir=f"{RESULTS}/train/state",
-            settings={**config["train"], "seed": config["seed"]},
+            settings={**config["train"], **config["draft"], "seed": config["seed"]},
             device=config["device"],
             code=script_code("train_draft"),
         script:

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from draftsmith.draft import DraftKVCache, Eagle3Draft, Eagle3DraftConfig, load_speculators, save_speculators
+from draftsmith.draft import VARIANTS, DraftKVCache, Eagle3Draft, Eagle3DraftConfig, load_speculators, save_speculators
+from draftsmith.errors import TrainingError
 from draftsmith.train import TTTObjective, scored_positions
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 384, 100
@@ -17,13 +18,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def make_draft(num_layers: int = 1, norm_before_residual: bool = True, seed: int = 0,
-               aux_layer_ids=(1, 2, 3), dtype=torch.float64) -> Eagle3Draft:
+               aux_layer_ids=(1, 2, 3), dtype=torch.float64, variant: str = "eagle3", **flags) -> Eagle3Draft:
     config = Eagle3DraftConfig(
         hidden_size=HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
         target_vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=list(aux_layer_ids),
         num_layers=num_layers, rms_norm_eps=1e-6, max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, norm_before_residual=norm_before_residual,
-        verifier_name_or_path="/nonexistent/target", verifier_architectures=["LlamaForCausalLM"])
+        verifier_name_or_path="/nonexistent/target", verifier_architectures=["LlamaForCausalLM"],
+        **{**VARIANTS[variant], **flags})
     torch.manual_seed(seed)
     draft = Eagle3Draft(config)
     g = torch.Generator().manual_seed(seed + 1)
@@ -84,6 +86,8 @@ def reference_logits(draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor
         gate = x @ w[p + "mlp.gate_proj.weight"].T
         return (torch.nn.functional.silu(gate) * (x @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
 
+    if c.fc_norm:  # EAGLE 3.1: each captured state normalised on its own before fc
+        aux = torch.cat([rms(a, w[f"fc_norm.{i}.weight"]) for i, a in enumerate(aux.double().chunk(c.num_aux, -1))], -1)
     hidden = aux.double() @ w["fc.weight"].T
     first_keys = [[None] * m for _ in range(c.num_layers)]
     chain_keys = [[[] for _ in range(m)] for _ in range(c.num_layers)]
@@ -126,8 +130,9 @@ def reference_logits(draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor
                 x = residual[t] + attn
                 new.append(x + mlp(rms(x, w[p + "post_attention_layernorm.weight"]), p))
             x_all = torch.stack(new)
-        hidden = x_all
-        out.append(rms(hidden, w["norm.weight"]) @ w["lm_head.weight"].T)
+        normed = rms(x_all, w["norm.weight"])
+        hidden = normed if c.norm_output else x_all  # EAGLE 3.1 feeds the post-norm state on
+        out.append(normed @ w["lm_head.weight"].T)
     return out
 
 
@@ -137,9 +142,11 @@ def unroll(draft, aux, ids, pos, doc, attention="sdpa"):
     return [draft.lm_head(x) for x in objective.unroll(aux, ids, pos, doc)]
 
 
-@pytest.mark.parametrize("num_layers,norm_before_residual", [(1, True), (1, False), (2, True)])
-def test_packed_ttt_forward_matches_reference_per_sample(num_layers, norm_before_residual):
-    draft = make_draft(num_layers, norm_before_residual)
+@pytest.mark.parametrize("num_layers,norm_before_residual,variant",
+                         [(1, True, "eagle3"), (1, False, "eagle3"), (2, True, "eagle3"), (1, True, "eagle3.1"),
+                          (3, False, "eagle3.1")])
+def test_packed_ttt_forward_matches_reference_per_sample(num_layers, norm_before_residual, variant):
+    draft = make_draft(num_layers, norm_before_residual, variant=variant)
     lengths = [7, 1, 12, 4]
     aux, ids, pos, doc, tokens = packed_batch(lengths)
     logits = unroll(draft, aux, ids, pos, doc)
@@ -279,10 +286,11 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_incremental_drafting_reproduces_every_ttt_step():
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_incremental_drafting_reproduces_every_ttt_step(variant):
     """draft_step with a KV cache (what speculative decoding runs) gives training's logits at
     every TTT step, when the cache holds the verified prefix plus this chain's draft positions."""
-    draft = make_draft(2)
+    draft = make_draft(2, variant=variant)
     m, steps = 10, 3
     aux, ids, pos, doc, (tokens,) = packed_batch([m], ttt_steps=steps)
     trained = unroll(draft, aux, ids, pos, doc)
@@ -300,9 +308,13 @@ def test_incremental_drafting_reproduces_every_ttt_step():
         draft.draft_step(aux[t + 1:], tokens[t + 1:], pos[t + 1:], cache)
 
 
-def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path):
+@pytest.mark.parametrize("num_layers,variant,flags", [(1, "eagle3", {}), (2, "eagle3.1", {}),
+                                                      (1, "eagle3", {"norm_before_fc": True, "norm_output": True})])
+def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path, num_layers, variant, flags):
     """config.json parses with speculators 0.9's Eagle3SpeculatorConfig, the weights load strictly
-    into its Eagle3DraftModel, and its own TTT forward gives our loss and our per-step tokens."""
+    into its Eagle3DraftModel, and its own TTT forward gives our loss and our per-step tokens: plain
+    EAGLE-3, EAGLE 3.1 with two layers (fc_norm, norm_output), and speculators' trainer default
+    (norm_before_fc, norm_output)."""
     pytest.importorskip("speculators")
     from safetensors.torch import load_file
     from speculators import SpeculatorModel
@@ -314,7 +326,7 @@ def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path):
     from tests.tiny import build_llama
 
     verifier = build_llama(tmp_path / "target", tokenizer_template=None, num_layers=4)
-    draft = make_draft(1, True, aux_layer_ids=(1, 2, 3)).float()
+    draft = make_draft(num_layers, True, aux_layer_ids=(1, 2, 3), variant=variant, **flags).float()
     draft.config.verifier_name_or_path = str(verifier)
     save_speculators(draft, tmp_path / "draft", dtype="float32")
     raw = json.loads((tmp_path / "draft" / "config.json").read_text())
@@ -323,6 +335,9 @@ def test_saved_draft_loads_in_speculators_and_matches_its_forward(tmp_path):
     assert config.eagle_aux_hidden_state_layer_ids == [1, 2, 3]
     assert config.speculators_config.proposal_methods[0].speculative_tokens == 3
     assert config.norm_before_residual is True and config.draft_vocab_size == DRAFT_VOCAB
+    assert config.transformer_layer_config.num_hidden_layers == num_layers
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        assert getattr(config, flag) is getattr(draft.config, flag), flag
 
     config.transformer_layer_config._attn_implementation = "sdpa"
     missing, unexpected = Eagle3DraftModel(config).load_state_dict(
@@ -392,8 +407,39 @@ def test_config_parses_for_vllm_eagle3():
                                                                      "num_speculative_tokens": 3}
 
 
-def test_save_load_roundtrip(tmp_path):
-    draft = make_draft(2, False).float()
+def test_eagle31_config_is_read_by_vllm_releases_with_and_without_the_top_level_fields():
+    """vLLM 0.32 copies fc_norm and norm_output from config.json's top level; vLLM 0.24's algos.py
+    does not, but builds the draft's PretrainedConfig from transformer_layer_config, whose copies
+    its llama_eagle3.py then reads with getattr."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    raw = make_draft(2, variant="eagle3.1").config.to_speculators()
+    assert raw["fc_norm"] is True and raw["norm_output"] is True and raw["norm_before_fc"] is False
+    assert raw["transformer_layer_config"]["fc_norm"] is True and raw["transformer_layer_config"]["norm_output"] is True
+    parsed = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(raw)))
+    assert parsed["fc_norm"] is True and parsed["norm_output"] is True and parsed["num_hidden_layers"] == 2
+    plain = make_draft(1).config.to_speculators()
+    assert not any(plain[f] or plain["transformer_layer_config"].get(f) for f in ("fc_norm", "norm_output"))
+
+
+def test_variants_from_the_target_and_refusals():
+    target = {"hidden_size": HIDDEN, "vocab_size": VOCAB, "aux_layer_ids": [1, 2, 3],
+              "text_config": {"num_attention_heads": 2, "head_dim": 32, "num_key_value_heads": 1}}
+    for variant in VARIANTS:
+        config = Eagle3DraftConfig.from_target(target, draft_vocab_size=DRAFT_VOCAB, num_layers=2, variant=variant)
+        assert config.variant == variant and config.num_layers == 2
+        assert Eagle3DraftConfig.from_speculators(config.to_speculators()) == config
+    with pytest.raises(TrainingError, match="draft.variant"):
+        Eagle3DraftConfig.from_target(target, draft_vocab_size=DRAFT_VOCAB, variant="eagle4")
+    with pytest.raises(TrainingError, match="norm_before_fc and fc_norm"):
+        make_draft(fc_norm=True, norm_before_fc=True)
+    assert make_draft(norm_before_fc=True, norm_output=True).config.variant is None  # speculators' default
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_save_load_roundtrip(tmp_path, variant):
+    draft = make_draft(2, False, variant=variant).float()
     save_speculators(draft, tmp_path / "d", dtype="float32")
     loaded = load_speculators(tmp_path / "d")
     assert loaded.config == draft.config

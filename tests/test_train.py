@@ -71,11 +71,12 @@ def random_samples(n: int, seed: int, vocab: int = 384, min_len: int = 6, max_le
 
 def build_training_inputs(root: Path, *, num_samples: int = 24, samples_per_shard: int = 8,
                           draft_vocab_size: int = 200, seed: int = 0, poison_shard: int | None = None,
-                          storage_dtype: str = "float32") -> dict:
+                          storage_dtype: str = "float32", greedy_replies: bool = False) -> dict:
     """target/, target.json, hidden_states/index.json and vocab/mapping.safetensors, as the stages make them.
 
     The hidden states are the tiny target's own output_hidden_states; ``poison_shard`` puts an
-    inf into that shard's aux states (a float16 overflow, say)."""
+    inf into that shard's aux states (a float16 overflow, say); ``greedy_replies`` makes each reply
+    the target's own greedy continuation of its prompt (regenerated data: a draft learns to be accepted)."""
     from transformers import LlamaForCausalLM
 
     model_path = build_llama(root / "target", num_layers=4, seed=seed)
@@ -86,6 +87,8 @@ def build_training_inputs(root: Path, *, num_samples: int = 24, samples_per_shar
     store = PartStore(store_root, 0, fingerprint="test", dtype=storage_dtype, hidden_size=target["hidden_size"],
                       layer_ids=layer_ids)
     samples = random_samples(num_samples, seed)
+    if greedy_replies:
+        samples = [_greedy_reply(model, name, ids, mask) for name, ids, mask in samples]
     infos = []
     with torch.no_grad():
         for shard, start in enumerate(range(0, num_samples, samples_per_shard)):
@@ -110,6 +113,14 @@ def build_training_inputs(root: Path, *, num_samples: int = 24, samples_per_shar
     save_file(mapping_tensors(draft_ids, target["vocab_size"]), str(root / "vocab" / "mapping.safetensors"))
     return {"target": root / "target.json", "index": store_root / "index.json",
             "mapping": root / "vocab" / "mapping.safetensors"}
+
+
+def _greedy_reply(model, name: str, ids: list[int], mask: list[int]) -> tuple[str, list[int], list[int]]:
+    prompt = ids[:mask.index(1)]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(ids) - len(prompt), do_sample=False,
+                             min_new_tokens=len(ids) - len(prompt))
+    return name, out[0].tolist(), [0] * len(prompt) + [1] * (len(ids) - len(prompt))
 
 
 @pytest.fixture(scope="module")
@@ -549,6 +560,46 @@ def test_trained_draft_is_served_by_vllm_eagle3(inputs, tmp_path):
     metrics = json.loads(out.stdout.split("METRICS", 1)[1].splitlines()[0])
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
+
+
+@pytest.mark.gpu
+def test_trained_eagle31_draft_is_served_by_vllm_as_the_hf_loop_drafts(tmp_path):
+    """An EAGLE 3.1 draft (fc_norm, norm_output) of two layers, trained here on the target's own
+    greedy replies, is served by vLLM's eagle3 speculator: every output equal to the HF loop's
+    greedy decoding and vLLM's acceptance equal to the HF loop's, with tokens accepted at draft
+    positions 2 and 3, which the post-norm state fed between draft steps decides."""
+    pytest.importorskip("vllm")
+    inputs = build_training_inputs(tmp_path / "inputs", num_samples=48, greedy_replies=True)
+    settings = dataclasses.replace(SETTINGS, variant="eagle3.1", num_layers=2, epochs=40, log_every=50,
+                                   checkpoint_every=10_000)
+    train(inputs, tmp_path, settings)
+    draft = tmp_path / "run" / "draft"
+    config = read_json(draft / "config.json")
+    assert (config["fc_norm"], config["norm_output"], config["transformer_layer_config"]["num_hidden_layers"]) == (
+        True, True, 2)
+    prompts = [(name, ids[:mask.index(1)]) for name, ids, mask in random_samples(48, 0)[:6]]
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"id": n, "messages": [], "prompt_ids": ids}) + "\n" for n, ids in prompts))
+    script = tmp_path / "evaluate.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from draftsmith.evaluate import EvalSettings, evaluate_draft
+        settings = EvalSettings(backend="vllm", k=3, k_sweep=(3,), max_prompts=6, max_new_tokens=24, sweep_max_prompts=1)
+        result = evaluate_draft({str(draft)!r}, {str(inputs["target"])!r}, {str(heldout)!r}, {str(tmp_path / "acc.json")!r},
+                                settings, dtype="float32", device="cpu", engine_kwargs={ENGINE_ARGS!r})
+        print("RESULT", json.dumps(result))
+    """))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.split("RESULT", 1)[1].splitlines()[0])
+    served = result["vllm"]
+    assert served["prompts_identical_to_vllm_greedy"] == len(prompts)  # evaluate_draft checked the HF loop too
+    assert served["num_drafts"] == served["hf_loop"]["num_steps"]
+    assert served["tau"] == pytest.approx(served["hf_loop"]["tau"]) == pytest.approx(result["tau"])
+    assert min(result["acceptance_rate_by_position"][1:]) > 0.05, result["acceptance_rate_by_position"]
 
 
 def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):

@@ -18,11 +18,12 @@ so a draft trained here behaves under vLLM's eagle3 proposer as one trained ther
 * shift (data.py ``shift_batch``): per sample of n tokens the draft sees n-1 positions t with
   token x[t+1], fused aux state g[t], teacher state y[t+1] (the target's distribution over
   x[t+2]), loss mask l[t+1] and position id t+1.
-* TTT (core.py ``forward``): step j feeds back step j-1's output hidden state (pre-norm) with the
-  teacher-forced token x[t+1+j] (``original_input_ids[:, 1 + ttt_step:]``) at position id t+1+j;
-  its logits at t are scored against the teacher at t+j under loss mask l[t+1+j]
-  (metrics.py ``align_for_step``), weighted by ``ttt_decay**j``, each step's KL averaged over its
-  loss tokens (losses/utils.py ``loss_function``) and the steps summed.
+* TTT (core.py ``forward``): step j feeds back step j-1's output hidden state (pre-norm; post-norm
+  with ``norm_output``, EAGLE 3.1) with the teacher-forced token x[t+1+j]
+  (``original_input_ids[:, 1 + ttt_step:]``) at position id t+1+j; its logits at t are scored
+  against the teacher at t+j under loss mask l[t+1+j] (metrics.py ``align_for_step``), weighted
+  by ``ttt_decay**j``, each step's KL averaged over its loss tokens (losses/utils.py
+  ``loss_function``) and the steps summed.
 * attention (attention.py ``create_combined_mask_mod``, ``extend_*_mask_for_draft_tokens``):
   step j's query at t sees step 0's keys causally within its sample plus the keys of steps 1..j
   at the same t.

@@ -330,7 +330,7 @@ def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path
     _check_inputs(index, target, t2d, index_path, target_json, mapping_path)
 
     config = Eagle3DraftConfig.from_target(
-        target, draft_vocab_size=int(d2t.shape[0]), num_layers=settings.num_layers,
+        target, draft_vocab_size=int(d2t.shape[0]), num_layers=settings.num_layers, variant=settings.variant,
         norm_before_residual=settings.norm_before_residual, speculative_tokens=settings.ttt_steps,
         aux_layer_ids=index.aux_layer_ids)
     torch.manual_seed(settings.seed)

@@ -33,7 +33,8 @@ class TrainSettings:
     log_every: int = from_schema("train.log_every")
     seed: int = from_schema("seed")
     dtype: str = "auto"  # "auto" (bfloat16 autocast on GPU, float32 on CPU), "bfloat16", "float32"
-    num_layers: int = 1
+    variant: str = from_schema("draft.variant")  # the draft's shape decides the weights: part of the math
+    num_layers: int = from_schema("draft.num_layers")
     norm_before_residual: bool = True  # speculators' trainer default (and vLLM's default reading)
     train_lm_head: bool = False  # speculators 0.9 keeps lm_head frozen at the target's rows
     attention: str = "auto"  # "flex" (GPU default) or "sdpa" (CPU default): same math
@@ -62,7 +63,7 @@ class TrainSettings:
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise bad_setting(f"train.{key}", getattr(self, key), "one of " + ", ".join(map(repr, allowed)))
-        for key in ("grad_accum_steps", "keep_checkpoints", "num_layers"):
+        for key in ("grad_accum_steps", "keep_checkpoints"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad_setting(f"train.{key}", getattr(self, key), "an integer >= 1")
 
@@ -71,7 +72,8 @@ class TrainSettings:
 
 
 def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
-    """TrainSettings from the workflow's ``train:`` section (unknown keys are a ConfigError)."""
+    """TrainSettings from the workflow's ``train:`` section merged with its ``draft:`` section
+    (unknown keys are a ConfigError)."""
     return settings_from(TrainSettings, values, "train")
 
 

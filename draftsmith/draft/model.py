@@ -1,10 +1,12 @@
-"""The EAGLE-3 draft model, and its save/load in the speculators format that vLLM serves.
+"""The EAGLE-3 draft model: the modules, the step shared by training and inference, incremental drafting.
 
 The module layout and weight names are speculators 0.9's ``Eagle3DraftModel``
 (speculators/models/eagle3/core.py, model_definitions.py), which are also the names vLLM's
 ``llama_eagle3.py`` loads::
 
     embed_tokens.weight            [V, H]   the target's token embeddings, frozen
+    input_norm.weight              [A*H]    norm_before_fc only: one RMSNorm over the concatenation
+    fc_norm.{a}.weight             [H]      fc_norm only (EAGLE 3.1): an RMSNorm per captured state
     fc.weight                      [H, A*H] fuses the A captured target states
     layers.0.input_layernorm       on the token embedding
     layers.0.hidden_norm           on the fused (step 0) or fed-back (later steps) hidden state
@@ -29,208 +31,17 @@ concatenates the aux states in that order, so ``fc`` takes them in ascending ord
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-from safetensors.torch import save as save_safetensors
 from torch import nn
 
+from draftsmith.draft.config import Eagle3DraftConfig
 from draftsmith.errors import TrainingError
-from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
-
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format is written here
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # attend(layer_index, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Eagle3DraftConfig:
-    """Shape and serving metadata of an EAGLE-3 draft (a Llama-style decoder over fused target states)."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    target_vocab_size: int
-    draft_vocab_size: int
-    aux_layer_ids: list[int]  # HF hidden_states ids == vLLM eagle_aux_hidden_state_layer_ids (module docstring)
-    num_layers: int = 1
-    rms_norm_eps: float = 1e-6
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 4096
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    norm_before_residual: bool = True
-    initializer_range: float = 0.02
-    pad_token_id: int | None = None
-    verifier_name_or_path: str | None = None
-    verifier_architectures: list[str] = field(default_factory=list)
-    speculative_tokens: int = 3
-
-    def __post_init__(self) -> None:
-        if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
-            raise TrainingError(f"aux layer ids must be distinct and ascending, got {self.aux_layer_ids}",
-                                where="target.json aux_layer_ids",
-                                fix="vLLM concatenates aux states in ascending layer order; list them so")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise TrainingError(f"{self.num_attention_heads} attention heads are not a multiple of "
-                                f"{self.num_key_value_heads} key/value heads", where="draft config")
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.aux_layer_ids)
-
-    @classmethod
-    def from_target(cls, target: dict, *, draft_vocab_size: int, num_layers: int = 1,
-                    norm_before_residual: bool = True, speculative_tokens: int = 3,
-                    aux_layer_ids: Sequence[int] | None = None) -> Eagle3DraftConfig:
-        """A draft shaped after the target's text model (``target.json`` as a dict).
-
-        Llama/Qwen-like targets lend their attention layout; targets without one (MLA, as in
-        DeepSeek-V3 / Kimi-K2) get 128-dim heads, hidden/128 of them, and 8 key/value heads, the
-        layout public EAGLE-3 drafts for those targets use. RoPE scaling is kept only for Llama
-        targets, whose scaling vLLM's Llama draft implements identically.
-        """
-        tc = target.get("text_config", {})
-        hidden = int(target["hidden_size"])
-        heads = tc.get("num_attention_heads") or max(hidden // 128, 1)
-        head_dim = tc.get("head_dim") or hidden // heads
-        kv_heads = tc.get("num_key_value_heads") or heads
-        if "kv_lora_rank" in tc or heads * head_dim < hidden // 2:
-            head_dim = 128 if hidden % 128 == 0 else hidden // max(hidden // 128, 1)
-            heads = hidden // head_dim
-            kv_heads = 8 if heads % 8 == 0 else heads
-        rope = _draft_rope_parameters(tc)
-        architectures = [target["architecture"]] if target.get("architecture") else []
-        return cls(
-            hidden_size=hidden, num_attention_heads=int(heads), num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim), intermediate_size=int(tc.get("intermediate_size") or 4 * hidden),
-            target_vocab_size=int(target["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
-            aux_layer_ids=list(aux_layer_ids if aux_layer_ids is not None else target["aux_layer_ids"]),
-            num_layers=num_layers, rms_norm_eps=float(tc.get("rms_norm_eps") or 1e-6),
-            hidden_act=tc.get("hidden_act") or "silu",
-            max_position_embeddings=int(tc.get("max_position_embeddings") or 4096),
-            rope_parameters=rope, norm_before_residual=norm_before_residual,
-            initializer_range=float(tc.get("initializer_range") or 0.02),
-            pad_token_id=tc.get("pad_token_id"), verifier_name_or_path=target.get("model_path"),
-            verifier_architectures=architectures, speculative_tokens=speculative_tokens,
-        )
-
-    def transformer_layer_config(self) -> dict[str, Any]:
-        """The ``transformer_layer_config`` dict: a LlamaConfig (as speculators serialises it).
-
-        ``num_aux_hidden_states`` rides along because vLLM's llama_eagle3.py reads the fc input
-        width from it and otherwise assumes 3 aux layers.
-        """
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(
-            vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, hidden_act=self.hidden_act,
-            max_position_embeddings=self.max_position_embeddings, rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=dict(self.rope_parameters), initializer_range=self.initializer_range,
-            attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-            pad_token_id=self.pad_token_id, bos_token_id=None, eos_token_id=None,
-        )
-        config.architectures = ["LlamaForCausalLM"]
-        out = config.to_diff_dict()
-        out.pop("transformers_version", None)
-        out["num_aux_hidden_states"] = self.num_aux
-        return out
-
-    def llama_config(self):
-        from transformers import LlamaConfig
-
-        kwargs = {k: v for k, v in self.transformer_layer_config().items()
-                  if k not in ("model_type", "architectures", "num_aux_hidden_states")}
-        return LlamaConfig(**kwargs)
-
-    def to_speculators(self, *, dtype: str = "bfloat16") -> dict[str, Any]:
-        """config.json as speculators 0.9's ``Eagle3SpeculatorConfig`` writes it."""
-        return {
-            "architectures": ["Eagle3DraftModel"],
-            "auto_map": {"": "config.Eagle3SpeculatorConfig"},
-            "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [{
-                    "proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
-                    "verifier_accept_k": 1, "accept_tolerance": 0.0,
-                }],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": self.verifier_name_or_path,
-                             "architectures": list(self.verifier_architectures)},
-            },
-            "transformer_layer_config": self.transformer_layer_config(),
-            "draft_vocab_size": self.draft_vocab_size,
-            # vLLM defaults a missing norm_before_residual to True, speculators' config class to
-            # False: always write it.
-            "norm_before_residual": self.norm_before_residual,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
-            "embed_requires_grad": False,
-            "target_hidden_size": None,
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "tie_word_embeddings": False,
-            "dtype": dtype,
-        }
-
-    @classmethod
-    def from_speculators(cls, config: dict[str, Any]) -> Eagle3DraftConfig:
-        if config.get("speculators_model_type") != "eagle3":
-            raise TrainingError(f"not an EAGLE-3 speculators config (speculators_model_type "
-                                f"{config.get('speculators_model_type')!r})", where="config.json")
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if config.get(flag):
-                raise TrainingError(f"{flag}=true drafts are not supported", where="config.json",
-                                    fix="load it with speculators itself")
-        tl = config["transformer_layer_config"]
-        if tl.get("model_type", "llama") != "llama":
-            raise TrainingError(f"only Llama-style draft layers are supported, got {tl.get('model_type')!r}",
-                                where="config.json transformer_layer_config.model_type")
-        rope = tl.get("rope_parameters") or {"rope_type": "default", "rope_theta": tl.get("rope_theta", 10000.0)}
-        spec = config.get("speculators_config") or {}
-        verifier = spec.get("verifier") or {}
-        methods = spec.get("proposal_methods") or [{}]
-        heads = tl["num_attention_heads"]
-        aux = config.get("eagle_aux_hidden_state_layer_ids") or []
-        return cls(
-            hidden_size=tl["hidden_size"], num_attention_heads=heads,
-            num_key_value_heads=tl.get("num_key_value_heads") or heads,
-            head_dim=tl.get("head_dim") or tl["hidden_size"] // heads,
-            intermediate_size=tl["intermediate_size"], target_vocab_size=tl["vocab_size"],
-            draft_vocab_size=config.get("draft_vocab_size") or tl["vocab_size"],
-            aux_layer_ids=list(aux), num_layers=tl.get("num_hidden_layers", 1),
-            rms_norm_eps=tl.get("rms_norm_eps", 1e-6), hidden_act=tl.get("hidden_act", "silu"),
-            max_position_embeddings=tl.get("max_position_embeddings", 4096), rope_parameters=dict(rope),
-            norm_before_residual=bool(config.get("norm_before_residual", False)),
-            initializer_range=tl.get("initializer_range", 0.02), pad_token_id=tl.get("pad_token_id"),
-            verifier_name_or_path=verifier.get("name_or_path"),
-            verifier_architectures=list(verifier.get("architectures") or []),
-            speculative_tokens=methods[0].get("speculative_tokens", 3),
-        )
-
-
-def _draft_rope_parameters(text_config: dict) -> dict[str, Any]:
-    params = text_config.get("rope_parameters") or text_config.get("rope_scaling") or {}
-    if isinstance(params, dict) and isinstance(next(iter(params.values()), None), dict):
-        params = params.get("full_attention") or next(iter(params.values()))  # per-layer-type RoPE
-    theta = (params.get("rope_theta") if isinstance(params, dict) else None) or text_config.get("rope_theta") or 10000.0
-    rope_type = (params.get("rope_type") or params.get("type") or "default") if isinstance(params, dict) else "default"
-    if text_config.get("model_type") == "llama" and rope_type in ("llama3", "linear", "dynamic"):
-        return {**params, "rope_type": rope_type, "rope_theta": float(theta)}
-    return {"rope_type": "default", "rope_theta": float(theta)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,6 +197,9 @@ class Eagle3Draft(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
+        self.input_norm = RMSNorm(config.num_aux * h, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(config.num_aux))
+                        if config.fc_norm else None)
         self.fc = nn.Linear(config.num_aux * h, h, bias=False)
         layers: list[nn.Module] = [Eagle3FirstLayer(config)]
         layers += [DecoderLayer(config) for _ in range(1, config.num_layers)]
@@ -431,13 +245,20 @@ class Eagle3Draft(nn.Module):
         return cos[0], sin[0]
 
     def fuse(self, aux_states: torch.Tensor) -> torch.Tensor:
-        """[T, A*H] captured states (ascending layer ids, concatenated) -> [T, H]."""
+        """[T, A*H] captured states (ascending layer ids, concatenated) -> [T, H], normalised first
+        as a whole (``norm_before_fc``) or per state (``fc_norm``) when the config says so."""
+        if self.input_norm is not None:
+            aux_states = self.input_norm(aux_states)
+        if self.fc_norm is not None:
+            chunks = aux_states.chunk(len(self.fc_norm), dim=-1)
+            aux_states = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_states)
 
     def advance(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend: Attend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass up to the lm_head: (output hidden [T, H] fed to the next step, the
-        final-normed state [T, H] that the lm_head reads). Training applies the lm_head only to the
+        final-normed state [T, H] that the lm_head reads). The state fed on is the last layer's
+        output, or with ``norm_output`` (EAGLE 3.1) the final-normed one. Training applies the lm_head only to the
         positions it scores. With ``keep`` [n] (row indices), the last layer's output projection
         and MLP run on those rows alone and both results are theirs ([n, H]): attention still sees
         every row, the rest of the work skips rows whose outputs nothing uses."""
@@ -446,7 +267,8 @@ class Eagle3Draft(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden = layer(embeds, hidden, cos, sin, attend, i, keep if i == last else None)
-        return hidden, self.norm(hidden)
+        normed = self.norm(hidden)
+        return (normed if self.config.norm_output else hidden), normed
 
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,8 +284,8 @@ class Eagle3Draft(nn.Module):
         """Run the draft on new positions, extending ``cache``; returns (hidden [n, H], logits [n, Vd]).
 
         ``hidden_states`` are either the target's aux states [n, A*H] for positions whose token was
-        verified (``fused=False``; they go through ``fc``), or the draft's own output hidden states
-        from the previous draft step [n, H] (``fused=True``). ``input_ids`` [n] are the tokens that
+        verified (``fused=False``; they go through ``fuse``), or the hidden states the previous draft
+        step fed on [n, H] (``fused=True``). ``input_ids`` [n] are the tokens that
         come *after* each hidden state's position (EAGLE's shift: the state at position p is paired
         with token p+1), ``position_ids`` [n] their positions; any convention works as long as it is
         consistent, RoPE sees only differences. New queries attend to everything in the cache plus
@@ -505,63 +327,6 @@ def draft_rows(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int) -> 
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# speculators format
-
-
-def speculators_state_dict(model: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights under speculators 0.9's names (ours are the same), floats cast to ``dtype``."""
-    out = {}
-    # vLLM 0.32 has no d2t/t2d parameters for a draft over the whole target vocabulary.
-    full_vocab = model.config.draft_vocab_size == model.config.target_vocab_size
-    for name, tensor in model.state_dict().items():
-        if name.startswith("rotary.") or (full_vocab and name in ("d2t", "t2d")):
-            continue
-        tensor = tensor.detach().cpu()
-        out[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
-    return out
-
-
-def save_speculators(model: Eagle3Draft, out_dir: str | Path, *, dtype: str = "bfloat16",
-                     extra_files: dict[str, Any] | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` so speculators and vLLM load the draft as-is."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # config.json is written last: a kill in between must not pair new weights with an old config
-    (out_dir / "config.json").unlink(missing_ok=True)
-    tensors = speculators_state_dict(model, DTYPES[dtype])
-    atomic_write_bytes(out_dir / "model.safetensors",
-                       save_safetensors(tensors, metadata={"format": "pt"}))
-    for name, obj in (extra_files or {}).items():
-        atomic_write_json(out_dir / name, obj)
-    atomic_write_json(out_dir / "config.json", model.config.to_speculators(dtype=dtype))
-    return out_dir
-
-
-def load_speculators(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> Eagle3Draft:
-    """Load a speculators-format EAGLE-3 draft (ours or speculators'); strict about weight names."""
-    path = Path(path)
-    config = Eagle3DraftConfig.from_speculators(read_json(path / "config.json"))
-    tensors = load_file(path / "model.safetensors", device=str(device))
-    if not config.aux_layer_ids:
-        config = replace(config, aux_layer_ids=list(range(tensors["fc.weight"].shape[1] // config.hidden_size)))
-    model = Eagle3Draft(config)
-    if "d2t" not in tensors:  # a draft over the full target vocabulary
-        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
-        tensors["t2d"] = torch.ones(config.target_vocab_size, dtype=torch.bool)
-    tensors.pop("verifier_lm_head.weight", None)
-    tensors.pop("verifier_norm.weight", None)
-    missing, unexpected = model.load_state_dict(
-        {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}, strict=False)
-    missing = [k for k in missing if not k.startswith("rotary.")]
-    if missing or unexpected:
-        raise TrainingError(f"draft weights do not match the config: missing {missing}, unexpected {unexpected}",
-                            where=str(path / "model.safetensors"))
-    model.embed_tokens.weight.requires_grad_(False)
-    return model.to(device)
-
-
 def num_flops_per_token(config: Eagle3DraftConfig, ttt_steps: int) -> float:
     """Training FLOPs per token (forward + backward) of the matmuls, excluding attention scores
     and the frozen teacher/argmax products, which ``bench`` counts separately."""
@@ -574,7 +339,4 @@ def num_flops_per_token(config: Eagle3DraftConfig, ttt_steps: int) -> float:
     return 2 * 3 * (fc + ttt_steps * per_step)
 
 
-__all__ = [
-    "Eagle3DraftConfig", "Eagle3Draft", "DraftKVCache", "save_speculators", "load_speculators",
-    "speculators_state_dict", "draft_rows", "num_flops_per_token",
-]
+__all__ = ["Eagle3Draft", "DraftKVCache", "draft_rows", "num_flops_per_token"]
