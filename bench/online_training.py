@@ -9,6 +9,9 @@ compilation included, so use enough ``--tokens`` for them to amortise). Printed 
 
     python bench/online_training.py --out bench-online.json     # 2 GPUs
     python bench/online_training.py --tiny                      # CPU smoke check, seconds
+
+Each phase can also run in a command of its own (``--dir`` keeps the inputs and each phase's
+seconds in ``phases.json``): ``--phases extract``, then ``--phases train``, then ``--phases online``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ else:
 """
 
 
+PHASES = ("extract", "train", "online")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke check in seconds")
@@ -60,7 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--window-tokens", type=int, default=1_048_576)
     p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                   help="phases to run now; the others' seconds come from --dir's phases.json")
     args = p.parse_args(argv)
+    if args.dir is None and args.phases != list(PHASES):
+        p.error("--phases needs --dir: the phases of separate runs meet there")
     if args.tiny:
         args.tokens, args.seq_len, args.shard_tokens, args.window_tokens = 4096, 64, 512, 1024
     return args
@@ -129,6 +139,23 @@ def run_phase(name: str, spec: dict, env: dict, watch: Path | None = None) -> tu
     return seconds, peak[0]
 
 
+def summarize(folder: Path, done: dict, window_tokens: int) -> dict:
+    summary = json.loads((folder / "work-online" / "summary.json").read_text())
+    index = json.loads((folder / "hs" / "index.json").read_text())
+    tokens = summary["tokens"]
+    per_token = index["bytes"] / index["num_tokens"]
+    seconds = {"extraction": done["extract"]["seconds"], "training": done["train"]["seconds"],
+               "online": done["online"]["seconds"]}
+    rates = {name: tokens / s for name, s in seconds.items()}
+    return {
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": rates,
+        "online_vs_slower": rates["online"] / min(rates["extraction"], rates["training"]),
+        "window_tokens": window_tokens, "window_bytes": window_tokens * per_token,
+        "peak_window_bytes": done["online"]["peak_bytes"],
+        "peak_window_tokens": summary["online"]["peak_window_tokens"], "store_bytes": index["bytes"],
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     folder = args.dir or Path(tempfile.mkdtemp(prefix="online-bench-"))
@@ -140,30 +167,28 @@ def main(argv=None) -> dict:
                       "epochs": 1, "warmup_steps": 2, "log_every": 10, "checkpoint_every": 1000,
                       "progress": False},
             "online": {"window_tokens": args.window_tokens, "cache_fraction": 0.0}}
+    result = None
     try:
-        build_inputs(args, folder)
+        if not (folder / "mapping.safetensors").exists():
+            build_inputs(args, folder)
         base = {**os.environ, "PYTHONPATH": str(ROOT)}
-        def gpu(ids: str) -> dict:
-            return {} if args.tiny else {"CUDA_VISIBLE_DEVICES": ids}
-
-        extract_s, _ = run_phase("extract", spec, {**base, **gpu("0")})
-        train_s, _ = run_phase("train", spec, {**base, **gpu("1")})
-        online_s, peak = run_phase("online", spec, {**base, **gpu("0,1")}, watch=folder / "work-online" / "window")
-        summary = json.loads((folder / "work-online" / "summary.json").read_text())
-        index = json.loads((folder / "hs" / "index.json").read_text())
-        tokens = summary["tokens"]
-        per_token = index["bytes"] / index["num_tokens"]
-        rates = {"extraction": tokens / extract_s, "training": tokens / train_s, "online": tokens / online_s}
-        result = {
-            "tokens": tokens, "seconds": {"extraction": extract_s, "training": train_s, "online": online_s},
-            "tokens_per_s": rates, "online_vs_slower": rates["online"] / min(rates["extraction"], rates["training"]),
-            "window_tokens": args.window_tokens, "window_bytes": args.window_tokens * per_token,
-            "peak_window_bytes": peak, "peak_window_tokens": summary["online"]["peak_window_tokens"],
-            "store_bytes": index["bytes"],
-        }
+        devices = {"extract": "0", "train": "1", "online": "0,1"}
+        record = folder / "phases.json"
+        done = json.loads(record.read_text()) if record.exists() else {}
+        for name in args.phases:
+            env = {**base, **({} if args.tiny else {"CUDA_VISIBLE_DEVICES": devices[name]})}
+            watch = folder / "work-online" / "window" if name == "online" else None
+            seconds, peak = run_phase(name, spec, env, watch=watch)
+            done[name] = {"seconds": seconds, "peak_bytes": peak}
+            record.write_text(json.dumps(done, indent=1))
+            print(f"{name}: {seconds:.1f} s", file=sys.stderr, flush=True)
+        if all(name in done for name in PHASES):
+            result = summarize(folder, done, args.window_tokens)
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
+    if result is None:
+        return {}
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -91,7 +91,7 @@ rule estimate_payoff:
     input:
         acceptance=rules.evaluate_draft.output.acceptance,
         target=rules.inspect_target.output.target,
-        draft=rules.train_draft.output.config,
+        draft=f"{RESULTS}/draft/config.json",
     output:
         payoff=report(
             f"{RESULTS}/eval/payoff.json",
