@@ -156,6 +156,13 @@ class _Tally:
             if len(self.first_bad) == MAX_LOGGED_BAD_ROWS:
                 log.warning("further bad rows are counted in stats.json, not logged")
 
+    def render_failed(self, row, error: ChatTemplateError | TokenizerFailure) -> None:
+        """A row the chat template or the tokenizer could not render: counted, with the fix."""
+        reason = "template_error" if isinstance(error, ChatTemplateError) else "tokenizer_error"
+        self.bad(BadRow(row.file, row.line, reason, error.what))
+        if error.fix:
+            self.fixes.setdefault(reason, error.fix)
+
     def check(self) -> None:
         bad = sum(self.dropped.values())
         if self.read == 0 or bad / self.read <= self.max_bad_fraction:
@@ -402,10 +409,7 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
                         raise _TooLong()
                     counts["truncated_rows"] += 1
             except (ChatTemplateError, TokenizerFailure) as e:
-                reason = "template_error" if isinstance(e, ChatTemplateError) else "tokenizer_error"
-                tally.bad(BadRow(row.file, row.line, reason, e.what))
-                if e.fix:
-                    tally.fixes.setdefault(reason, e.fix)
+                tally.render_failed(row, e)
                 continue
             except _TooLong:
                 tally.bad(BadRow(row.file, row.line, "too_long_prompt",
@@ -459,10 +463,7 @@ def prepare_eval_prompts(source: str | Path, tokenizer_dir: str | Path, out_path
             try:
                 prompt = renderer.prompt_ids(row.messages, row.tools)
             except (ChatTemplateError, TokenizerFailure) as e:
-                reason = "template_error" if isinstance(e, ChatTemplateError) else "tokenizer_error"
-                tally.bad(BadRow(row.file, row.line, reason, e.what))
-                if e.fix:
-                    tally.fixes.setdefault(reason, e.fix)
+                tally.render_failed(row, e)
                 continue
             if len(prompt) >= max_seq_len:  # as held-out prompts: the target must have room to answer
                 tally.bad(BadRow(row.file, row.line, "too_long_prompt",

@@ -81,16 +81,6 @@ def _key(ids) -> str:
     return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
 
 
-def _rows(count: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(count):
-        n = rng.randint(4, 40)
-        rows.append({"id": f"s{i}", "input_ids": [rng.randrange(1, 384) for _ in range(n)],
-                     "loss_mask": [0] * (n // 3) + [1] * (n - n // 3)})
-    return rows
-
-
 class _CountFsync:
     """Counts os.fsync calls in this process (to know the range of fsync kill points)."""
 
@@ -109,7 +99,7 @@ def world(tmp_path_factory) -> World:
     root = tmp_path_factory.mktemp("faults")
     model = tiny.build_llama(root / "model")
     write_target_json(root / "target.json", model)
-    train = tiny.write_jsonl(root / "train.jsonl", _rows(36))
+    train = tiny.write_jsonl(root / "train.jsonl", tiny.random_train_rows(36))
     settings = ExtractionSettings(**EXTRACTION)
     shards = plan_part(train, 0, 1, settings)
     shard_of = {_key(s["input_ids"]): n for n, shard in enumerate(shards) for s in shard}

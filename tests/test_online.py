@@ -3,7 +3,6 @@ for later epochs, and a killed producer or trainer resumes at a consistent point
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -26,22 +25,12 @@ TRAINING = TrainSettings(batch_tokens=96, lr=3e-3, warmup_steps=2, epochs=2, log
 WINDOW = OnlineSettings(window_tokens=130, cache_fraction=0.0)
 
 
-def _rows(count: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(count):
-        n = rng.randint(4, 40)
-        rows.append({"id": f"s{i}", "input_ids": [rng.randrange(1, 384) for _ in range(n)],
-                     "loss_mask": [0] * (n // 3) + [1] * (n - n // 3)})
-    return rows
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("online")
     model = tiny.build_llama(root / "model")
     write_target_json(root / "target.json", model)
-    train = tiny.write_jsonl(root / "train.jsonl", _rows(36))
+    train = tiny.write_jsonl(root / "train.jsonl", tiny.random_train_rows(36))
     build_vocab_mapping(train, 384, 128, root / "mapping.safetensors", root / "vocab_stats.json")
     return root
 

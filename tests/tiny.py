@@ -7,6 +7,7 @@ from ``transformers`` configs. head_dim is 32 so the same models also run under 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -170,6 +171,17 @@ def write_jsonl(path: str | Path, rows: list) -> Path:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
+
+def random_train_rows(count: int, seed: int = 0, vocab_size: int = 384) -> list[dict]:
+    """train.jsonl rows of random tokens, 4..40 long, the last two thirds of each in the loss."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        n = rng.randint(4, 40)
+        rows.append({"id": f"s{i}", "input_ids": [rng.randrange(1, vocab_size) for _ in range(n)],
+                     "loss_mask": [0] * (n // 3) + [1] * (n - n // 3)})
+    return rows
+
 
 
 KIMI_K25_TEXT_CONFIG = dict(
