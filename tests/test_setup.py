@@ -84,7 +84,7 @@ def _rules() -> dict[str, tuple[str, str]]:
     """rule -> (its conda env file, its script), read from rules/*.smk."""
     rules = {}
     for smk in sorted((ROOT / "rules").glob("*.smk")):
-        for block in re.split(r"^rule ", smk.read_text(), flags=re.M)[1:]:
+        for block in re.split(r"^\s*rule ", smk.read_text(), flags=re.M)[1:]:  # also rules inside if blocks
             name = block.split(":", 1)[0].strip()
             env = re.search(r"conda:\s*(?:#.*\n\s*)*\"\.\./(envs/[\w.-]+)\"", block)
             script = re.search(r"script:\s*\"\.\./(workflow_scripts/[\w.-]+)\"", block)
@@ -170,7 +170,8 @@ def provided_distributions(env_file: Path) -> set[str]:
 
 def test_every_rule_env_provides_its_scripts_imports():
     rules = _rules()
-    assert {"inspect_target", "regenerate_responses", "extract_hidden_states", "train_draft"} <= set(rules)
+    assert {"inspect_target", "regenerate_responses", "extract_hidden_states", "train_draft",
+            "train_draft_online"} <= set(rules)
     missing = {}
     for rule, (env, script) in rules.items():
         assert env is not None, f"rule {rule} names no conda env"
