@@ -165,6 +165,24 @@ def _(tmp, env):
     _check({"data": {"max_seq_len": 256}, "regenerate": {"enabled": True, "max_new_tokens": 512}})
 
 
+@case("config-online-several-parts", ConfigError, "extraction.parts: 2 with train.mode: online")
+def _(tmp, env):
+    _check({"train": {"mode": "online"}, "extraction": {"parts": 2}})
+
+
+@case("online-window-below-a-step", ConfigError, "online.window_tokens is 10", "draft/model.safetensors")
+def _(tmp, env):
+    from draftsmith.online import OnlineSettings, run_online_training
+    from draftsmith.train import TrainSettings
+
+    train = tiny.write_jsonl(tmp / "train.jsonl", tiny.random_train_rows(8))
+    build_vocab_mapping(train, 384, 128, tmp / "mapping.safetensors", tmp / "vocab_stats.json")
+    run_online_training(train, env["target"], tmp / "mapping.safetensors", tmp / "draft", tmp / "work",
+                        TrainSettings(batch_tokens=96, device="cpu", progress=False),
+                        ExtractionSettings(device="cpu", shard_tokens=60, batch_tokens=64, min_free_bytes=0),
+                        OnlineSettings(window_tokens=10))
+
+
 @case("config-draft-vocab-below-floor", ConfigError, "vocab.draft_vocab_size: 1 is less than the minimum of 32")
 def _(tmp, env):
     _check({"vocab": {"draft_vocab_size": 1}})
