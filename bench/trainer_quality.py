@@ -90,10 +90,9 @@ def tiny_inputs(work: Path, seed: int, num_rows: int = 48) -> dict:
     from transformers import LlamaForCausalLM
 
     from draftsmith.extract import ExtractionSettings, extract_part, merge
-    from draftsmith.io import atomic_write_text
     from draftsmith.targets.inspect import write_target_json
     from draftsmith.vocab import build_vocab_mapping
-    from tests.tiny import build_llama
+    from tests.tiny import build_llama, write_jsonl
 
     target = write_target_json(work / "target.json", build_llama(work / "target", num_layers=4, seed=seed))
     model = LlamaForCausalLM.from_pretrained(target["model_path"]).eval()
@@ -108,8 +107,8 @@ def tiny_inputs(work: Path, seed: int, num_rows: int = 48) -> dict:
         rows.append({"id": f"r{i}", "input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * answer})
         prompts.append({"id": f"r{i}", "messages": [], "prompt_ids": prompt})
     (work / "data").mkdir(parents=True, exist_ok=True)
-    atomic_write_text(work / "data" / "train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    atomic_write_text(work / "data" / "heldout.jsonl", "".join(json.dumps(r) + "\n" for r in prompts))
+    write_jsonl(work / "data" / "train.jsonl", rows)
+    write_jsonl(work / "data" / "heldout.jsonl", prompts)
     settings = ExtractionSettings.from_config({"backend": "hf", "dtype": "float32", "batch_tokens": 2048,
                                                "shard_tokens": 1024}, model_dtype="float32", device="cpu")
     store = work / "hidden_states_float32"
@@ -179,7 +178,7 @@ def speculators_model(inputs: dict, args: argparse.Namespace, device: str):
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    from draftsmith.draft import Eagle3DraftConfig
+    from draftsmith.draft import Eagle3DraftConfig, draft_rows
     from draftsmith.targets.inspect import read_target_json
     from draftsmith.targets.weights import load_embedding_and_head
 
@@ -194,7 +193,7 @@ def speculators_model(inputs: dict, args: argparse.Namespace, device: str):
     model = Eagle3DraftModel(config)
     model.load_vocab_mappings(mapping["t2d"].bool(), mapping["d2t"].long())
     embed, head = load_embedding_and_head(inputs["target"])
-    rows = torch.arange(len(mapping["d2t"])) + mapping["d2t"].long()
+    rows = draft_rows(mapping["d2t"], mapping["t2d"], ours.target_vocab_size)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed.float())
         model.lm_head.weight.copy_(head[rows].float())

@@ -58,8 +58,9 @@ def model_dtype_name(model_dtype: str, device: str) -> str:
 # Backends
 
 
-def make_backend(name: str, target_info: dict, settings: ExtractionSettings) -> CaptureBackend:
-    """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers."""
+def make_backend(name: str, target_info: dict, settings: ExtractionSettings, longest_sample: int) -> CaptureBackend:
+    """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers,
+    for samples of up to ``longest_sample`` tokens."""
     from draftsmith.targets.hf_model import resolve_device
 
     layer_ids = target_info["captured_layer_ids"]
@@ -82,7 +83,9 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings) -> 
 
         return VllmBackend(
             target_info["model_path"], layer_ids, tensor_parallel_size=settings.tensor_parallel_size,
-            dtype=model_dtype_name(settings.model_dtype, device), max_model_len=settings.max_model_len,
+            dtype=model_dtype_name(settings.model_dtype, device),
+            # vLLM samples one token after each prompt: the context must hold the longest sample plus one.
+            max_model_len=settings.max_model_len or longest_sample + 1,
             trust_remote_code=trust, layers_path=target_info["layers_path"])
     raise ExtractionError(f"unknown extraction backend {name!r}", where="extraction.backend",
                           fix=f"use one of {', '.join(BACKENDS)}")

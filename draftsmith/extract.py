@@ -20,7 +20,7 @@ import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -305,10 +305,8 @@ def extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, se
         if longest > settings.batch_tokens:
             log.warning("part %d: samples of up to %d tokens exceed extraction.batch_tokens (%d); each such "
                         "sample runs as a batch of its own", part, longest, settings.batch_tokens)
-        # vLLM samples one token after each prompt: the context must hold the longest sample plus one.
-        run_settings = replace(settings, max_model_len=settings.max_model_len or longest + 1)
         started = time.perf_counter()
-        with make_backend(settings.backend, target_info, run_settings) as backend:
+        with make_backend(settings.backend, target_info, settings, longest) as backend:
             log.info("part %d: %s backend ready in %.1f s", part, backend.name, time.perf_counter() - started)
             with _Progress(part, shards, done, todo_tokens) as progress:
                 written = extract_shards(backend, store, todo, batch_tokens=settings.batch_tokens,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from draftsmith.errors import EvaluationError
 from draftsmith.io import atomic_write_json, read_json
-from draftsmith.settings import check_settings, from_schema
+from draftsmith.settings import check_settings, from_schema, settings_from
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_
     """Write payoff.json: the speedup the measured acceptance of the draft and of the n-gram baseline
     (acceptance.json) would give on the server of ``settings`` (eval.payoff), and plot it."""
     if isinstance(settings, dict):
-        settings = PayoffSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+        settings = settings_from(PayoffSettings, settings, "eval.payoff")
     server = settings.resolved(tensor_parallel_size, dtype)
     target = read_json(target_json)
     shape = target_shape(target.get("text_config") or {})

@@ -93,3 +93,12 @@ def test_a_window_smaller_than_a_step_stops_before_the_engine_loads(world, tmp_p
         _online(world, tmp_path, OnlineSettings(window_tokens=10))
     assert e.value.where == "config key online.window_tokens"
     assert not (tmp_path / "log.txt").exists() or "producer" not in (tmp_path / "log.txt").read_text()
+
+
+def test_the_job_s_first_gpus_run_the_engine_and_the_rest_train():
+    from draftsmith.online import split_devices
+    from draftsmith.placement import Device
+
+    claimed = [Device("2", "GPU-a"), Device("3", "GPU-b"), Device("5", "GPU-c")]
+    assert split_devices(claimed, 2) == ("2,3", "5")
+    assert split_devices([], 1) == (None, None)  # the CPU: nothing claimed

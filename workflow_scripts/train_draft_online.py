@@ -4,7 +4,7 @@ from pathlib import Path
 
 from draftsmith.extract import ExtractionSettings
 from draftsmith.logs import setup_logging
-from draftsmith.online import OnlineSettings, run_online_training
+from draftsmith.online import OnlineSettings, run_online_training, split_devices
 from draftsmith.placement import engine_env, engine_placement
 from draftsmith.train import settings_and_launch
 
@@ -14,9 +14,8 @@ if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     params = snakemake.params
     settings, launch = settings_and_launch({**params.settings, "device": params.device})
-    engine = params.engine_gpus
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)) as claim:
-        ids = [d.index for d in claim.devices]
+        engine_devices, trainer_devices = split_devices(claim.devices, params.engine_gpus)
         run_online_training(
             snakemake.input.train,
             snakemake.input.target,
@@ -27,8 +26,8 @@ if __name__ == "__main__":
             ExtractionSettings.from_config(params.extraction, model_dtype=params.model_dtype, device=params.device),
             OnlineSettings.from_config(params.online),
             devices=launch.get("devices", 1),
-            engine_devices=",".join(ids[:engine]) if ids else None,
-            trainer_devices=",".join(ids[engine:]) if ids else None,
+            engine_devices=engine_devices,
+            trainer_devices=trainer_devices,
             log_path=snakemake.log[0],
             metrics_out=snakemake.output.metrics,
             summary_out=snakemake.output.summary,

@@ -15,8 +15,7 @@ from draftsmith.draft.config import Eagle3DraftConfig
 from draftsmith.draft.model import Eagle3Draft
 from draftsmith.errors import TrainingError
 from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from draftsmith.targets.hf_model import MODEL_DTYPES
 
 
 def speculators_state_dict(model: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -39,7 +38,7 @@ def save_speculators(model: Eagle3Draft, out_dir: str | Path, *, dtype: str = "b
     out_dir.mkdir(parents=True, exist_ok=True)
     # config.json is written last: a kill in between must not pair new weights with an old config
     (out_dir / "config.json").unlink(missing_ok=True)
-    tensors = speculators_state_dict(model, DTYPES[dtype])
+    tensors = speculators_state_dict(model, MODEL_DTYPES[dtype])
     atomic_write_bytes(out_dir / "model.safetensors",
                        save_safetensors(tensors, metadata={"format": "pt"}))
     for name, obj in (extra_files or {}).items():

@@ -36,6 +36,11 @@ MIN_TIMED_PROMPTS = 8
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first token where ``a`` and ``b`` part (the shorter length when one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def check_lossless(reference: Generation, candidate: Generation, *, label: str, tolerance: float,
                    gap: Callable[[list[int], int], tuple[float, float]],
                    greedy_after: Callable[[list[int]], list[int]], problem: str | None = None,
@@ -58,7 +63,7 @@ def check_lossless(reference: Generation, candidate: Generation, *, label: str, 
         rest = got[offset:]
         if rest == ref:
             return ties
-        p = offset + next((i for i, (a, b) in enumerate(zip(rest, ref)) if a != b), min(len(rest), len(ref)))
+        p = offset + first_difference(rest, ref)
         below = best = None
         if p < len(got) and p - offset < len(ref):
             best, below = gap(got[:p], got[p])

@@ -78,27 +78,26 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     log.info("evaluating %s on %d held-out prompts with %s (%s backend, %s)", draft_dir, len(prompts),
              target["model_path"], settings.backend, backend.describe_device())
     outside = vllm_outside_runs(served, settings.k) if served is not None else []
-    result, runs = evaluate_runs(backend, prompts, DrafterSpec("eagle3", path=str(draft_dir)),
-                             DrafterSpec("ngram", ngram_max=settings.ngram_max), settings, outside)
+    drafters = DrafterSpec("eagle3", path=str(draft_dir)), DrafterSpec("ngram", ngram_max=settings.ngram_max)
+    result, runs = evaluate_runs(backend, prompts, *drafters, settings, outside)
     if served is not None:
         result["vllm"] = vllm_section(served, result, runs["draft", settings.k], settings.k)
         log.info("vLLM serving the draft: τ = %.3f (HF loop %.3f) at k=%d; speedup over vLLM greedy %.2fx",
                  result["vllm"]["tau"] or 0, result["tau"] or 0, settings.k, result["vllm"]["speedup"] or 0)
     if sources:
-        result["sources"] = {name: _evaluate_set(backend, name, path, draft_dir, settings)
+        result["sources"] = {name: _evaluate_set(backend, name, path, drafters, settings)
                              for name, path in sources.items()}
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
 
 
-def _evaluate_set(backend, name: str, path: str | Path, draft_dir: str | Path, settings: EvalSettings) -> dict:
+def _evaluate_set(backend, name: str, path: str | Path, drafters: tuple[DrafterSpec, DrafterSpec],
+                  settings: EvalSettings) -> dict:
     """One eval.sources prompt set through the HF loop, as the held-out prompts (vLLM's serving
     check covers the held-out prompts only: each set would be two more engine starts)."""
     log.info("evaluating the prompt set %s (%s)", name, path)
-    found, _ = evaluate_runs(backend, read_prompts(path, settings.max_prompts),
-                             DrafterSpec("eagle3", path=str(draft_dir)),
-                             DrafterSpec("ngram", ngram_max=settings.ngram_max), settings)
+    found, _ = evaluate_runs(backend, read_prompts(path, settings.max_prompts), *drafters, settings)
     return source_section(found, path)
 
 

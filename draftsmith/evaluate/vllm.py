@@ -12,7 +12,13 @@ from typing import Any
 
 from draftsmith.errors import EvaluationError
 from draftsmith.evaluate.decoding import check_draft_fits
-from draftsmith.evaluate.metrics import ACCEPTANCE_FORMAT, MAX_LISTED_TIES, OutsideRun, acceptance_stats
+from draftsmith.evaluate.metrics import (
+    ACCEPTANCE_FORMAT,
+    MAX_LISTED_TIES,
+    OutsideRun,
+    acceptance_stats,
+    first_difference,
+)
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
 
 log = logging.getLogger(__name__)
@@ -252,9 +258,8 @@ def _vllm_figures(greedy: Sequence[Generation], draft: Sequence[Generation], bas
     for name, generations in (("draft", draft), ("baseline", baseline)):
         for reference, candidate in zip(greedy, generations):
             if candidate.tokens != reference.tokens:
-                at = next((j for j, (a, b) in enumerate(zip(reference.tokens, candidate.tokens)) if a != b),
-                          min(len(reference.tokens), len(candidate.tokens)))
-                differing.append({"prompt_id": reference.prompt_id, "drafter": name, "position": at})
+                differing.append({"prompt_id": reference.prompt_id, "drafter": name,
+                                  "position": first_difference(reference.tokens, candidate.tokens)})
     if differing:
         log.warning("%d speculative output(s) differ from vLLM's greedy decoding (first: %s); without the "
                     "target's logits a near-tie cannot be told from a bug (lossless.differing)",

@@ -11,6 +11,6 @@ docs/design.md ("Online training") says why a window of the shard store and not 
 """
 
 from draftsmith.online.plan import OnlinePlan, OnlineSettings, Unit
-from draftsmith.online.run import run_online_training
+from draftsmith.online.run import run_online_training, split_devices
 
-__all__ = ["OnlinePlan", "OnlineSettings", "Unit", "run_online_training"]
+__all__ = ["OnlinePlan", "OnlineSettings", "Unit", "run_online_training", "split_devices"]

@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from draftsmith.capture import extract_shards, make_backend
@@ -114,11 +113,9 @@ class Producer:
 
     def _load(self):
         longest = max(len(s["input_ids"]) for shard in self.plan.shards for s in shard)
-        # vLLM samples one token after each prompt: the context must hold the longest sample plus one.
-        settings = replace(self.extraction, max_model_len=self.extraction.max_model_len or longest + 1)
         started = time.perf_counter()
-        backend = make_backend(settings.backend, self.target_info, settings)
-        log.info("producer: %s backend ready in %.1f s", settings.backend, time.perf_counter() - started)
+        backend = make_backend(self.extraction.backend, self.target_info, self.extraction, longest)
+        log.info("producer: %s backend ready in %.1f s", self.extraction.backend, time.perf_counter() - started)
         return backend
 
 

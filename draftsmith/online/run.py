@@ -15,7 +15,7 @@ from pathlib import Path
 
 from draftsmith.errors import TrainingError
 from draftsmith.extract import ExtractionSettings
-from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.io import atomic_write_json, read_json
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings
 from draftsmith.online.window import PRODUCER_STATS, PROGRESS, WindowSource
 from draftsmith.shard_writer import PartStore
@@ -32,6 +32,15 @@ def _die_with_parent() -> None:
     """In the child before exec: the kernel kills it when the training job dies, however it dies."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def split_devices(devices: list, engine_gpus: int) -> tuple[str | None, str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of the engine (the first ``engine_gpus`` of the job's claimed
+    devices) and of the trainer (the rest); None for both on the CPU (no devices claimed)."""
+    ids = [d.index for d in devices]
+    if not ids:
+        return None, None
+    return ",".join(ids[:engine_gpus]), ",".join(ids[engine_gpus:])
 
 
 def run_online_training(train_jsonl: str | Path, target_json: str | Path, mapping_path: str | Path,
@@ -100,5 +109,5 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
                          "cache_fraction": online.cache_fraction}
     atomic_write_json(work_dir / "summary.json", summary)
     if summary_out is not None:
-        atomic_write_bytes(summary_out, (work_dir / "summary.json").read_bytes())
+        atomic_write_json(summary_out, summary)
     return summary

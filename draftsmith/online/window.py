@@ -99,8 +99,7 @@ class WindowSource:
         except DamagedShard as e:
             raise TrainingError(f"online shard {shard} is damaged: {e}", where=str(folder),
                                 fix="rerun: the engine makes the damaged shard again") from None
-        expected = read_json(self.plan.store_dir / "store.json")["fingerprint"]
-        if made_from != expected:
+        if made_from != self.fingerprint:  # what PartStore wrote to store.json for this plan
             raise TrainingError(f"online shard {shard} was made from other inputs or settings", where=str(folder),
                                 fix="rerun: the engine's store clears shards of other inputs")
 

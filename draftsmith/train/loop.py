@@ -306,8 +306,7 @@ def _prepare(index_path: Path | None, mapping_path: Path, target_json: Path, wor
     if ddp.world > 1:
         model = nn.parallel.DistributedDataParallel(
             objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    batch_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    return _Run(settings, ddp, device, batch_dtype, attention, index, config, draft, model, trainable, optimizer,
+    return _Run(settings, ddp, device, dtype, attention, index, config, draft, model, trainable, optimizer,
                 metas, steps, key, start, resume, checkpoint, checkpoint_state, source)
 
 
@@ -336,22 +335,21 @@ def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path
     torch.manual_seed(settings.seed)
     draft = Eagle3Draft(config)
     embed, head = load_embedding_and_head(target_json)
-    frozen_dtype = dtype if dtype == torch.bfloat16 else torch.float32
-    draft.load_target_weights(embed.to(frozen_dtype), head, d2t, t2d)
+    draft.load_target_weights(embed.to(dtype), head, d2t, t2d)
     draft.lm_head.weight.requires_grad_(settings.train_lm_head)
     if not settings.train_lm_head:
-        draft.lm_head.weight.data = draft.lm_head.weight.data.to(frozen_dtype)
+        draft.lm_head.weight.data = draft.lm_head.weight.data.to(dtype)
     rows = draft_rows(d2t, t2d, config.target_vocab_size)
     flex_fn = None
     if attention == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
         flex_fn = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-    objective = TTTObjective(draft, head.to(frozen_dtype), rows, ttt_steps=settings.ttt_steps,
+    objective = TTTObjective(draft, head.to(dtype), rows, ttt_steps=settings.ttt_steps,
                              ttt_decay=settings.ttt_decay, attention=attention, flex_fn=flex_fn)
     del embed, head
     draft.to(device)
-    objective.to_device(device, frozen_dtype)
+    objective.to_device(device, dtype)
     if compile_:
         objective.compile_steps()
     return config, draft, objective
