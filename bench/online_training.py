@@ -10,6 +10,9 @@ compilation included, so use enough ``--tokens`` for them to amortise). Printed 
     python bench/online_training.py --out bench-online.json     # 2 GPUs
     python bench/online_training.py --tiny                      # CPU smoke check, seconds
 
+Disk: the 8B shape stores 32 KiB per token, so the defaults (2,097,152 tokens, a window of
+1,048,576) need 64 GiB for the offline store, 32 GiB for the window and 16 GiB for the model.
+
 Each phase can also run in a command of its own (``--dir`` keeps the inputs and each phase's
 seconds in ``phases.json``): ``--phases extract``, then ``--phases train``, then ``--phases online``.
 """
@@ -60,7 +63,7 @@ PHASES = ("extract", "train", "online")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke check in seconds")
-    p.add_argument("--tokens", type=int, default=4_194_304, help="training tokens (samples of --seq-len)")
+    p.add_argument("--tokens", type=int, default=2_097_152, help="training tokens (samples of --seq-len)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--shard-tokens", type=int, default=262_144)
     p.add_argument("--window-tokens", type=int, default=1_048_576)
