@@ -6,7 +6,7 @@ settings the capture backend uses (eager, no prefix caching, no chunked prefill,
 budget). The same samples, in the same ``generate`` calls, run three ways:
 
   prefill          plain vLLM: one request per sample with max_tokens=1 (no hooks)
-  capture          VllmBackend.capture: the hooks, the spool and the states mapped in this process
+  capture          VllmBackend.capture_stream: the hooks, the spool and the states mapped in this process
   extraction       capture + the shard store (append per batch, checksum, fsync, atomic rename),
                    through ``extract_shards``, as the workflow runs it
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
 
-from draftsmith.capture import extract_shards, plan_batches  # noqa: E402
+from draftsmith.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
 from draftsmith.shard_writer import PartStore  # noqa: E402
 from draftsmith.targets.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
 from draftsmith.targets.vllm_compat import engine_kwargs, shutdown_llm  # noqa: E402
@@ -108,8 +108,7 @@ def main(argv=None) -> None:
 
     def capture() -> float:
         started = time.perf_counter()
-        for call in calls:
-            states = backend.capture([s["input_ids"] for s in call])
+        for call, states in zip(calls, capture_batches(backend, ([s["input_ids"] for s in c] for c in calls))):
             assert len(states) == len(call)
             del states
         return time.perf_counter() - started
@@ -130,6 +129,7 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):  # interleaved, best of: drift and noise hit every mode alike
         for name, run in modes.items():
             best[name] = min(best[name], run())
+    stalled = backend.stalled_s
     backend.close()
     shutdown_llm(plain, torch.set_num_threads)
 
@@ -138,7 +138,8 @@ def main(argv=None) -> None:
     for name, seconds in best.items():
         print(f"{name:<30}{seconds:>10.2f}{tokens / seconds:>12.0f}{base / seconds:>11.3f}x")
     ratio = base / best["extraction (capture+store)"]
-    print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}")
+    print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}; forward passes "
+          f"waited {stalled:.1f} s in all for a free host buffer (the spool writer)")
     print(f"extraction / vLLM prefill = {ratio:.3f}x (goal >= 0.9x): {'OK' if ratio >= 0.9 else 'BELOW GOAL'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens": tokens, "seconds": best, "ratio": ratio,

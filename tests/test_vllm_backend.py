@@ -122,6 +122,26 @@ def test_llama_rejects_samples_longer_than_the_engine_takes(llama):
 
 
 @vllm_test
+def test_llama_stream_matches_capture_and_leaves_no_pass_behind(llama):
+    """The stream runs each batch before it maps the previous one's passes: the same states as
+    batch-by-batch capture, and an abandoned stream leaves no pass file in the spool."""
+    import os
+
+    _, layer_ids, backend = llama
+    batches = [random_batch(384, seed=s) for s in (2, 3, 4)]
+    streamed = list(backend.capture_stream(batches))
+    for batch, got in zip(batches, streamed, strict=True):
+        for a, b in zip(got, backend.capture(batch), strict=True):
+            for lid in layer_ids:
+                assert torch.equal(a[lid], b[lid]) if not ON_CUDA else relative_error(a[lid], b[lid]) < 0.01
+    stream = backend.capture_stream(batches)
+    next(stream)  # the second batch has run; its passes wait in the spool
+    stream.close()
+    assert os.listdir(backend.spool) == []
+    assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards
+
+
+@vllm_test
 def test_idefics3_wrapper_matches_hf(tmp_path_factory, in_process_engine):
     """A multimodal wrapper (vLLM: model.text_model.layers) captured text-only."""
     path = build_idefics3(tmp_path_factory.mktemp("vllm-idefics3") / "target", num_layers=4)
@@ -266,6 +286,34 @@ def test_prompt_runs_are_the_rows_counting_up_from_position_zero():
     assert prompt_runs(positions, tokens) == [(0, 3, (5, 6, 7)), (3, 5, (8, 9)), (6, 10, (1, 2, 3, 4))]
     assert prompt_runs([], []) == []
     assert prompt_runs([3, 4, 5], [1, 2, 3]) == []  # a later chunk of some request: no whole prompt
+
+
+def test_read_pass_waits_for_the_file_and_reports_a_failed_write(tmp_path):
+    """A pass file appears (renamed from its partial name) while the driver waits; a failed write
+    leaves its reason beside the name instead; a pass that never comes stops the wait."""
+    import threading
+
+    from draftsmith.targets.vllm_worker import read_pass
+
+    states = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)
+    info = {"file": str(tmp_path / "pass-0.raw"), "layers": 2, "rows": 3, "hidden": 4, "dtype": "bfloat16"}
+
+    def write_later():
+        partial = tmp_path / "pass-0.raw.part"
+        partial.write_bytes(states.reshape(-1).view(torch.uint8).numpy().tobytes())
+        partial.rename(info["file"])
+
+    timer = threading.Timer(0.2, write_later)
+    timer.start()
+    assert torch.equal(read_pass(info, timeout=30), states)
+    timer.join()
+    assert not (tmp_path / "pass-0.raw").exists()  # removed once mapped
+
+    (tmp_path / "pass-1.raw.error").write_text("writing captured states to /dev/shm/x: OSError: No space left")
+    with pytest.raises(OSError, match="No space left"):
+        read_pass({**info, "file": str(tmp_path / "pass-1.raw")}, timeout=30)
+    with pytest.raises(TimeoutError, match="pass-2.raw did not appear"):
+        read_pass({**info, "file": str(tmp_path / "pass-2.raw")}, timeout=0.05)
 
 
 def test_supported_vllm_releases_are_a_stated_range():

@@ -7,6 +7,8 @@ one forward pass, which is how the workers recognise its rows: see
 :mod:`draftsmith.targets.vllm_worker`); the token budget of a pass is at least ``max_model_len``.
 vLLM must run eagerly (``enforce_eager=True``) so the Python hooks run as written. The workers
 spool each pass's states to files in a shared-memory folder; this process maps them.
+``capture_stream`` starts each batch before it maps the previous one's files, so the engine never
+waits for the spool between batches.
 
 vLLM is imported only when a backend is created, so this module imports without it.
 """
@@ -18,6 +20,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "draftsmith.targets.vllm_worker.CaptureWorkerExtension"
 DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
 SPOOL_MIN_FREE = 8 << 30  # a batch's passes; containers often mount a 64 MiB /dev/shm
+SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
 
 
 def spool_folder() -> str:
@@ -37,6 +43,15 @@ def spool_folder() -> str:
     shm = "/dev/shm"
     roomy = os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= SPOOL_MIN_FREE
     return tempfile.mkdtemp(prefix="draftsmith-capture-", dir=shm if roomy else None)
+
+
+@dataclass
+class _Ran:
+    """A batch vLLM has computed; its pass files may still be on their way to the spool."""
+
+    keys: list[tuple[int, ...]]  # the batch's samples, in order
+    distinct: list[tuple[int, ...]]  # the prompts run, one per distinct sample
+    result: dict[str, Any]  # the worker's draftsmith_collect answer
 
 
 class VllmBackend(CaptureBackend):
@@ -96,18 +111,37 @@ class VllmBackend(CaptureBackend):
                                   fix="set target.layers_path to vLLM's module path of the decoder layers "
                                       "(e.g. language_model.model.layers)") from e
         self.info = infos[0]
+        self.stalled_s = 0.0  # seconds the forward passes waited for the spool writer (the worker's count)
         log.info("vLLM loaded %s in %.1fs; hooked %s (%d layers, hidden %d, %s) for layer ids %s",
                  model_path, self.load_seconds, self.info["layers_path"], self.info["num_layers"],
                  self.info["hidden_size"], self.info["runner"], self.layer_ids)
 
     def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+        return next(self.capture_stream([batch]))
+
+    def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, torch.Tensor]]]:
+        """``capture`` for a stream of batches, in order: each batch runs before the previous one's
+        states are mapped, so its last passes reach the spool while the engine computes."""
+        pending = None
+        try:
+            for batch in batches:
+                previous, pending = pending, self._run(batch)
+                if previous is not None:
+                    yield self._states(previous)
+            if pending is not None:
+                last, pending = pending, None
+                yield self._states(last)
+        finally:
+            if pending is not None and self.llm is not None:  # abandoned: its passes are never mapped
+                self.llm.collective_rpc("draftsmith_reset")
+                self._empty_spool()
+
+    def _run(self, batch: list[list[int]]) -> _Ran:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from draftsmith.targets.vllm_worker import read_pass
-
         if not batch:
-            return []
+            return _Ran([], [], {"passes": [], "found": [], "error": None})
         for n, ids in enumerate(batch):
             if not 0 < len(ids) < self.max_model_len:
                 raise ExtractionError(f"sample {n} of the batch has {len(ids)} tokens; the vLLM backend takes "
@@ -125,7 +159,21 @@ class VllmBackend(CaptureBackend):
             self.llm.collective_rpc("draftsmith_reset")
             self._empty_spool()
             raise
-        passes = [read_pass(info) for info in result["passes"]]
+        self.stalled_s = result["stalled_s"]
+        return _Ran(keys, distinct, result)
+
+    def _states(self, ran: _Ran) -> list[dict[int, torch.Tensor]]:
+        """Map a computed batch's pass files (waiting for any still being written) into its states."""
+        from draftsmith.targets.vllm_worker import read_pass
+
+        result, distinct = ran.result, ran.distinct
+        try:
+            passes = [read_pass(info, SPOOL_WAIT_S) for info in result["passes"]]
+        except OSError as e:  # TimeoutError included
+            self.llm.collective_rpc("draftsmith_reset")
+            self._empty_spool()
+            raise ExtractionError(f"vLLM capture failed: {e}", where=self.spool,
+                                  fix="check the free space of the spool folder's file system") from e
         if result["error"]:
             raise ExtractionError(f"vLLM capture failed: {result['error']}", where="vLLM backend")
         states = {}
@@ -139,13 +187,16 @@ class VllmBackend(CaptureBackend):
             number, row0, row1 = where
             rows = passes[number][:, row0:row1]
             states[prompt] = {lid: rows[k] for k, lid in enumerate(self.layer_ids)}
-        return [states[key] for key in keys]
+        return [states[key] for key in ran.keys]
 
     def _empty_spool(self) -> None:
         for name in os.listdir(self.spool):
             os.unlink(os.path.join(self.spool, name))
 
     def close(self) -> None:
+        if getattr(self, "stalled_s", 0) > 1:
+            log.info("vLLM capture: forward passes waited %.1f s in all for the spool (%s) to take their states",
+                     self.stalled_s, self.spool)
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             shutdown_llm(llm, self._set_num_threads)

@@ -29,11 +29,14 @@ then updates both tensors in place). Hooks on the text model itself would not fi
 (``enforce_eager=True``) so that the hooks run as written.
 
 Only TP rank 0 keeps states (every rank holds the full residual stream). Per forward pass it gathers
-the captured rows of every hooked layer on the device, copies them to host memory without
-blocking the device, and a background thread writes them as one raw file per pass under the
-driver's spool folder (``/dev/shm`` where it exists): hundreds of MB per batch reach the driver
-through shared memory instead of the engine's RPC messages, which carry only where each prompt's
-rows are.
+the captured rows of every hooked layer on the device and copies them to pinned host memory on a
+side stream (the next pass computes meanwhile); a background thread writes them as one raw file
+per pass under the driver's spool folder (``/dev/shm`` where it exists): hundreds of MB per batch
+reach the driver through shared memory instead of the engine's RPC messages, which carry only where
+each prompt's rows are. A pass's file appears under its final name only once complete (written
+under a temporary name, then renamed), so ``draftsmith_collect`` answers as soon as the batch has
+run and the driver waits for each file when it maps it: the engine starts the next batch while the
+last passes of this one are still on their way to the spool.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +59,8 @@ log = logging.getLogger(__name__)
 _SKIP_PREFIXES = ("vision", "visual", "audio", "mm_", "multi_modal", "image", "encoder")
 _EMBEDDING_NAMES = ("embed_tokens", "embed_input_ids", "wte")
 _HOST_BUFFERS = 3  # passes whose rows may be on their way to the spool at once
+_PARTIAL = ".part"  # a pass file being written; renamed to its final name when complete
+_FAILED = ".error"  # beside a pass file that could not be written: the reason
 
 
 def find_layers(model: nn.Module, num_layers: int, layers_path: str | None = None) -> tuple[str, nn.ModuleList]:
@@ -120,9 +126,9 @@ class _Pass:
     """One forward pass's captured rows on their way to the spool: [layers, rows, hidden]."""
 
     path: str
-    host: torch.Tensor
-    done: torch.cuda.Event | None
-    buffer: torch.Tensor
+    host: torch.Tensor  # a view of ``buffer``
+    done: torch.cuda.Event | None  # the device-to-host copy finished
+    buffer: torch.Tensor  # the pinned host buffer, handed back to the free list once written
 
 
 class CaptureWorkerExtension:
@@ -154,6 +160,9 @@ class CaptureWorkerExtension:
         self._ds_dtype = model_config.dtype
         self._ds_spool = spool_dir
         self._ds_keep = self.rank == 0  # every TP rank holds the same rows; one sends them
+        self._ds_serial = itertools.count()  # pass file names, unique over the engine's life
+        self._ds_writer_error: str | None = None
+        self._ds_stalled = 0.0  # seconds forward passes waited for a free host buffer
         self._ds_reset_state()
         if self._ds_keep:
             self._ds_start_writer(max(int(max_rows), 1))
@@ -181,18 +190,18 @@ class CaptureWorkerExtension:
         self._ds_expected = {tuple(p): n for n, p in enumerate(prompts)}
 
     def draftsmith_collect(self) -> dict[str, Any] | None:
-        """Where each announced prompt's rows are, once every pass is on the spool (TP rank 0 only).
+        """Where each announced prompt's rows are (TP rank 0 only); the pass files may still be on
+        their way to the spool (``read_pass`` waits for each).
 
         Returns ``{"passes": [{"file", "rows", "layers", "hidden", "dtype"}, ...] (by pass number),
-        "found": [[pass number, first row, end row] or None, ...] (by prompt index), "error": str | None}``.
+        "found": [[pass number, first row, end row] or None, ...] (by prompt index), "error": str | None,
+        "stalled_s": seconds the passes so far waited for a free host buffer}``.
         """
         if not self._ds_keep:
             self._ds_reset_state()
             return None
-        self._ds_queue.join()
-        out = {"passes": [self._ds_written[n] for n in range(len(self._ds_written))],
-               "found": [self._ds_found.get(n) for n in range(len(self._ds_expected))],
-               "error": self._ds_error or self._ds_writer_error}
+        out = {"passes": self._ds_passes, "found": [self._ds_found.get(n) for n in range(len(self._ds_expected))],
+               "error": self._ds_error or self._ds_writer_error, "stalled_s": round(self._ds_stalled, 3)}
         self._ds_reset_state()
         return out
 
@@ -205,13 +214,11 @@ class CaptureWorkerExtension:
     def _ds_reset_state(self) -> None:
         self._ds_expected: dict[tuple[int, ...], int] = {}
         self._ds_found: dict[int, list[int]] = {}
-        self._ds_written: dict[int, dict[str, Any]] = {}
+        self._ds_passes: list[dict[str, Any]] = []  # this batch's passes, by pass number
         self._ds_pass: list[tuple[int, int, int]] | None = None  # this pass's (prompt index, row0, row1)
         self._ds_rows: dict[int, torch.Tensor] = {}
         self._ds_token_ids: torch.Tensor | None = None
         self._ds_error: str | None = None
-        self._ds_writer_error: str | None = None
-        self._ds_numbers = itertools.count()  # pass numbers of this batch
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -283,25 +290,33 @@ class CaptureWorkerExtension:
         device = self._ds_rows[self._ds_layer_ids[0]].device
         gathered = torch.stack([self._ds_rows[lid].index_select(0, rows.to(device)) for lid in self._ds_layer_ids])
         self._ds_rows = {}
+        waited = time.perf_counter()
         buffer = self._ds_free.get()  # blocks while every host buffer is still being written
+        self._ds_stalled += time.perf_counter() - waited
         needed = gathered.numel()
+        cuda = device.type == "cuda"
         if buffer.numel() < needed or buffer.dtype != gathered.dtype:
-            buffer = torch.empty(needed, dtype=gathered.dtype, pin_memory=device.type == "cuda")
+            buffer = torch.empty(needed, dtype=gathered.dtype, pin_memory=cuda)
         host = buffer[:needed].view(gathered.shape)
-        host.copy_(gathered, non_blocking=device.type == "cuda")
         done = None
-        if device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        number = next(self._ds_numbers)
+        if cuda:  # the copy runs beside the next pass, which the compute stream starts at once
+            self._ds_copy_stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._ds_copy_stream):
+                host.copy_(gathered, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            gathered.record_stream(self._ds_copy_stream)  # its memory is not reused before the copy ends
+        else:
+            host.copy_(gathered)
+        number = len(self._ds_passes)
         offset = 0
         for index, r0, r1 in found:
             self._ds_found[index] = [number, offset, offset + r1 - r0]
             offset += r1 - r0
-        path = os.path.join(self._ds_spool, f"pass-{number}.raw")
+        path = os.path.join(self._ds_spool, f"pass-{next(self._ds_serial)}.raw")
         self._ds_queue.put(_Pass(path, host, done, buffer))
-        self._ds_written[number] = {"file": path, "rows": total, "layers": len(self._ds_layer_ids), "hidden": self._ds_hidden,
-                                    "dtype": str(gathered.dtype).removeprefix("torch.")}
+        self._ds_passes.append({"file": path, "rows": total, "layers": len(self._ds_layer_ids),
+                                "hidden": self._ds_hidden, "dtype": str(gathered.dtype).removeprefix("torch.")})
 
     # -- the spool writer ----------------------------------------------------------------------
 
@@ -311,6 +326,8 @@ class CaptureWorkerExtension:
         self._ds_queue: queue.Queue[_Pass] = queue.Queue()
         self._ds_free: queue.Queue[torch.Tensor] = queue.Queue()
         pin = torch.cuda.is_available() and self.model_runner.device.type == "cuda"
+        if pin:
+            self._ds_copy_stream = torch.cuda.Stream(self.model_runner.device)
         size = max_rows * len(self._ds_layer_ids) * self._ds_hidden
         for _ in range(_HOST_BUFFERS):
             self._ds_free.put(torch.empty(size, dtype=self._ds_dtype, pin_memory=pin))
@@ -322,20 +339,33 @@ class CaptureWorkerExtension:
             try:
                 if item.done is not None:
                     item.done.synchronize()
-                with open(item.path, "wb") as f:
+                with open(item.path + _PARTIAL, "wb") as f:
                     f.write(item.host.reshape(-1).view(torch.uint8).numpy())
-            except Exception as e:  # noqa: BLE001 - handed to the driver by draftsmith_collect
+                os.replace(item.path + _PARTIAL, item.path)
+            except Exception as e:  # noqa: BLE001 - the driver reads it beside the pass, and in the next collect
                 self._ds_writer_error = f"writing captured states to {self._ds_spool}: {type(e).__name__}: {e}"
+                with open(item.path + _FAILED, "w", encoding="utf-8") as f:
+                    f.write(self._ds_writer_error)
             finally:
                 self._ds_free.put(item.buffer)
                 self._ds_queue.task_done()
 
 
-def read_pass(info: dict[str, Any]) -> torch.Tensor:
-    """A spooled pass as a [layers, rows, hidden] tensor, mapped from its file (which is then removed:
-    the mapping keeps the memory until the last view of it is gone)."""
+def read_pass(info: dict[str, Any], timeout: float) -> torch.Tensor:
+    """A spooled pass as a [layers, rows, hidden] tensor, mapped from its file once the worker has
+    written it (within ``timeout`` seconds); the file is then removed: the mapping keeps the memory
+    until the last view of it is gone."""
+    path = info["file"]
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if os.path.exists(path + _FAILED):
+            with open(path + _FAILED, encoding="utf-8") as f:
+                raise OSError(f.read())
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout:.0f} s (the vLLM worker stopped writing)")
+        time.sleep(0.001)
     dtype = getattr(torch, info["dtype"])
     count = info["layers"] * info["rows"] * info["hidden"]
-    flat = torch.from_file(info["file"], shared=True, size=count, dtype=dtype)
-    os.unlink(info["file"])
+    flat = torch.from_file(path, shared=True, size=count, dtype=dtype)
+    os.unlink(path)
     return flat.view(info["layers"], info["rows"], info["hidden"])
