@@ -32,9 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.evaluate import Generation, acceptance_stats  # noqa: E402
 from draftsmith.payoff import PayoffSettings, speedups, target_shape, target_step_seconds  # noqa: E402
-from draftsmith.targets.vllm_serving import VllmServer  # noqa: E402
+from draftsmith.targets.vllm_serving import SpecCounters, VllmServer  # noqa: E402
 
 SHAPES = {
     "gpu": dict(vocab_size=4096, hidden_size=1536, intermediate_size=4096, moe_intermediate_size=256,
@@ -74,12 +73,28 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return out
 
 
-def decode_seconds(server: VllmServer, ids: list[list[int]], new_tokens: int) -> tuple[float, list]:
-    """Seconds of the decode phase (a generate call less a prefill-only call), and the outputs."""
+def decode_seconds(server: VllmServer, ids: list[list[int]], new_tokens: int) -> tuple[float, SpecCounters]:
+    """Seconds of the decode phase (a generate call less a prefill-only call), and the change of
+    vLLM's spec-decode counters over the full call."""
     server.generate(ids, max_new_tokens=4)  # warm-up: the batch shape, and the n-gram proposer compiled
     _, _, prefill = server.generate(ids, max_new_tokens=1)
-    served, _, total = server.generate(ids, max_new_tokens=new_tokens)
-    return max(total - prefill, 1e-9), served
+    _, counters, total = server.generate(ids, max_new_tokens=new_tokens)
+    return max(total - prefill, 1e-9), counters
+
+
+def rates_from_counters(counters: SpecCounters, decode_tokens: int, k: int) -> dict:
+    """τ and the shares of decode steps whose draft token j was accepted and proposed, from vLLM's
+    aggregate counters (every release has them). The steps where the n-gram proposer found no match
+    count too (they verify one token and make one), as in the HF loop's figures the workflow's
+    estimate reads; vLLM's per-request records and its mean acceptance length cover only the steps
+    with a draft. Every decode step makes 1 + accepted tokens, so ``decode_tokens`` (prefill's
+    first token excluded) took ``decode_tokens - accepted`` steps. The proposed tokens are spread
+    evenly over the positions: their sum, which the cost model charges, is exact."""
+    steps = decode_tokens - counters.accepted_tokens
+    accepted = (counters.accepted_per_position + [0] * k)[:k]
+    return {"tau": 1 + counters.accepted_tokens / steps,
+            "acceptance_rate_by_position": [a / steps for a in accepted],
+            "proposal_rate_by_position": [counters.draft_tokens / (k * steps)] * k}
 
 
 def measure(model: Path, args, batches: list[int], speculative: dict | None) -> dict[int, dict]:
@@ -92,13 +107,13 @@ def measure(model: Path, args, batches: list[int], speculative: dict | None) -> 
     with VllmServer(str(model), **kwargs) as server:
         for batch in batches:
             ids = prompts(batch, args.prompt_tokens, SHAPES[args.shape_name]["vocab_size"], seed=batch)
-            seconds, served = decode_seconds(server, ids, args.new_tokens)
-            out[batch] = {"decode_seconds": seconds, "decode_tokens_per_second": batch * (args.new_tokens - 1) / seconds}
-            if speculative and all(s.accepted is not None for s in served):
-                stats = acceptance_stats([Generation(str(i), s.tokens, 0.0, s.accepted, s.proposed)
-                                          for i, s in enumerate(served)], args.k)
-                out[batch].update(tau=stats["tau"], acceptance_rate_by_position=stats["acceptance_rate_by_position"],
-                                  proposal_rate_by_position=stats["proposal_rate_by_position"])
+            seconds, counters = decode_seconds(server, ids, args.new_tokens)
+            decode_tokens = batch * (args.new_tokens - 1)
+            out[batch] = {"decode_seconds": seconds, "decode_tokens_per_second": decode_tokens / seconds}
+            if not speculative:
+                continue
+            out[batch].update(rates_from_counters(counters, decode_tokens, args.k),
+                              tau_per_drafting_step=counters.summary()["tau"])
     return out
 
 
@@ -146,7 +161,8 @@ def main() -> None:
         if "acceptance_rate_by_position" in spec:
             estimate = speedups(target, None, spec["acceptance_rate_by_position"], spec["proposal_rate_by_position"],
                                 server)
-            row.update(tau=spec["tau"], acceptance_rate_by_position=spec["acceptance_rate_by_position"],
+            row.update(tau=spec["tau"], tau_per_drafting_step=spec["tau_per_drafting_step"],
+                       acceptance_rate_by_position=spec["acceptance_rate_by_position"],
                        proposal_rate_by_position=spec["proposal_rate_by_position"],
                        predicted_speedup=estimate["speedup"][0][i],
                        predicted_plain_step_ms=1e3 * target_step_seconds(target, server, batch, 1))

@@ -5,7 +5,7 @@ Layout under the store root (``results/<run>/hidden_states``)::
     part-<p>/store.json                  what this part's shards were made from (fingerprint, dtype, layers)
     part-<p>/shard-<s>/layer-<id>.safetensors   {"hidden_states": [T, H]} (+ {"scales": [T]} for fp8)
     part-<p>/shard-<s>/tokens.safetensors       {"input_ids": [T], "loss_mask": [T], "offsets": [n+1]}
-    part-<p>/shard-<s>/manifest.json            sample ids, counts, sha256 of every file above (and of itself)
+    part-<p>/shard-<s>/manifest.json            sample ids, counts, checksum of every file above (and sha256 of itself)
     part-<p>.json                        the part's manifest (the extraction rule's output)
     index.json                           every part and shard (the merge rule's output)
 
@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
 from draftsmith.errors import ExtractionError
-from draftsmith.io import atomic_write_json, read_json, sha256_file
+from draftsmith.io import atomic_write_json, bytes_match, file_matches, read_json
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ShardInfo:
     num_samples: int
     num_tokens: int
     num_loss_tokens: int
-    checksums: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    checksums: dict[str, str] = field(default_factory=dict)  # file name -> checksum (draftsmith.io)
 
 
 @dataclass
@@ -162,7 +162,7 @@ def merge_parts(part_manifests: Sequence[str | Path], index_path: str | Path) ->
 
 def read_shard(index: HiddenStateIndex, shard: ShardInfo, layer_ids: Sequence[int] | None = None,
                verify: bool = True) -> ShardData:
-    """Load one shard's tokens and the asked layers; with ``verify``, check each file's sha256 first."""
+    """Load one shard's tokens and the asked layers; with ``verify``, check each file's checksum first."""
     path = index.root / shard.path
     wanted = index.layer_ids if layer_ids is None else list(layer_ids)
     unknown = set(wanted) - set(index.layer_ids)
@@ -208,7 +208,7 @@ def _read_checked(shard_dir: Path, name: str, shard: ShardInfo, verify: bool) ->
         raise ExtractionError(f"cannot read hidden-state file: {e}", where=str(file),
                               fix="rerun the workflow: extraction redoes missing shards") from e
     if verify:
-        if hashlib.sha256(data).hexdigest() != shard.checksums.get(name):
+        if not bytes_match(data, shard.checksums.get(name, "")):
             raise ExtractionError(
                 f"checksum mismatch: part {shard.part} shard {shard.shard} file {name} is corrupt",
                 where=str(file),
@@ -296,6 +296,6 @@ def check_files(shard_dir: Path, checksums: dict[str, str]) -> str | None:
         file = shard_dir / name
         if not file.exists():
             return f"{name} is missing"
-        if sha256_file(file) != digest:
+        if not file_matches(file, digest):
             return f"{name} fails its checksum"
     return None

@@ -1,9 +1,8 @@
 """Safetensors files written front to back while their tensors are still being produced: the bytes
-of ``safetensors.torch.save``, written straight from tensor memory and hashed while written."""
+of ``safetensors.torch.save``, written straight from tensor memory and checksummed while written."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import ExtractionError
+from draftsmith.io import checksum_digest, checksum_hasher
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
@@ -27,7 +27,7 @@ class SafetensorsStream:
     ``layout`` fixes every tensor's name, dtype and final shape, in file order, so the header
     goes out first; ``write`` then takes the next bytes in that order (a tensor may come in row
     blocks), hashing them on the way, straight from the tensors' memory with the GIL released.
-    ``close`` checks that every byte came, syncs the file and returns its sha256.
+    ``close`` checks that every byte came, syncs the file and returns its checksum (``draftsmith.io``).
     """
 
     def __init__(self, path: str | Path, layout: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> None:
@@ -42,7 +42,7 @@ class SafetensorsStream:
         self.expected, self.written, self.current = offset, 0, 0
         text = json.dumps(header, separators=(",", ":")).encode("utf-8")
         text += b" " * (-len(text) % 8)
-        self.digest = hashlib.sha256()
+        self.digest = checksum_hasher()
         self.file = open(path, "wb")  # noqa: SIM115 - closed by close() or discard()
         self._put(memoryview(len(text).to_bytes(8, "little") + text))
 
@@ -79,7 +79,7 @@ class SafetensorsStream:
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        return self.digest.hexdigest()
+        return checksum_digest(self.digest)
 
     def discard(self) -> None:
         """Close without syncing; the caller removes the file (a full disk may refuse the flush)."""
@@ -90,7 +90,7 @@ class SafetensorsStream:
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write ``tensors`` as a safetensors file, fsync it, and return its sha256; the bytes equal
+    """Write ``tensors`` as a safetensors file, fsync it, and return its checksum; the bytes equal
     ``safetensors.torch.save``'s (its order: larger elements first, then by name)."""
     items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     stream = SafetensorsStream(path, [(name, t.dtype, tuple(t.shape)) for name, t in items])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import save as save_safetensors
 
 import tiny
@@ -22,6 +23,7 @@ from draftsmith import extract
 from draftsmith.capture import plan_batches
 from draftsmith.errors import ConfigError, ExtractionError
 from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
+from draftsmith.io import bytes_match
 from draftsmith.hidden_states import HiddenStateIndex, read_shard
 from draftsmith.safetensors_stream import write_safetensors
 from draftsmith.shard_writer import quantize_fp8
@@ -171,7 +173,9 @@ def test_writer_bytes_equal_safetensors_save(tmp_path):
         digest = write_safetensors(tmp_path / "x.safetensors", tensors)
         data = (tmp_path / "x.safetensors").read_bytes()
         assert data == save_safetensors(tensors)
-        assert digest == hashlib.sha256(data).hexdigest()
+        assert digest == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest()
+        assert bytes_match(data, digest) and not bytes_match(data[:-1] + b"!", digest)
+        assert bytes_match(data, hashlib.sha256(data).hexdigest())  # stores written with SHA-256 still read
 
 
 # --- resume -----------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import tiny
 from draftsmith.errors import ExtractionError, StorageError
 from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
 from draftsmith.hidden_states import HiddenStateIndex, load_shard_manifest, shard_dir_name, verify_store
-from draftsmith.io import atomic_write_bytes, read_json
+from draftsmith.io import atomic_write_bytes, file_matches, read_json
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.train import TrainSettings, run_training
 from draftsmith.vocab import build_vocab_mapping
@@ -294,7 +294,7 @@ def _assert_visible_shards_complete(store: Path) -> None:
     for shard_dir in sorted((store / "part-0").glob("shard-*")):
         manifest = load_shard_manifest(shard_dir)
         for name, digest in manifest["checksums"].items():
-            assert hashlib.sha256((shard_dir / name).read_bytes()).hexdigest() == digest, shard_dir / name
+            assert file_matches(shard_dir / name, digest), shard_dir / name
     if (store / "part-0.json").exists():
         assert len(_complete_shards(store)) == len(read_json(store / "part-0.json")["shards"])
 

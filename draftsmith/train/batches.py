@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.errors import TrainingError
 from draftsmith.hidden_states import HiddenStateIndex, ShardInfo, ShardRows, dequantize_fp8, read_shard
-from draftsmith.io import sha256_file
+from draftsmith.io import file_matches
 from draftsmith.train.objective import scored_positions
 from draftsmith.train.settings import TrainSettings
 
@@ -246,7 +246,7 @@ def _ready(batches: list[dict], stream) -> list[dict]:
 
 
 class ShardVerifier(threading.Thread):
-    """Checks the sha256 of the state files of this rank's share of the shards, beside training."""
+    """Checks the checksums of the state files of this rank's share of the shards, beside training."""
 
     def __init__(self, index: HiddenStateIndex, shards: list[ShardInfo]) -> None:
         super().__init__(daemon=True)
@@ -256,7 +256,7 @@ class ShardVerifier(threading.Thread):
         for shard in self.shards:
             for name, digest in shard.checksums.items():
                 path = self.index.root / shard.path / name
-                if sha256_file(path) != digest:
+                if not file_matches(path, digest):
                     self.error = TrainingError(
                         f"checksum mismatch: part {shard.part} shard {shard.shard} file {name} is corrupt",
                         where=str(path), fix="rerun the workflow: extraction regenerates damaged shards")

@@ -1,0 +1,134 @@
+"""How fast the shard store takes captured states, with the engine out of the picture.
+
+``extract_shards`` (per batch: the NaN/zero check, the layer files appended on their writer
+threads, checksummed while written, writeback started; per shard: fsync, manifest, rename) is fed
+by a backend that returns ready states: views of one tensor in shared memory, as the vLLM backend
+hands over its mapped spool passes. Beside it, on the same bytes, one core's rate of each piece:
+SHA-256 and XXH3-128 (the store's checksum since it replaced SHA-256) and a plain file write into
+``--out``. The store's rate is what extraction can reach at most on this machine and file system,
+whatever the engine; ``--prefill`` (tokens/s of the engine's plain prefill) turns it into the
+ceiling of extraction / prefill.
+
+    python bench/store_rate.py --out /dev/shm/sr         # tmpfs: the CPU work alone
+    python bench/store_rate.py --out /tmp/sr             # the disk too
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.capture import extract_shards  # noqa: E402
+from draftsmith.shard_writer import PartStore  # noqa: E402
+from draftsmith.targets.backends import CaptureBackend  # noqa: E402
+
+SAMPLE_TOKENS = 2048
+
+
+class ReadyStates(CaptureBackend):
+    """Returns each batch's states as views of one [layers, batch tokens, hidden] tensor in shared memory."""
+
+    name = "ready"
+
+    def __init__(self, layer_ids: list[int], batch_tokens: int, hidden: int) -> None:
+        self.layer_ids = layer_ids
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        count = len(layer_ids) * batch_tokens * hidden
+        with tempfile.NamedTemporaryFile(dir=folder) as f:
+            f.truncate(count * 2)
+            self.states = torch.from_file(f.name, shared=True, size=count, dtype=torch.bfloat16)
+        rows, block = self.states.view(-1, hidden), torch.randn(1024, hidden).to(torch.bfloat16)
+        for start in range(0, rows.shape[0], len(block)):
+            rows[start:start + len(block)] = block[:rows.shape[0] - start]
+        self.states = self.states.view(len(layer_ids), batch_tokens, hidden)
+
+    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+        out, row = [], 0
+        for ids in batch:
+            out.append({lid: self.states[k, row:row + len(ids)] for k, lid in enumerate(self.layer_ids)})
+            row += len(ids)
+        return out
+
+
+def one_core_rates(data: torch.Tensor, folder: Path) -> dict[str, float]:
+    """GB/s of one thread over ``data``'s bytes: each checksum, and a plain write into ``folder``."""
+    view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+    rates = {}
+    for name, make in (("sha256", hashlib.sha256), ("xxh3_128", xxhash.xxh3_128)):
+        started = time.perf_counter()
+        make(view).hexdigest()
+        rates[name] = len(view) / (time.perf_counter() - started) / 1e9
+    path = folder / "plain-write.raw"
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    rates["write+fsync"] = len(view) / (time.perf_counter() - started) / 1e9
+    path.unlink()
+    return rates
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="the store's folder (default: a temporary one)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=4, help="captured layers (EAGLE-3: three aux + the final)")
+    p.add_argument("--tokens", type=int, default=524_288)
+    p.add_argument("--batch-tokens", type=int, default=65_536)
+    p.add_argument("--shard-tokens", type=int, default=131_072)
+    p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
+    p.add_argument("--prefill", type=float, default=42_400.0, help="the engine's plain prefill, tokens/s")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    folder = args.out or Path(tempfile.mkdtemp(prefix="store-rate-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    layer_ids = list(range(args.layers))
+    samples = [{"id": f"s{i}", "input_ids": [1] * SAMPLE_TOKENS, "loss_mask": [1] * SAMPLE_TOKENS}
+               for i in range(args.tokens // SAMPLE_TOKENS)]
+    per_shard = args.shard_tokens // SAMPLE_TOKENS
+    shards = [(n, samples[n * per_shard:(n + 1) * per_shard]) for n in range(len(samples) // per_shard)]
+    tokens = sum(len(s) for _, s in shards) * SAMPLE_TOKENS
+    backend = ReadyStates(layer_ids, args.batch_tokens, args.hidden)
+    try:
+        store = PartStore(folder / "store", 0, fingerprint="bench", dtype=args.storage, hidden_size=args.hidden,
+                          layer_ids=layer_ids)
+        started = time.perf_counter()
+        extract_shards(backend, store, shards, batch_tokens=args.batch_tokens)
+        seconds = time.perf_counter() - started
+        state_bytes = tokens * args.layers * args.hidden * 2
+        result = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                  "captured_gb_per_s": state_bytes / seconds / 1e9,
+                  "ceiling_vs_prefill": tokens / seconds / args.prefill,
+                  "one_core_gb_per_s": one_core_rates(backend.states[0], folder),
+                  "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "args": {**vars(args), "out": str(folder),
+                                                                                        "json": str(args.json)}}
+    finally:
+        if args.out is None:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            shutil.rmtree(folder / "store", ignore_errors=True)
+    print(f"store ({args.storage}) on {folder}: {tokens} tokens in {seconds:.2f} s = {result['tokens_per_s']:,.0f} "
+          f"tokens/s, {result['captured_gb_per_s']:.2f} GB/s of captured states; "
+          f"at most {result['ceiling_vs_prefill']:.2f}x a prefill of {args.prefill:,.0f} tokens/s")
+    print("one core: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in result["one_core_gb_per_s"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
