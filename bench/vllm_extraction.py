@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the workflow's jobs run (Snakefile), before torch loads
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,6 +77,9 @@ def write_model_folder(root: Path, tiny: bool) -> Path:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # extract_shards logs which side set the pace of each extraction run
+    logging.getLogger("draftsmith.capture").addHandler(logging.StreamHandler())
+    logging.getLogger("draftsmith.capture").setLevel(logging.INFO)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
@@ -91,7 +98,8 @@ def main(argv=None) -> None:
     gpu = {} if current_platform.is_cpu() else {"gpu_memory_utilization": args.gpu_memory_utilization}
     common = dict(dtype=dtype, max_model_len=max_model_len, load_format="dummy", skip_tokenizer_init=True, **gpu)
     print(f"{len(samples)} samples, {tokens} tokens in {len(calls)} generate calls, {len(shards)} shards; "
-          f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}", flush=True)
+          f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}; "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}", flush=True)
 
     budget = max(DEFAULT_TOKEN_BUDGET, max_model_len)
     plain = LLM(**engine_kwargs(dict(model=str(model_dir), enforce_eager=True, enable_prefix_caching=False,

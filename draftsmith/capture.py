@@ -11,6 +11,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -147,17 +148,21 @@ class _ShardWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._abort = False
+        self.busy_s = 0.0  # checking and writing batches
+        self.waited_s = 0.0  # the capture side blocked on a full queue
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
     def submit(self, job: _BatchJob) -> None:
+        started = time.perf_counter()
         while True:
             self._raise_error()
             try:
                 self._queue.put(job, timeout=0.2)
-                return
+                break
             except queue.Full:
                 continue
+        self.waited_s += time.perf_counter() - started
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -170,10 +175,12 @@ class _ShardWriter:
                 break
             if self._error is not None or self._abort:
                 continue
+            started = time.perf_counter()
             try:
                 self._write(job)
             except BaseException as e:  # handed to the main thread, which raises it
                 self._error = e
+            self.busy_s += time.perf_counter() - started
         if self._open is not None:  # an unfinished shard (error or abort): no trace of it stays
             self._open.abort()
             self._open = None
@@ -221,7 +228,7 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
     hidden = store.meta["hidden_size"]
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
     writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
-    ok = False
+    ok, started = False, time.perf_counter()
     try:
         results = capture_batches(backend, ([s["input_ids"] for s in batch] for _, batch in jobs))
         for (number, batch), captured in zip(jobs, results, strict=True):
@@ -247,4 +254,8 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
         ok = True
     finally:
         writer.close(abort=not ok)
+    # Which side sets the pace: a store busy most of the run, with the capture waiting on it,
+    # means the disk or the writer's CPU, not the engine, bounds extraction.
+    log.info("part %d: %d batches in %.1f s; the store was busy %.1f s, the capture waited %.1f s for it",
+             store.part, len(jobs), time.perf_counter() - started, writer.busy_s, writer.waited_s)
     return sorted(writer.written, key=lambda s: s.shard)
