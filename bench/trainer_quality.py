@@ -11,7 +11,7 @@ HF speculative loop, greedy, lossless-checked) on the same held-out prompts. Pri
 acceptance by position side by side, and the ratio; ``--out`` gets the JSON.
 
 On the GPU machine, after ``bench/gpu_pipeline.py`` has regenerated and extracted the demo's data
-into ``--work`` (its FULL budget: answers up to 256 tokens, bf16 and fp8 stores):
+into ``--work`` (its FULL budget: answers up to 256 tokens; ``--storage bfloat16`` makes the store read here):
 
     python bench/trainer_quality.py --work /tmp/ds-work --out /tmp/ds-out/trainer_quality.json
 

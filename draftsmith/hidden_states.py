@@ -120,6 +120,10 @@ TOKENS_FILE = "tokens.safetensors"
 SHARD_MANIFEST = "manifest.json"
 
 
+def part_dir_name(part: int) -> str:
+    return f"part-{part}"
+
+
 def shard_dir_name(shard: int) -> str:
     return f"shard-{shard:05d}"
 

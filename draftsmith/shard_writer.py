@@ -29,6 +29,7 @@ from draftsmith.hidden_states import (
     check_files,
     layer_file,
     load_shard_manifest,
+    part_dir_name,
     shard_dir_name,
     shard_info_from_manifest,
     shard_manifest_bytes,
@@ -65,7 +66,7 @@ class PartStore:
                                   fix=f"use one of {sorted(STORAGE_DTYPES)}")
         self.root = Path(root)
         self.part = part
-        self.dir = self.root / f"part-{part}"
+        self.dir = self.root / part_dir_name(part)
         self.meta = {
             "fingerprint": fingerprint, "dtype": dtype, "hidden_size": hidden_size,
             "layer_ids": sorted(layer_ids),

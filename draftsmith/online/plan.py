@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 from draftsmith.errors import ConfigError
 from draftsmith.extract import ExtractionSettings, part_fingerprint, plan_part
-from draftsmith.hidden_states import HiddenStateIndex, ShardInfo, shard_dir_name
+from draftsmith.hidden_states import HiddenStateIndex, ShardInfo, part_dir_name, shard_dir_name
 from draftsmith.settings import check_settings, from_schema, settings_from
 from draftsmith.train.batches import ShardMeta, Step, tokens_meta
 
@@ -68,7 +69,7 @@ class OnlinePlan:
         window = Path(window)
         shards = plan_part(train_jsonl, PART, 1, extraction)
         layer_ids = sorted(target_info["captured_layer_ids"])
-        infos = [ShardInfo(part=PART, shard=n, path=f"part-{PART}/{shard_dir_name(n)}", num_samples=len(samples),
+        infos = [ShardInfo(part=PART, shard=n, path=f"{part_dir_name(PART)}/{shard_dir_name(n)}", num_samples=len(samples),
                            num_tokens=sum(len(s["input_ids"]) for s in samples),
                            num_loss_tokens=sum(sum(s["loss_mask"]) for s in samples))
                  for n, samples in enumerate(shards)]
@@ -84,7 +85,12 @@ class OnlinePlan:
 
     @property
     def store_dir(self) -> Path:
-        return self.window / f"part-{PART}"
+        return self.window / part_dir_name(PART)
+
+    @cached_property
+    def shard_numbers(self) -> dict[str, int]:
+        """Shard folder name -> shard number (``hidden_states.shard_dir_name``)."""
+        return {shard_dir_name(n): n for n in range(len(self.shards))}
 
     def tokens(self, shard: int) -> int:
         return self.index.shards[shard].num_tokens

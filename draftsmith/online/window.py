@@ -35,7 +35,8 @@ def read_progress(window: Path) -> int | None:
 
 def present_shards(plan: OnlinePlan) -> set[int]:
     """Shards complete in the window (a shard folder appears by rename, manifest and all)."""
-    return {int(p.parent.name.split("-")[1]) for p in plan.store_dir.glob(f"shard-*/{SHARD_MANIFEST}")}
+    names = plan.shard_numbers
+    return {names[p.parent.name] for p in plan.store_dir.glob(f"*/{SHARD_MANIFEST}") if p.parent.name in names}
 
 
 def process_alive(pid: int) -> bool:
