@@ -23,8 +23,8 @@ from draftsmith import extract
 from draftsmith.capture import plan_batches
 from draftsmith.errors import ConfigError, ExtractionError
 from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
-from draftsmith.io import bytes_match
 from draftsmith.hidden_states import HiddenStateIndex, read_shard
+from draftsmith.io import bytes_match
 from draftsmith.safetensors_stream import write_safetensors
 from draftsmith.shard_writer import quantize_fp8
 from draftsmith.targets.backends import CaptureBackend
