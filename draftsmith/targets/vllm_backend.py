@@ -7,14 +7,15 @@ one forward pass, which is how the workers recognise its rows: see
 :mod:`draftsmith.targets.vllm_worker`); the token budget of a pass is at least ``max_model_len``.
 vLLM must run eagerly (``enforce_eager=True``) so the Python hooks run as written. The workers
 spool each pass's states to files in a shared-memory folder; this process maps them.
-``capture_stream`` starts each batch before it maps the previous one's files, so the engine never
-waits for the spool between batches.
+``capture_stream`` starts each batch before it maps the previous one's files, so the engine does
+not wait between batches for the last passes to reach the spool.
 
 vLLM is imported only when a backend is created, so this module imports without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "draftsmith.targets.vllm_worker.CaptureWorkerExtension"
 DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
-SPOOL_MIN_FREE = 8 << 30  # a batch's passes; containers often mount a 64 MiB /dev/shm
+SPOOL_MIN_FREE = 8 << 30  # the passes of the batches in flight; containers often mount a 64 MiB /dev/shm
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
 
 
@@ -122,19 +123,22 @@ class VllmBackend(CaptureBackend):
     def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, torch.Tensor]]]:
         """``capture`` for a stream of batches, in order: each batch runs before the previous one's
         states are mapped, so its last passes reach the spool while the engine computes."""
+        dirty = False  # the spool may hold passes nobody will map (an error, or a consumer that stopped)
         pending = None
         try:
             for batch in batches:
+                dirty = True
                 previous, pending = pending, self._run(batch)
                 if previous is not None:
                     yield self._states(previous)
             if pending is not None:
-                last, pending = pending, None
-                yield self._states(last)
+                states = self._states(pending)
+                dirty = False
+                yield states
+            dirty = False
         finally:
-            if pending is not None and self.llm is not None:  # abandoned: its passes are never mapped
-                self.llm.collective_rpc("draftsmith_reset")
-                self._empty_spool()
+            if dirty and self.llm is not None:
+                self._abandon()
 
     def _run(self, batch: list[list[int]]) -> _Ran:
         from vllm import SamplingParams
@@ -151,14 +155,9 @@ class VllmBackend(CaptureBackend):
         keys = [tuple(int(t) for t in ids) for ids in batch]
         distinct = list(dict.fromkeys(keys))
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        try:
-            self.llm.collective_rpc("draftsmith_expect", args=([list(p) for p in distinct],))
-            self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in distinct], params, use_tqdm=False)
-            result = next(r for r in self.llm.collective_rpc("draftsmith_collect") if r is not None)
-        except BaseException:
-            self.llm.collective_rpc("draftsmith_reset")
-            self._empty_spool()
-            raise
+        self.llm.collective_rpc("draftsmith_expect", args=([list(p) for p in distinct],))
+        self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in distinct], params, use_tqdm=False)
+        result = next(r for r in self.llm.collective_rpc("draftsmith_collect") if r is not None)
         self.stalled_s = result["stalled_s"]
         return _Ran(keys, distinct, result)
 
@@ -169,9 +168,10 @@ class VllmBackend(CaptureBackend):
         result, distinct = ran.result, ran.distinct
         try:
             passes = [read_pass(info, SPOOL_WAIT_S) for info in result["passes"]]
-        except OSError as e:  # TimeoutError included
-            self.llm.collective_rpc("draftsmith_reset")
-            self._empty_spool()
+        except TimeoutError as e:
+            raise ExtractionError(f"vLLM capture failed: {e}", where=self.spool,
+                                  fix="the vLLM engine's log (above) says why its worker stopped") from e
+        except OSError as e:
             raise ExtractionError(f"vLLM capture failed: {e}", where=self.spool,
                                   fix="check the free space of the spool folder's file system") from e
         if result["error"]:
@@ -189,7 +189,10 @@ class VllmBackend(CaptureBackend):
             states[prompt] = {lid: rows[k] for k, lid in enumerate(self.layer_ids)}
         return [states[key] for key in ran.keys]
 
-    def _empty_spool(self) -> None:
+    def _abandon(self) -> None:
+        """Drop what the spool holds or is still receiving: the worker finishes its queued passes
+        and forgets the batch, then the files go."""
+        self.llm.collective_rpc("draftsmith_reset")
         for name in os.listdir(self.spool):
             os.unlink(os.path.join(self.spool, name))
 
@@ -199,6 +202,8 @@ class VllmBackend(CaptureBackend):
                      self.stalled_s, self.spool)
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
+            with contextlib.suppress(Exception):  # a dead engine cannot answer, and has no writer left
+                llm.collective_rpc("draftsmith_reset")  # no pass may still be on its way into the spool
             shutdown_llm(llm, self._set_num_threads)
         if getattr(self, "spool", None):
             shutil.rmtree(self.spool, ignore_errors=True)

@@ -41,6 +41,7 @@ last passes of this one are still on their way to the spool.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -160,8 +161,6 @@ class CaptureWorkerExtension:
         self._ds_dtype = model_config.dtype
         self._ds_spool = spool_dir
         self._ds_keep = self.rank == 0  # every TP rank holds the same rows; one sends them
-        self._ds_serial = itertools.count()  # pass file names, unique over the engine's life
-        self._ds_writer_error: str | None = None
         self._ds_stalled = 0.0  # seconds forward passes waited for a free host buffer
         self._ds_reset_state()
         if self._ds_keep:
@@ -206,9 +205,11 @@ class CaptureWorkerExtension:
         return out
 
     def draftsmith_reset(self) -> None:
-        """Forget the announced prompts and what was captured (e.g. after an aborted batch)."""
+        """Forget the announced prompts and what was captured (e.g. after an aborted batch), once
+        every queued pass has reached the spool (which the driver then empties)."""
         if getattr(self, "_ds_keep", False):
             self._ds_queue.join()
+            self._ds_writer_error = None
         self._ds_reset_state()
 
     def _ds_reset_state(self) -> None:
@@ -323,6 +324,8 @@ class CaptureWorkerExtension:
     def _ds_start_writer(self, max_rows: int) -> None:
         if getattr(self, "_ds_queue", None) is not None:
             return
+        self._ds_serial = itertools.count()  # pass file names, unique over the engine's life
+        self._ds_writer_error: str | None = None
         self._ds_queue: queue.Queue[_Pass] = queue.Queue()
         self._ds_free: queue.Queue[torch.Tensor] = queue.Queue()
         pin = torch.cuda.is_available() and self.model_runner.device.type == "cuda"
@@ -344,11 +347,22 @@ class CaptureWorkerExtension:
                 os.replace(item.path + _PARTIAL, item.path)
             except Exception as e:  # noqa: BLE001 - the driver reads it beside the pass, and in the next collect
                 self._ds_writer_error = f"writing captured states to {self._ds_spool}: {type(e).__name__}: {e}"
-                with open(item.path + _FAILED, "w", encoding="utf-8") as f:
-                    f.write(self._ds_writer_error)
+                _leave_reason(item.path, self._ds_writer_error)
             finally:
                 self._ds_free.put(item.buffer)
                 self._ds_queue.task_done()
+
+
+def _leave_reason(path: str, reason: str) -> None:
+    """Put why a pass failed beside its name, whole (written aside, then renamed), after removing
+    the partial pass to free its space. Never raises: the writer thread must live on to hand every
+    buffer back and mark every pass done."""
+    with contextlib.suppress(OSError):
+        os.unlink(path + _PARTIAL)
+    with contextlib.suppress(OSError):
+        with open(path + _FAILED + _PARTIAL, "w", encoding="utf-8") as f:
+            f.write(reason)
+        os.replace(path + _FAILED + _PARTIAL, path + _FAILED)
 
 
 def read_pass(info: dict[str, Any], timeout: float) -> torch.Tensor:
@@ -361,6 +375,8 @@ def read_pass(info: dict[str, Any], timeout: float) -> torch.Tensor:
         if os.path.exists(path + _FAILED):
             with open(path + _FAILED, encoding="utf-8") as f:
                 raise OSError(f.read())
+        if not os.path.isdir(os.path.dirname(path)):
+            raise FileNotFoundError(f"the spool folder of {path} is gone")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout:.0f} s (the vLLM worker stopped writing)")
         time.sleep(0.001)
