@@ -400,7 +400,8 @@ def test_index_loads(train, target, tmp_path):
 def test_the_extraction_rule_runs_through_vllm_under_snakemake(tmp_path):
     """The rule as a user runs it: vLLM's engine process starts from the rule's script (spawn runs
     it again as __mp_main__), the default context holds the longest sample plus the sampled token,
-    and the rule's log keeps the driver's lines after the engine starts."""
+    and the rule's log keeps the driver's lines after the engine starts, down to which side set
+    the extraction's pace."""
     from workflow_helpers import snakemake, tiny_workflow, write_config
 
     workdir, config = tiny_workflow(tmp_path)
@@ -409,3 +410,4 @@ def test_the_extraction_rule_runs_through_vllm_under_snakemake(tmp_path):
     snakemake(workdir, "results/t/hidden_states/part-0.json", configfile=write_config(workdir, config))
     log = (workdir / "logs/t/extract_hidden_states/part-0.log").read_text()
     assert "vllm backend ready" in log and "1600 tokens in" in log
+    assert "the store was busy" in log and "the capture waited" in log
