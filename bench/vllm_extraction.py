@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
 
 from draftsmith.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
+from draftsmith.logs import setup_logging  # noqa: E402
 from draftsmith.shard_writer import PartStore  # noqa: E402
 from draftsmith.targets.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
 from draftsmith.targets.vllm_compat import engine_kwargs, shutdown_llm  # noqa: E402
@@ -77,9 +77,7 @@ def write_model_folder(root: Path, tiny: bool) -> Path:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    # extract_shards logs which side set the pace of each extraction run
-    logging.getLogger("draftsmith.capture").addHandler(logging.StreamHandler())
-    logging.getLogger("draftsmith.capture").setLevel(logging.INFO)
+    setup_logging(None)  # as a rule's script: the thread settings, and which side set each extraction's pace
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
@@ -98,8 +96,7 @@ def main(argv=None) -> None:
     gpu = {} if current_platform.is_cpu() else {"gpu_memory_utilization": args.gpu_memory_utilization}
     common = dict(dtype=dtype, max_model_len=max_model_len, load_format="dummy", skip_tokenizer_init=True, **gpu)
     print(f"{len(samples)} samples, {tokens} tokens in {len(calls)} generate calls, {len(shards)} shards; "
-          f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}; "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}", flush=True)
+          f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}", flush=True)
 
     budget = max(DEFAULT_TOKEN_BUDGET, max_model_len)
     plain = LLM(**engine_kwargs(dict(model=str(model_dir), enforce_eager=True, enable_prefix_caching=False,

@@ -218,6 +218,25 @@ class _ShardWriter:
             self._raise_error()
 
 
+def _check_shapes(backend: str, store: PartStore, shard: int, batch: list[dict],
+                  captured: list[dict[int, torch.Tensor]]) -> None:
+    """Stop when the backend returned other samples, layers or shapes than the batch asked for."""
+    where, hidden = f"part {store.part} shard {shard}", store.meta["hidden_size"]
+    if len(captured) != len(batch):
+        raise ExtractionError(f"the {backend} backend returned {len(captured)} results for a batch "
+                              f"of {len(batch)} samples", where=where)
+    for sample, states in zip(batch, captured):
+        length = len(sample["input_ids"])
+        if sorted(states) != store.layer_ids:
+            raise ExtractionError(f"the {backend} backend returned layers {sorted(states)} for sample "
+                                  f"{sample['id']!r}, expected {store.layer_ids}", where=where)
+        for layer_id, tensor in states.items():
+            if tensor.shape != (length, hidden):
+                raise ExtractionError(
+                    f"the {backend} backend returned layer {layer_id} states of shape {tuple(tensor.shape)} "
+                    f"for sample {sample['id']!r} of {length} tokens (expected ({length}, {hidden}))", where=where)
+
+
 def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tuple[int, list[dict]]],
                    *, batch_tokens: int, max_pending: int = 2, progress=None) -> list[ShardInfo]:
     """Capture and store the listed (shard number, samples) shards; returns their infos in order.
@@ -226,7 +245,6 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
     shard's files there, while the backend computes the next batch: the disk works alongside
     the accelerator, and a shard's end costs only its last batch's write and the syncs.
     """
-    hidden = store.meta["hidden_size"]
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
     writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
     inputs = ([s["input_ids"] for s in batch] for _, batch in jobs)
@@ -235,22 +253,7 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
         # closed on any error, so a pipelined backend drops what it still has in flight at once
         with contextlib.closing(capture_batches(backend, inputs)) as results:
             for (number, batch), captured in zip(jobs, results, strict=True):
-                where = f"part {store.part} shard {number}"
-                if len(captured) != len(batch):
-                    raise ExtractionError(f"the {backend.name} backend returned {len(captured)} results for a batch "
-                                          f"of {len(batch)} samples", where=where)
-                for sample, states in zip(batch, captured):
-                    length = len(sample["input_ids"])
-                    if sorted(states) != store.layer_ids:
-                        raise ExtractionError(
-                            f"the {backend.name} backend returned layers {sorted(states)} for sample {sample['id']!r}, "
-                            f"expected {store.layer_ids}", where=where)
-                    for layer_id, tensor in states.items():
-                        if tensor.shape != (length, hidden):
-                            raise ExtractionError(
-                                f"the {backend.name} backend returned layer {layer_id} states of shape "
-                                f"{tuple(tensor.shape)} for sample {sample['id']!r} of {length} tokens "
-                                f"(expected ({length}, {hidden}))", where=where)
+                _check_shapes(backend.name, store, number, batch, captured)
                 writer.submit(_BatchJob(number, batch, captured))
                 if progress is not None:
                     progress(len(batch), sum(len(s["input_ids"]) for s in batch))

@@ -119,23 +119,25 @@ def checksum_hasher():
 
 
 def checksum_digest(hasher) -> str:
-    """The digest to record: ``xxh3_128:<hex>`` (a SHA-256 hasher gives its bare hex)."""
-    return f"{CHECKSUM}:{hasher.hexdigest()}" if isinstance(hasher, xxhash.xxh3_128) else hasher.hexdigest()
+    """The digest to record for a ``checksum_hasher``: ``xxh3_128:<hex>``."""
+    return f"{CHECKSUM}:{hasher.hexdigest()}"
 
 
-def _hasher_for(expected: str):
-    return checksum_hasher() if expected.startswith(CHECKSUM + ":") else hashlib.sha256()
+def _hasher_for(expected: str) -> tuple[Any, str]:
+    """The hasher a recorded digest was made with, and the hex it must give."""
+    algorithm, _, hex_digest = expected.rpartition(":")
+    return (checksum_hasher() if algorithm == CHECKSUM else hashlib.sha256()), hex_digest
 
 
 def bytes_match(data: bytes, expected: str) -> bool:
     """Whether ``data`` has the recorded checksum ``expected`` (either algorithm)."""
-    hasher = _hasher_for(expected)
+    hasher, hex_digest = _hasher_for(expected)
     hasher.update(data)
-    return checksum_digest(hasher) == expected
+    return hasher.hexdigest() == hex_digest
 
 
 def file_matches(path: str | Path, expected: str) -> bool:
     """Whether the file at ``path`` has the recorded checksum ``expected`` (either algorithm)."""
-    hasher = _hasher_for(expected)
+    hasher, hex_digest = _hasher_for(expected)
     _feed_file(hasher, path)
-    return checksum_digest(hasher) == expected
+    return hasher.hexdigest() == hex_digest

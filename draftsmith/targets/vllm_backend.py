@@ -135,7 +135,6 @@ class VllmBackend(CaptureBackend):
                 states = self._states(pending)
                 dirty = False
                 yield states
-            dirty = False
         finally:
             if dirty and self.llm is not None:
                 self._abandon()
