@@ -320,6 +320,8 @@ def run_pipeline(args: argparse.Namespace, budget: Budget, stages: Stages, summa
     if both:
         bf16, fp8 = (extraction[d]["shard_bytes"] for d in STORAGE_DTYPES)
         extraction["fp8_over_bfloat16_bytes"] = fp8 / bf16 if bf16 else None
+    if args.stores_only:
+        return
 
     training: dict[str, Any] = {}
     summary["training"] = training
@@ -396,6 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny budgets: a smoke run of every stage in minutes on a CPU")
     p.add_argument("--storage", nargs="+", choices=STORAGE_DTYPES, default=list(STORAGE_DTYPES),
                    help="store dtypes to extract, train from and evaluate (default both, and their difference in τ)")
+    p.add_argument("--stores-only", action="store_true",
+                   help="stop once the stores are written (the inputs bench/trainer_quality.py reads)")
     args = p.parse_args(argv)
     args.storage = tuple(d for d in STORAGE_DTYPES if d in args.storage)
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -455,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exception(error, file=sys.stderr)
         say(f"FAILED: stage {stage}: {type(error).__name__}: {error}")
         return 1
+    if args.stores_only:
+        say(f"stores written in {summary['total_seconds']:.0f} s: " + ", ".join(
+            str(args.work / f"hidden_states_{d}") for d in args.storage))
+        return 0
     say(f"done in {summary['total_seconds']:.0f} s; " + "; ".join(
         f"{d}: tau {_fmt(summary['evaluation'][d]['tau'])} (ngram {_fmt(summary['evaluation'][d]['tau_ngram_baseline'])}, "
         f"speedup {_fmt(summary['evaluation'][d]['speedup_over_greedy'])}x)" for d in args.storage)

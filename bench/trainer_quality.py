@@ -283,7 +283,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="trainer-quality-"))
     inputs = tiny_inputs(work, args.seed) if args.tiny else inputs_in(work, args.store)
-    runs = work / "trainer_quality"
+    runs = work / "trainer_quality" / f"{args.variant}-{args.num_layers}"  # variants may run side by side
     shutil.rmtree(runs, ignore_errors=True)  # both trainers start from step 0, and their drafts are this run's
     start = time.perf_counter()
     summary = train_draftsmith(inputs, args, runs / "draftsmith", args.device)

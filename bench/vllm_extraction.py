@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
+from usage import Usage  # noqa: E402
 
 from draftsmith.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
 from draftsmith.logs import setup_logging  # noqa: E402
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-tokens", type=int, default=131072, help="tokens per shard")
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch's intra-op threads in this process (default: torch's own, one per core)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each mode, interleaved; the best counts")
     p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -77,6 +80,8 @@ def write_model_folder(root: Path, tiny: bool) -> Path:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     setup_logging(None)  # as a rule's script: the thread settings, and which side set each extraction's pace
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -89,13 +94,13 @@ def main(argv=None) -> None:
     layer_ids = [*sorted({2, num_layers // 2, num_layers - 3}), num_layers]
     samples = make_samples(args.tokens, args.min_len, args.max_len, config["vocab_size"], seed=0)
     shards = shards_of(samples, args.shard_tokens)
-    calls = [b for shard in shards for b in plan_batches(shard, args.call_tokens)]
+    num_calls = sum(len(plan_batches(shard, args.call_tokens)) for shard in shards)
     tokens = sum(len(s["input_ids"]) for s in samples)
     max_model_len = args.max_len + 1
     dtype = "float32" if args.tiny else "bfloat16"
     gpu = {} if current_platform.is_cpu() else {"gpu_memory_utilization": args.gpu_memory_utilization}
     common = dict(dtype=dtype, max_model_len=max_model_len, load_format="dummy", skip_tokenizer_init=True, **gpu)
-    print(f"{len(samples)} samples, {tokens} tokens in {len(calls)} generate calls, {len(shards)} shards; "
+    print(f"{len(samples)} samples, {tokens} tokens in {num_calls} generate calls, {len(shards)} shards; "
           f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}", flush=True)
 
     budget = max(DEFAULT_TOKEN_BUDGET, max_model_len)
@@ -105,35 +110,38 @@ def main(argv=None) -> None:
     backend = VllmBackend(str(model_dir), layer_ids, **common)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
-    def prefill() -> float:
-        started = time.perf_counter()
-        for call in calls:
-            plain.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in call], params, use_tqdm=False)
-        return time.perf_counter() - started
+    def batches(todo: list[tuple[int, list[dict]]]) -> list[list[dict]]:
+        return [b for _, shard in todo for b in plan_batches(shard, args.call_tokens)]
 
-    def capture() -> float:
-        started = time.perf_counter()
+    def prefill(todo: list[tuple[int, list[dict]]]) -> None:
+        for call in batches(todo):
+            plain.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in call], params, use_tqdm=False)
+
+    def capture(todo: list[tuple[int, list[dict]]]) -> None:
+        calls = batches(todo)
         for call, states in zip(calls, capture_batches(backend, ([s["input_ids"] for s in c] for c in calls))):
             assert len(states) == len(call)
             del states
-        return time.perf_counter() - started
 
-    def extraction() -> float:
+    def extraction(todo: list[tuple[int, list[dict]]]) -> None:
         out = root / "store"
         shutil.rmtree(out, ignore_errors=True)
         store = PartStore(out, 0, fingerprint="bench", dtype=args.storage, hidden_size=hidden, layer_ids=layer_ids)
-        started = time.perf_counter()
-        extract_shards(backend, store, list(enumerate(shards)), batch_tokens=args.call_tokens)
-        return time.perf_counter() - started
+        extract_shards(backend, store, todo, batch_tokens=args.call_tokens)
 
     modes = {"prefill (plain vLLM)": prefill, "capture (hooks+spool)": capture,
              "extraction (capture+store)": extraction}
-    for run in modes.values():  # warm-up: allocator, pinned buffers, page cache
-        run()
+    everything = list(enumerate(shards))
+    for run in modes.values():  # allocator, pinned buffers, page cache: one shard suffices
+        run(everything[:1])
     best = {name: float("inf") for name in modes}
+    usage = {}
     for _ in range(args.repeats):  # interleaved, best of: drift and noise hit every mode alike
         for name, run in modes.items():
-            best[name] = min(best[name], run())
+            with Usage() as spent:
+                run(everything)
+            if spent.seconds < best[name]:
+                best[name], usage[name] = spent.seconds, spent
     stalled = backend.stalled_s
     backend.close()
     shutdown_llm(plain, torch.set_num_threads)
@@ -142,12 +150,16 @@ def main(argv=None) -> None:
     print(f"\n{'mode (best of ' + str(args.repeats) + ')':<30}{'seconds':>10}{'tokens/s':>12}{'vs prefill':>12}")
     for name, seconds in best.items():
         print(f"{name:<30}{seconds:>10.2f}{tokens / seconds:>12.0f}{base / seconds:>11.3f}x")
+    for name, spent in usage.items():  # which side waits: an idle GPU beside a busy thread
+        print(f"  {name}: {spent.report()}")
     ratio = base / best["extraction (capture+store)"]
     print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}; forward passes "
           f"waited {stalled:.1f} s in all for a free host buffer (the spool writer)")
     print(f"extraction / vLLM prefill = {ratio:.3f}x (goal >= 0.9x): {'OK' if ratio >= 0.9 else 'BELOW GOAL'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens": tokens, "seconds": best, "ratio": ratio,
+                                               "gpu_busy": {k: u.gpu_busy for k, u in usage.items()},
+                                               "cpu_seconds": {k: dict(u.cpu_seconds()) for k, u in usage.items()},
                                                "platform": current_platform.device_type, "args": vars(args)},
                                               indent=2))
     if args.out is None:
