@@ -24,7 +24,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the workflow's jobs run (Snakefile), before torch loads
