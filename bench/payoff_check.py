@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -88,9 +88,11 @@ def rates_from_counters(counters: SpecCounters, decode_tokens: int, k: int) -> d
     count too (they verify one token and make one), as in the HF loop's figures the workflow's
     estimate reads; vLLM's per-request records and its mean acceptance length cover only the steps
     with a draft. Every decode step makes 1 + accepted tokens, so ``decode_tokens`` (prefill's
-    first token excluded) took ``decode_tokens - accepted`` steps. The proposed tokens are spread
-    evenly over the positions: their sum, which the cost model charges, is exact."""
-    steps = decode_tokens - counters.accepted_tokens
+    first token excluded) took ``decode_tokens - accepted`` steps, or more: a request's last step
+    may accept tokens past ``max_tokens``, which the counters keep, so there are at least as many
+    steps as drafts. The proposed tokens are spread evenly over the positions: their sum, which the
+    cost model charges, is exact."""
+    steps = max(decode_tokens - counters.accepted_tokens, counters.drafts)
     accepted = (counters.accepted_per_position + [0] * k)[:k]
     return {"tau": 1 + counters.accepted_tokens / steps,
             "acceptance_rate_by_position": [a / steps for a in accepted],
@@ -115,6 +117,19 @@ def measure(model: Path, args, batches: list[int], speculative: dict | None) -> 
             out[batch].update(rates_from_counters(counters, decode_tokens, args.k),
                               tau_per_drafting_step=counters.summary()["tau"])
     return out
+
+
+def calibrated(target, server: PayoffSettings, spec: dict, row: dict, i: int) -> dict:
+    """The estimate again with the measured plain step's time beyond the roofline taken as the fixed
+    cost of every forward (``forward_overhead_us``): what is left between it and the measured
+    speedup is what verifying more tokens and proposing them cost beyond the model's terms."""
+    fixed_us = server.forward_overhead_us + 1e3 * (row["plain_step_ms"] - row["predicted_plain_step_ms"])
+    server = replace(server, forward_overhead_us=max(fixed_us, server.forward_overhead_us))
+    estimate = speedups(target, None, spec["acceptance_rate_by_position"], spec["proposal_rate_by_position"], server)
+    return {"fixed_cost_per_forward_us": server.forward_overhead_us,
+            "predicted_speedup_calibrated": estimate["speedup"][0][i],
+            "ngram_step_ms": row["plain_step_ms"] * spec["tau"] / row["measured_speedup"],
+            "predicted_ngram_step_ms_calibrated": estimate["verify_step_ms"][0][i]}
 
 
 def gpu_kind() -> str:
@@ -170,6 +185,7 @@ def main() -> None:
                        predicted_plain_step_ms=1e3 * target_step_seconds(target, server, batch, 1))
             row["speedup_ratio_measured_to_predicted"] = row["measured_speedup"] / row["predicted_speedup"]
             row["step_ratio_measured_to_predicted"] = row["plain_step_ms"] / row["predicted_plain_step_ms"]
+            row.update(calibrated(target, server, spec, row, i))
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     result = {"shape": shape, "server": asdict(server),

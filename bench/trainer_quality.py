@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="(128; 24 tiny)")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phase", choices=["all", "train", "evaluate"], default="all",
+                   help="train both drafts, or evaluate the drafts a train phase left in --work (each phase "
+                        "then fits a shorter job; the evaluation takes as long as the training on a GPU)")
     args = p.parse_args(argv)
     if not args.tiny and args.work is None:
         p.error("--work is required without --tiny")
@@ -277,13 +280,37 @@ def evaluate(draft: Path, inputs: dict, args: argparse.Namespace, out: Path, dev
 
 
 def main(argv=None) -> dict:
-    import shutil
     import tempfile
 
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="trainer-quality-"))
     inputs = tiny_inputs(work, args.seed) if args.tiny else inputs_in(work, args.store)
     runs = work / "trainer_quality" / f"{args.variant}-{args.num_layers}"  # variants may run side by side
+    if args.phase != "evaluate":
+        results = train_both(inputs, args, runs)
+        if args.phase == "train":
+            print(f"both drafts trained in {runs} ({results['seconds']}); evaluate with --phase evaluate")
+            return results
+    else:
+        trained = runs / "trained.json"
+        if not trained.is_file():
+            raise SystemExit(f"{trained} is missing: run --phase train with the same --work and settings first")
+        results = json.loads(trained.read_text(encoding="utf-8"))
+    for name in ("draftsmith", "speculators"):
+        draft = Path(results[name]["draft"])
+        results[name].update(evaluate(draft, inputs, args, runs / name / "acceptance.json", args.device))
+    results["tau_ratio"] = results["draftsmith"]["tau"] / results["speculators"]["tau"]
+    print_table(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return results
+
+
+def train_both(inputs: dict, args: argparse.Namespace, runs: Path) -> dict:
+    """Both trainers from step 0 into ``runs``; what they did is also written to ``runs/trained.json``."""
+    import shutil
+
     shutil.rmtree(runs, ignore_errors=True)  # both trainers start from step 0, and their drafts are this run's
     start = time.perf_counter()
     summary = train_draftsmith(inputs, args, runs / "draftsmith", args.device)
@@ -292,16 +319,10 @@ def main(argv=None) -> dict:
     theirs, their_steps = train_speculators(inputs, args, summary["steps"], runs / "speculators", args.device)
     seconds["speculators_train"] = time.perf_counter() - start
     results = {"settings": {k: getattr(args, k) for k in (*TRAIN_KEYS, "k", "max_new_tokens", "seed", "device")},
-               "inputs": {k: str(v) for k, v in inputs.items()}, "steps": summary["steps"], "speculators_steps": their_steps,
-               "tokens": summary["tokens"], "seconds": seconds, "tiny": args.tiny}
-    for name, draft in (("draftsmith", runs / "draftsmith" / "draft"), ("speculators", theirs)):
-        results[name] = {"draft": str(draft), **evaluate(draft, inputs, args, runs / name / "acceptance.json",
-                                                          args.device)}
-    results["tau_ratio"] = results["draftsmith"]["tau"] / results["speculators"]["tau"]
-    print_table(results)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+               "inputs": {k: str(v) for k, v in inputs.items()}, "steps": summary["steps"],
+               "speculators_steps": their_steps, "tokens": summary["tokens"], "seconds": seconds, "tiny": args.tiny,
+               "draftsmith": {"draft": str(runs / "draftsmith" / "draft")}, "speculators": {"draft": str(theirs)}}
+    (runs / "trained.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results
 
 
