@@ -296,6 +296,7 @@ def main(argv=None) -> dict:
         if not trained.is_file():
             raise SystemExit(f"{trained} is missing: run --phase train with the same --work and settings first")
         results = json.loads(trained.read_text(encoding="utf-8"))
+        results["settings"].update(k=args.k, max_new_tokens=args.max_new_tokens)  # this phase's evaluation
     for name in ("draftsmith", "speculators"):
         draft = Path(results[name]["draft"])
         results[name].update(evaluate(draft, inputs, args, runs / name / "acceptance.json", args.device))
