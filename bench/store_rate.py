@@ -4,7 +4,7 @@
 threads, checksummed while written, writeback started; per shard: fsync, manifest, rename) is fed
 by a backend that returns ready states: views of one tensor in shared memory, as the vLLM backend
 hands over its mapped spool passes. Beside it, on the same bytes, one core's rate of each piece:
-SHA-256 and XXH3-128 (the store's checksum since it replaced SHA-256) and a plain file write into
+SHA-256 and the store's checksum (``draftsmith.io``: XXH3-128) and a plain file write into
 ``--out``. The store's rate is what extraction can reach at most on this machine and file system,
 whatever the engine; ``--prefill`` (tokens/s of the engine's plain prefill) turns it into the
 ceiling of extraction / prefill.
@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.capture import extract_shards  # noqa: E402
+from draftsmith.io import CHECKSUM, checksum_hasher  # noqa: E402
 from draftsmith.shard_writer import PartStore  # noqa: E402
 from draftsmith.targets.backends import CaptureBackend  # noqa: E402
 
@@ -66,9 +66,11 @@ def one_core_rates(data: torch.Tensor, folder: Path) -> dict[str, float]:
     """GB/s of one thread over ``data``'s bytes: each checksum, and a plain write into ``folder``."""
     view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
     rates = {}
-    for name, make in (("sha256", hashlib.sha256), ("xxh3_128", xxhash.xxh3_128)):
+    for name, make in (("sha256", hashlib.sha256), (CHECKSUM, checksum_hasher)):  # the store's own, whatever it is
         started = time.perf_counter()
-        make(view).hexdigest()
+        hasher = make()
+        hasher.update(view)
+        hasher.hexdigest()
         rates[name] = len(view) / (time.perf_counter() - started) / 1e9
     path = folder / "plain-write.raw"
     started = time.perf_counter()

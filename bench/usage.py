@@ -24,15 +24,19 @@ def _thread_names() -> dict[int, str]:
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
 
+def _processes() -> list[tuple[str, psutil.Process]]:
+    """This process ("driver") and its children ("child <pid>": an engine's), labelled."""
+    me = psutil.Process()
+    return [("driver", me), *((f"child {p.pid}", p) for p in me.children(recursive=True))]
+
+
 def _cpu_by_thread() -> dict[tuple[int, int], tuple[str, float]]:
     """(pid, tid) -> (a readable thread label, CPU seconds so far) for this process and its children."""
-    me = psutil.Process()
     named = _thread_names()
     seen = {}
-    for proc in [me, *me.children(recursive=True)]:
+    for owner, proc in _processes():
         try:
             threads = proc.threads()
-            owner = "driver" if proc.pid == me.pid else f"child {proc.pid}"
         except psutil.Error:
             continue
         for t in threads:
@@ -41,7 +45,7 @@ def _cpu_by_thread() -> dict[tuple[int, int], tuple[str, float]]:
                     comm = f.read().strip()
             except OSError:
                 comm = "?"
-            label = named.get(t.id, comm) if proc.pid == me.pid else comm
+            label = named.get(t.id, comm) if owner == "driver" else comm
             seen[(proc.pid, t.id)] = (f"{owner}: {label}", t.user_time + t.system_time)
     return seen
 
@@ -80,14 +84,13 @@ class Usage:
     @staticmethod
     def _process_cpu() -> dict[str, float]:
         """CPU seconds of this process and its children so far (a process's count keeps its ended threads')."""
-        me = psutil.Process()
         totals = {}
-        for proc in [me, *me.children(recursive=True)]:
+        for owner, proc in _processes():
             try:
                 times = proc.cpu_times()
             except psutil.Error:
                 continue
-            totals["driver" if proc.pid == me.pid else f"child {proc.pid}"] = times.user + times.system
+            totals[owner] = times.user + times.system
         return totals
 
     def _sample(self) -> None:
