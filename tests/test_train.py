@@ -39,6 +39,7 @@ from draftsmith.train import (
     shard_meta,
     train_draft,
 )
+from draftsmith.train.batches import plan_epoch, tokens_meta
 from draftsmith.vocab import mapping_tensors
 from tests.tiny import build_llama
 from tests.tiny_vllm import ENGINE_ARGS
@@ -324,6 +325,27 @@ def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs)
     assert 0 < len(per_epoch[2]) < len(everything)  # half an epoch
     assert plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)[5].packs == \
         steps[5].packs  # a pure function of data and seed
+
+
+def test_plan_shuffles_the_batches_of_mix_shards_shards_together():
+    """Shards of one length band each, as extraction cuts them: with mix_shards=1 the epoch reads
+    them block after block; with 2, each pair's batches are interleaved, pair after pair."""
+    metas = [tokens_meta(np.arange(0, 40 * n + 1, n), np.ones(40 * n, dtype=np.int64), 100, 3) for n in (10, 20, 40, 80)]
+
+    def runs(packs):  # the shard of each batch, consecutive repeats collapsed
+        shards = [p.shard for p in packs]
+        return [s for i, s in enumerate(shards) if i == 0 or shards[i - 1] != s]
+
+    assert sorted(runs(plan_epoch(metas, 100, seed=0, epoch=0, mix_shards=1))) == [0, 1, 2, 3]
+    mixed = plan_epoch(metas, 100, seed=0, epoch=0, mix_shards=2)
+    groups = [p.group for p in mixed]
+    assert groups == sorted(groups) and set(groups) == {0, 1}
+    for g in (0, 1):
+        group = [p for p in mixed if p.group == g]
+        assert len({p.shard for p in group}) == 2 and len(runs(group)) > 4  # interleaved, not two blocks
+    everything = sorted((s, i) for s, m in enumerate(metas) for i in range(len(m.lengths)))
+    assert sorted((p.shard, i) for p in mixed for i in p.samples) == everything
+    assert all(p.tokens <= 100 for p in mixed)
 
 
 # ----------------------------------------------------------------------------------------------

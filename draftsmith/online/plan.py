@@ -135,8 +135,8 @@ class OnlinePlan:
         needed = self.window_needed(units, num_steps)
         if needed > online.window_tokens:
             raise ConfigError(
-                f"online.window_tokens is {online.window_tokens}, but a training step reads shards of {needed} "
-                f"tokens at once (extraction.shard_tokens {extraction.shard_tokens}), so the engine could never "
-                "make the next shard", where="config key online.window_tokens",
-                fix=f"set online.window_tokens to at least {needed}, or lower extraction.shard_tokens")
+                f"online.window_tokens is {online.window_tokens}, but training reads shards of {needed} "
+                f"tokens at once (extraction.shard_tokens {extraction.shard_tokens}, train.mix_shards shuffled "
+                "together), so the engine could never make the next shard", where="config key online.window_tokens",
+                fix=f"set online.window_tokens to at least {needed}, or lower extraction.shard_tokens or train.mix_shards")
         return needed

@@ -65,34 +65,47 @@ class Pack:
     tokens: int
     counts: tuple[int, ...]  # loss positions per TTT step
     dummy: bool = False  # fills the last global batch; carries no loss
+    group: int = 0  # the epoch's group of shards whose batches are shuffled together
 
 
-def plan_epoch(metas: list[ShardMeta], cap: int, seed: int, epoch: int) -> list[Pack]:
+def plan_epoch(metas: list[ShardMeta], cap: int, seed: int, epoch: int, mix_shards: int = 1) -> list[Pack]:
     """The epoch's micro-batches: shards in a seeded order, each packed best-fit-decreasing into
-    batches of at most ``cap`` positions, in seeded order. Depends on nothing but data and seed."""
+    batches of at most ``cap`` positions; the batches of each ``mix_shards`` consecutive shards are
+    shuffled together. Depends on nothing but data and seed.
+
+    Extraction sorts samples by length before it cuts shards, so each shard holds one band of
+    lengths (and often one kind of sample); read one after another, the batches would walk
+    through the bands, and the last steps at a decaying learning rate would see one band only."""
     rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(metas))
     packs: list[Pack] = []
-    for s in rng.permutation(len(metas)):
-        meta = metas[s]
-        order = rng.permutation(len(meta.lengths))
-        order = order[np.argsort(-meta.lengths[order], kind="stable")]
-        bins: list[list[int]] = []
-        room: list[tuple[int, int]] = []  # sorted (free space, bin id)
-        for i in order:
-            need = int(meta.lengths[i])
-            k = bisect.bisect_left(room, (need, -1))
-            if k == len(room):
-                bins.append([int(i)])
-                bisect.insort(room, (cap - need, len(bins) - 1))
-            else:
-                free, b = room.pop(k)
-                bins[b].append(int(i))
-                bisect.insort(room, (free - need, b))
-        for b in rng.permutation(len(bins)):
-            members = tuple(sorted(bins[b]))
-            idx = np.asarray(members)
-            packs.append(Pack(int(s), members, int(meta.lengths[idx].sum()),
-                               tuple(int(c) for c in meta.counts[idx].sum(0))))
+    for group, first in enumerate(range(0, len(order), mix_shards)):
+        mixed = [pack for s in order[first:first + mix_shards] for pack in _pack_shard(metas[s], int(s), cap, rng)]
+        packs += [dataclasses.replace(mixed[b], group=group) for b in rng.permutation(len(mixed))]
+    return packs
+
+
+def _pack_shard(meta: ShardMeta, shard: int, cap: int, rng: np.random.Generator) -> list[Pack]:
+    """One shard's samples packed best-fit-decreasing (ties in seeded order) into batches of at most ``cap``."""
+    order = rng.permutation(len(meta.lengths))
+    order = order[np.argsort(-meta.lengths[order], kind="stable")]
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # sorted (free space, bin id)
+    for i in order:
+        need = int(meta.lengths[i])
+        k = bisect.bisect_left(room, (need, -1))
+        if k == len(room):
+            bins.append([int(i)])
+            bisect.insort(room, (cap - need, len(bins) - 1))
+        else:
+            free, b = room.pop(k)
+            bins[b].append(int(i))
+            bisect.insort(room, (free - need, b))
+    packs = []
+    for members in bins:
+        idx = np.asarray(sorted(members))
+        packs.append(Pack(shard, tuple(int(i) for i in idx), int(meta.lengths[idx].sum()),
+                          tuple(int(c) for c in meta.counts[idx].sum(0))))
     return packs
 
 
@@ -109,7 +122,7 @@ def plan_steps(metas: list[ShardMeta], settings: TrainSettings, group: int) -> l
     steps: list[Step] = []
     num_epochs = math.ceil(settings.epochs)
     for epoch in range(num_epochs):
-        packs = plan_epoch(metas, settings.batch_tokens, settings.seed, epoch)
+        packs = plan_epoch(metas, settings.batch_tokens, settings.seed, epoch, settings.mix_shards)
         if not packs:
             break
         per_epoch = math.ceil(len(packs) / group)
@@ -181,9 +194,9 @@ def build_batch(pack: Pack, meta: ShardMeta, rows: ShardRows, aux_ids: list[int]
 
 
 class Prefetcher:
-    """Builds this rank's micro-batches on a background thread, one shard open at a time."""
+    """Builds this rank's micro-batches on a background thread: ``make(*job)`` for each job, in order."""
 
-    def __init__(self, jobs: list[tuple[Pack, Any]], make, depth: int = 2) -> None:
+    def __init__(self, jobs: list[tuple[Any, ...]], make, depth: int = 2) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(jobs, make), daemon=True)
@@ -294,8 +307,8 @@ class StateSource(Protocol):
 
 
 class BatchFeed:
-    """This rank's micro-batches of ``steps``, in order: built on a thread from one open shard at a
-    time, then copied to the device while the previous step computes. With a ``source``, each
+    """This rank's micro-batches of ``steps``, in order: built on a thread from the open shards of
+    one mixed group (``plan_epoch``) at a time, then copied to the device while the previous step computes. With a ``source``, each
     shard is waited for before it is opened."""
 
     def __init__(self, index: HiddenStateIndex, metas: list[ShardMeta], steps: list[Step], settings: TrainSettings,
@@ -309,14 +322,17 @@ class BatchFeed:
         self.pad_to = PAD_MULTIPLE if attention == "flex" else 1
         self.fixed = -(-settings.batch_tokens // PAD_MULTIPLE) * PAD_MULTIPLE if device.type == "cuda" else None
         self.open_rows: dict[int, ShardRows] = {}
+        self.open_group: tuple[int, int] | None = None
         accum = settings.grad_accum_steps
-        jobs = [(step.packs[rank * accum + a],) for step in steps for a in range(accum)]
+        jobs = [(step.packs[rank * accum + a], step.epoch) for step in steps for a in range(accum)]
         self.prefetch = Prefetcher(jobs, self._make)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def _make(self, pack: Pack) -> dict:
+    def _make(self, pack: Pack, epoch: int) -> dict:
+        if (epoch, pack.group) != self.open_group:  # the shards of one mixed group open at a time
+            self.open_rows.clear()
+            self.open_group = (epoch, pack.group)
         if pack.shard not in self.open_rows:
-            self.open_rows.clear()  # one shard open at a time
             if self.source is not None:
                 self.source.before_read(pack.shard)
             self.open_rows[pack.shard] = ShardRows(self.index, self.index.shards[pack.shard],

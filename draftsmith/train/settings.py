@@ -23,6 +23,7 @@ class TrainSettings:
     epochs: float = from_schema("train.epochs")  # a fraction trains on the first part of the last epoch's batches
     max_steps: int | None = from_schema("train.max_steps")
     batch_tokens: int = from_schema("train.batch_tokens")
+    mix_shards: int = from_schema("train.mix_shards")
     grad_accum_steps: int = 1
     lr: float = from_schema("train.lr")
     warmup_steps: int = from_schema("train.warmup_steps")
