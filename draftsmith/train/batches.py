@@ -80,12 +80,12 @@ def plan_epoch(metas: list[ShardMeta], cap: int, seed: int, epoch: int, mix_shar
     order = rng.permutation(len(metas))
     packs: list[Pack] = []
     for group, first in enumerate(range(0, len(order), mix_shards)):
-        mixed = [pack for s in order[first:first + mix_shards] for pack in _pack_shard(metas[s], int(s), cap, rng)]
-        packs += [dataclasses.replace(mixed[b], group=group) for b in rng.permutation(len(mixed))]
+        mixed = [pack for s in order[first:first + mix_shards] for pack in _pack_shard(metas[s], int(s), group, cap, rng)]
+        packs += [mixed[b] for b in rng.permutation(len(mixed))]
     return packs
 
 
-def _pack_shard(meta: ShardMeta, shard: int, cap: int, rng: np.random.Generator) -> list[Pack]:
+def _pack_shard(meta: ShardMeta, shard: int, group: int, cap: int, rng: np.random.Generator) -> list[Pack]:
     """One shard's samples packed best-fit-decreasing (ties in seeded order) into batches of at most ``cap``."""
     order = rng.permutation(len(meta.lengths))
     order = order[np.argsort(-meta.lengths[order], kind="stable")]
@@ -105,7 +105,7 @@ def _pack_shard(meta: ShardMeta, shard: int, cap: int, rng: np.random.Generator)
     for members in bins:
         idx = np.asarray(sorted(members))
         packs.append(Pack(shard, tuple(int(i) for i in idx), int(meta.lengths[idx].sum()),
-                          tuple(int(c) for c in meta.counts[idx].sum(0))))
+                          tuple(int(c) for c in meta.counts[idx].sum(0)), group=group))
     return packs
 
 
@@ -308,8 +308,8 @@ class StateSource(Protocol):
 
 class BatchFeed:
     """This rank's micro-batches of ``steps``, in order: built on a thread from the open shards of
-    one mixed group (``plan_epoch``) at a time, then copied to the device while the previous step computes. With a ``source``, each
-    shard is waited for before it is opened."""
+    one mixed group (``plan_epoch``) at a time, then copied to the device while the previous step
+    computes. With a ``source``, each shard is waited for before it is opened."""
 
     def __init__(self, index: HiddenStateIndex, metas: list[ShardMeta], steps: list[Step], settings: TrainSettings,
                  *, rank: int, device: torch.device, attention: str, dtype: torch.dtype,
