@@ -6,14 +6,26 @@ multipack sampler, collate function, ``shift_batch`` and ``Trainer``), train the
 (``Eagle3DraftConfig.from_target``: variant, layers, draft vocabulary, the target's embedding and
 lm_head rows), for the same optimizer steps of the same batch tokens, with AdamW at the same lr,
 weight decay and gradient clipping (1.0), linear warmup then linear decay to 0 over those steps,
-and the same TTT steps and decay. Both drafts are then evaluated by ``draftsmith.evaluate`` (the
-HF speculative loop, greedy, lossless-checked) on the same held-out prompts. Printed: τ and
-acceptance by position side by side, and the ratio; ``--out`` gets the JSON.
+and the same TTT steps and decay (recipe ``speculators-matched``). Recipe ``speculators-default``
+is what ``speculators train`` does when told nothing but the data: Muon on the 2-D matrices beside
+AdamW (both at lr, weight decay 0.1 and 0.01), warmup over 1% of the steps, TTT loss decay 1.0,
+and for eagle3 its default norms (``norm_before_fc``, ``norm_output``); same steps and batch tokens.
+Every draft is evaluated alike on the same held-out prompts: by default (``--evaluator replay``,
+draftsmith.evaluate.replay) the target decodes each prompt greedily once and every draft's τ for
+k = 1..``--max-k`` is replayed from one teacher-forced pass, the HF loop's figures without the
+target per draft; ``--evaluator loop`` runs the HF loop itself (``evaluate_draft``, lossless-checked).
+
+``--seeds``, ``--variants`` and ``--recipes`` run every combination in one process (kernels compile
+once); each run's result is kept in its folder and a rerun skips it, so a job cut short by its time
+limit (``--deadline``) goes on where it stopped. Printed: τ and acceptance by position per run and
+the means over seeds, with Draftsmith's ratio to the better speculators recipe; ``--out`` gets the JSON.
+A recipe ``draftsmith+key=value,...`` trains Draftsmith with those train settings changed.
 
 On the GPU machine, after ``bench/gpu_pipeline.py`` has regenerated and extracted the demo's data
 into ``--work`` (its FULL budget: answers up to 256 tokens; ``--storage bfloat16`` makes the store read here):
 
-    python bench/trainer_quality.py --work /tmp/ds-work --out /tmp/ds-out/trainer_quality.json
+    python bench/trainer_quality.py --work /tmp/ds-work --seeds 0 1 2 --variants eagle3 eagle3.1 \
+        --out /tmp/ds-out/trainer_quality.json
 
 ``--tiny`` builds its own inputs on the CPU in seconds (a random-init 4-layer Llama, prompts
 answered by its own greedy decoding, the same extraction and vocabulary stages) and evaluates on
@@ -31,8 +43,10 @@ fails on torch 2.11, so it runs ``loss_implementation="eager"`` (same math).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -41,10 +55,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.hidden_states import HiddenStateIndex, ShardRows, dequantize_fp8, read_shard  # noqa: E402
+from draftsmith.hidden_states import HiddenStateIndex, read_shard  # noqa: E402
 
-TRAIN_KEYS = ("variant", "num_layers", "ttt_steps", "ttt_decay", "epochs", "batch_tokens", "lr", "warmup_steps",
-              "weight_decay")
+TRAIN_KEYS = ("num_layers", "ttt_steps", "ttt_decay", "epochs", "batch_tokens", "lr", "warmup_steps", "weight_decay")
+RECIPES = ("draftsmith", "speculators-matched", "speculators-default")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,7 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="build tiny inputs in --work (a temporary folder if unset)")
     p.add_argument("--out", type=Path, help="write the results here (JSON)")
     p.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
-    p.add_argument("--variant", default="eagle3", choices=["eagle3", "eagle3.1"])
+    p.add_argument("--variants", nargs="+", default=["eagle3"], choices=["eagle3", "eagle3.1"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES),
+                   help=f"of {', '.join(RECIPES)}, or draftsmith+key=value,... (train settings changed)")
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-decay", type=float, default=0.8)
@@ -65,14 +82,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts evaluated (all; 8 tiny)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="(128; 24 tiny)")
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=3, help="the k reported first (and the loop evaluator's)")
+    p.add_argument("--max-k", type=int, default=5, help="replay: tau for every k from 1 to this")
+    p.add_argument("--evaluator", choices=["replay", "loop"], default="replay")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after which no new run starts (what is done is kept; rerun to go on)")
     p.add_argument("--phase", choices=["all", "train", "evaluate"], default="all",
-                   help="train both drafts, or evaluate the drafts a train phase left in --work (each phase "
-                        "then fits a shorter job; the evaluation takes as long as the training on a GPU)")
+                   help="train the drafts, or evaluate those a train phase left in --work")
     args = p.parse_args(argv)
     if not args.tiny and args.work is None:
         p.error("--work is required without --tiny")
+    for recipe in args.recipes:
+        if recipe not in RECIPES and not recipe.startswith("draftsmith+"):
+            p.error(f"unknown recipe {recipe!r}")
+    if args.max_k < args.k:
+        p.error("--max-k must be at least --k")
     full = dict(device="cuda", epochs=10, batch_tokens=8192, lr=1e-3, warmup_steps=20, eval_prompts=None,
                 max_new_tokens=128)
     tiny = dict(device="cpu", epochs=40, batch_tokens=256, lr=3e-3, warmup_steps=4, eval_prompts=8, max_new_tokens=24)
@@ -137,46 +161,42 @@ def inputs_in(work: Path, store: str) -> dict:
 
 
 def store_dataset(index_path: Path, dtype: torch.dtype):
-    """speculators' ``BaseDataset`` over the store: a sample's aux states concatenated in ascending
-    layer order, its token ids and loss mask, and the final state as ``verifier_last_hidden_states``
-    (stored after the target's final norm; the model's ``verifier_norm`` is an identity here)."""
+    """speculators' ``BaseDataset`` over the store, read into memory once: a sample's aux states
+    concatenated in ascending layer order, its token ids and loss mask, and the final state as
+    ``verifier_last_hidden_states`` (stored after the target's final norm; the model's
+    ``verifier_norm`` is an identity here). In memory, so that speculators' single-process loader
+    does not read every sample's rows from disk each epoch (its own format has loader workers)."""
     from speculators.train.data import BaseDataset
 
     index = HiddenStateIndex.load(index_path)
     samples = []
     for shard in index.shards:
-        offsets = read_shard(index, shard, layer_ids=[], verify=False).offsets.tolist()
-        samples += [(shard, a, b) for a, b in zip(offsets[:-1], offsets[1:])]
+        data = read_shard(index, shard, verify=False)
+        aux = torch.cat([data.states[i].to(dtype) for i in index.aux_layer_ids], -1)
+        final = data.states[index.final_layer_id].to(dtype)
+        offsets = data.offsets.tolist()
+        samples += [{"hidden_states": aux[a:b], "input_ids": data.input_ids[a:b], "loss_mask": data.loss_mask[a:b],
+                     "verifier_last_hidden_states": final[a:b]} for a, b in zip(offsets[:-1], offsets[1:])]
 
     class StoreDataset(BaseDataset):
         def __init__(self) -> None:
-            self.readers: dict[int, ShardRows] = {}
             super().__init__(max_len=10**9, hidden_states_dtype=dtype)
 
         def __len__(self) -> int:
             return len(samples)
 
         def _compute_approx_lengths(self) -> list[int]:
-            return [b - a for _, a, b in samples]
+            return [len(x["input_ids"]) for x in samples]
 
         def _get_raw_data(self, i: int) -> dict:
-            shard, a, b = samples[i]
-            rows = self.readers.get(shard.shard) or self.readers.setdefault(
-                shard.shard, ShardRows(index, shard, index.layer_ids))
-
-            def state(layer: int) -> torch.Tensor:
-                values, scales = rows.rows(layer, a, b)
-                return dequantize_fp8(values, scales, dtype) if scales is not None else values.to(dtype)
-
-            return {"hidden_states": torch.cat([state(i) for i in index.aux_layer_ids], -1),
-                    "input_ids": rows.input_ids[a:b].clone(), "loss_mask": rows.loss_mask[a:b].clone(),
-                    "verifier_last_hidden_states": state(index.final_layer_id)}
+            return {key: value.clone() for key, value in samples[i].items()}
 
     return StoreDataset()
 
 
-def speculators_model(inputs: dict, args: argparse.Namespace, device: str):
-    """speculators' Eagle3DraftModel of the shape Draftsmith trains, with the target's rows frozen in."""
+def speculators_model(inputs: dict, args: argparse.Namespace, variant: str, recipe: str, seed: int, device: str):
+    """speculators' Eagle3DraftModel of the shape Draftsmith trains, with the target's rows frozen in;
+    the default recipe's eagle3 takes speculators' default norms."""
     from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
@@ -187,12 +207,14 @@ def speculators_model(inputs: dict, args: argparse.Namespace, device: str):
 
     target = read_target_json(inputs["target"])
     mapping = load_file(str(inputs["mapping"]))
-    ours = Eagle3DraftConfig.from_target(target, draft_vocab_size=int(mapping["d2t"].shape[0]), variant=args.variant,
+    ours = Eagle3DraftConfig.from_target(target, draft_vocab_size=int(mapping["d2t"].shape[0]), variant=variant,
                                          num_layers=args.num_layers, speculative_tokens=args.ttt_steps,
                                          aux_layer_ids=HiddenStateIndex.load(inputs["index"]).aux_layer_ids)
+    if recipe == "speculators-default" and variant == "eagle3":
+        ours = dataclasses.replace(ours, norm_before_fc=True, norm_output=True)
     config = Eagle3SpeculatorConfig.from_dict(ours.to_speculators())
     config.transformer_layer_config._attn_implementation = "simple_flex_attention" if device == "cuda" else "sdpa"
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = Eagle3DraftModel(config)
     model.load_vocab_mappings(mapping["t2d"].bool(), mapping["d2t"].long())
     embed, head = load_embedding_and_head(inputs["target"])
@@ -218,7 +240,19 @@ def step_bound_trainer():
     return StepBoundTrainer
 
 
-def train_speculators(inputs: dict, args: argparse.Namespace, steps: int, out: Path, device: str) -> tuple[Path, int]:
+def speculators_recipe(recipe: str, args: argparse.Namespace, steps: int) -> dict:
+    """The TrainerConfig fields and TTT loss decay of a speculators recipe: matched to Draftsmith's
+    settings, or speculators 0.9's own defaults (speculators/train/config/schema.py) at these steps."""
+    if recipe == "speculators-matched":
+        return {"optimizer": "adamw", "weight_decay": args.weight_decay, "scheduler_warmup_steps": args.warmup_steps,
+                "ttt_decay": args.ttt_decay}
+    return {"optimizer": "muon", "muon_lr": args.lr, "weight_decay": 0.01, "muon_weight_decay": 0.1,
+            "muon_momentum": 0.95, "muon_ns_steps": 5, "muon_adjust_lr_fn": "match_rms_adamw",
+            "scheduler_warmup_steps": steps // 100, "ttt_decay": 1.0}
+
+
+def train_speculators(inputs: dict, args: argparse.Namespace, variant: str, recipe: str, seed: int, steps: int,
+                      out: Path, device: str) -> tuple[Path, int]:
     """speculators' Trainer for ``steps`` optimizer steps; returns the saved draft's folder and the steps run."""
     import speculators.train.trainer as trainer_module
     from speculators.losses import resolve_loss_config
@@ -227,19 +261,20 @@ def train_speculators(inputs: dict, args: argparse.Namespace, steps: int, out: P
 
     StepBoundTrainer = step_bound_trainer()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = speculators_model(inputs, args, device)
+    model = speculators_model(inputs, args, variant, recipe, seed, device)
     loader = _setup_dataloader(store_dataset(inputs["index"], dtype), args.batch_tokens,
                                model.config.transformer_layer_config.hidden_size, num_workers=0,
                                num_target_layers=len(model.target_layer_ids), prefetch_factor=None,
-                               preprocess=shift_batch, seed=args.seed)
+                               preprocess=shift_batch, seed=seed)
     # the sampler's batches per epoch vary with its shuffle: epochs enough, those past max_steps skipped
     epochs = math.ceil(steps / len(loader)) + 2
-    loss = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": args.ttt_decay,
+    chosen = speculators_recipe(recipe, args, steps)
+    loss = {"ttt_steps": args.ttt_steps, "ttt_step_loss_decay": chosen.pop("ttt_decay"),
             "loss_config": resolve_loss_config("kl_div", "eager")}
     config = trainer_module.TrainerConfig(
         lr=args.lr, num_epochs=epochs, save_path=str(out), train_call_kwargs=loss, val_call_kwargs=loss,
-        weight_decay=args.weight_decay, scheduler_type="linear", scheduler_warmup_steps=args.warmup_steps,
-        scheduler_total_steps=steps, hidden_states_dtype=dtype, log_freq=10**9, max_steps=steps)
+        scheduler_type="linear", scheduler_total_steps=steps, hidden_states_dtype=dtype, log_freq=10**9,
+        max_steps=steps, **chosen)
     if device == "cpu":  # the Trainer moves the model to its local rank, a CUDA index, and times with
         trainer_module.get_local_rank = lambda: "cpu"  # accelerator syncs: neither exists on a CPU
 
@@ -254,90 +289,216 @@ def train_speculators(inputs: dict, args: argparse.Namespace, steps: int, out: P
 
 
 # ---------------------------------------------------------------------------------------------
-# Draftsmith's trainer, the evaluation, the table
+# Draftsmith's trainer
 
 
-def train_draftsmith(inputs: dict, args: argparse.Namespace, out: Path, device: str) -> dict:
+def recipe_overrides(recipe: str) -> dict:
+    """``draftsmith+ttt_decay=1.0,warmup_steps=0`` -> {"ttt_decay": 1.0, "warmup_steps": 0} (YAML values)."""
+    import yaml
+
+    if "+" not in recipe:
+        return {}
+    pairs = [item.split("=", 1) for item in recipe.split("+", 1)[1].split(",")]
+    return {key: yaml.safe_load(value) for key, value in pairs}
+
+
+def train_draftsmith(inputs: dict, args: argparse.Namespace, variant: str, recipe: str, seed: int, out: Path,
+                     device: str) -> dict:
     from draftsmith.train import run_training, settings_from_dict
 
     values = {k: getattr(args, k) for k in TRAIN_KEYS}
-    settings = settings_from_dict({**values, "seed": args.seed, "device": device, "progress": False,
+    settings = settings_from_dict({**values, "variant": variant, "seed": seed, "device": device, "progress": False,
                                    "dtype": "bfloat16" if device == "cuda" else "float32",
-                                   "checkpoint_every": 10**6, "log_every": 10})
+                                   "checkpoint_every": 10**6, "log_every": 10, **recipe_overrides(recipe)})
     return run_training(inputs["index"], inputs["mapping"], inputs["target"], out / "draft", out / "state", settings,
                         devices=1, metrics_out=out / "metrics.jsonl", summary_out=out / "summary.json")
 
 
-def evaluate(draft: Path, inputs: dict, args: argparse.Namespace, out: Path, device: str) -> dict:
-    from draftsmith.evaluate import EvalSettings, evaluate_draft
+# ---------------------------------------------------------------------------------------------
+# The evaluation: every draft alike
 
-    settings = EvalSettings(backend="hf", k=args.k, k_sweep=(args.k,), max_prompts=args.eval_prompts or 10**6,
-                            max_new_tokens=args.max_new_tokens, sweep_max_prompts=1)
-    result = evaluate_draft(draft, inputs["target"], inputs["heldout"], out, settings, dtype="auto", device=device)
-    return {"tau": result["tau"], "acceptance_rate_by_position": result["acceptance_rate_by_position"],
-            "num_prompts": result["num_prompts"], "num_tokens": result["num_tokens"],
-            "ngram_tau": result["baseline"]["tau"]}
+
+class Evaluator:
+    """Evaluates drafts on the same held-out prompts: ``replay`` traces the target's greedy text once
+    (kept in ``work``, with the n-gram baseline's τ from the HF loop) and replays each draft for every
+    k up to ``max_k``; ``loop`` runs ``evaluate_draft`` (the HF loop, lossless-checked) per draft."""
+
+    def __init__(self, inputs: dict, args: argparse.Namespace, work: Path) -> None:
+        self.inputs, self.args, self.backend = inputs, args, None
+        if args.evaluator == "loop":
+            return
+        from draftsmith.evaluate import DrafterSpec, acceptance_stats, make_backend, read_prompts
+        from draftsmith.evaluate.replay import trace_greedy
+        from draftsmith.targets.inspect import read_target_json
+
+        self.backend = make_backend(read_target_json(inputs["target"]), max_new_tokens=args.max_new_tokens,
+                                    device=args.device)
+        prompts = read_prompts(inputs["heldout"], args.eval_prompts)
+        cache = work / f"traces-{len(prompts)}-{args.max_new_tokens}-{args.max_k}.pt"
+        if cache.is_file():
+            saved = torch.load(cache, weights_only=False)
+            self.traces, self.ngram = saved["traces"], saved["ngram"]
+            return
+        start = time.perf_counter()
+        self.traces = trace_greedy(self.backend, prompts, args.max_new_tokens, args.max_k)
+        ngram = [self.backend.speculate(p, DrafterSpec("ngram"), args.k) for p in prompts]
+        self.ngram = acceptance_stats(ngram, args.k)
+        print(f"greedy traces and the n-gram baseline of {len(prompts)} prompts in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+        torch.save({"traces": self.traces, "ngram": self.ngram}, cache)
+
+    def __call__(self, draft: Path, out: Path) -> dict:
+        if self.backend is None:
+            return self._loop(draft, out)
+        from draftsmith.draft import load_speculators
+        from draftsmith.evaluate import acceptance_stats
+        from draftsmith.evaluate.replay import match_lengths, replay
+
+        args, backend = self.args, self.backend
+        model = load_speculators(draft, dtype=backend.dtype, device=backend.target.device).eval()
+        lengths = [match_lengths(model, trace, args.max_k) for trace in self.traces]
+        by_k = {}
+        for k in range(1, args.max_k + 1):
+            runs = [replay(t, n, k, args.max_new_tokens, backend.stop_ids) for t, n in zip(self.traces, lengths)]
+            by_k[k] = acceptance_stats(runs, k)
+        main = by_k[args.k]
+        return {"tau": main["tau"], "acceptance_rate_by_position": main["acceptance_rate_by_position"],
+                "num_prompts": main["num_prompts"], "num_tokens": main["num_tokens"], "ngram_tau": self.ngram["tau"],
+                "tau_by_k": {k: r["tau"] for k, r in by_k.items()},
+                "acceptance_by_position_at_max_k": by_k[args.max_k]["acceptance_rate_by_position"]}
+
+    def _loop(self, draft: Path, out: Path) -> dict:
+        from draftsmith.evaluate import EvalSettings, evaluate_draft
+
+        args = self.args
+        settings = EvalSettings(backend="hf", k=args.k, k_sweep=(args.k,), max_prompts=args.eval_prompts or 10**6,
+                                max_new_tokens=args.max_new_tokens, sweep_max_prompts=1)
+        result = evaluate_draft(draft, self.inputs["target"], self.inputs["heldout"], out / "acceptance.json",
+                                settings, dtype="auto", device=args.device)
+        return {"tau": result["tau"], "acceptance_rate_by_position": result["acceptance_rate_by_position"],
+                "num_prompts": result["num_prompts"], "num_tokens": result["num_tokens"],
+                "ngram_tau": result["baseline"]["tau"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# The runs and the table
+
+
+def run_one(inputs: dict, args: argparse.Namespace, runs: Path, variant: str, seed: int, recipe: str,
+            evaluator: Evaluator | None) -> dict | None:
+    """Train (unless a trained draft is there) and evaluate one recipe; the result is kept in its
+    folder (``result.json``), so a rerun returns it at once."""
+    folder = runs / f"{variant}-{args.num_layers}" / f"seed-{seed}" / recipe
+    result_file, trained_file = folder / "result.json", folder / "trained.json"
+    if result_file.is_file():
+        return json.loads(result_file.read_text(encoding="utf-8"))
+    if trained_file.is_file():
+        trained = json.loads(trained_file.read_text(encoding="utf-8"))
+    elif args.phase == "evaluate":
+        return None
+    else:
+        shutil.rmtree(folder, ignore_errors=True)  # a run cut short trains again from step 0
+        start = time.perf_counter()
+        if recipe.startswith("draftsmith"):
+            summary = train_draftsmith(inputs, args, variant, recipe, seed, folder, args.device)
+            trained = {"draft": str(folder / "draft"), "steps": summary["steps"], "tokens": summary["tokens"]}
+        else:
+            reference = run_one(inputs, args, runs, variant, seed, "draftsmith", None)  # its step count
+            steps = reference["steps"]
+            draft, done = train_speculators(inputs, args, variant, recipe, seed, steps, folder, args.device)
+            trained = {"draft": str(draft), "steps": done, "tokens": None}
+        trained["train_seconds"] = round(time.perf_counter() - start, 1)
+        trained_file.write_text(json.dumps(trained, indent=2) + "\n", encoding="utf-8")
+        print(f"{variant} seed {seed} {recipe}: trained, {trained['steps']} steps in {trained['train_seconds']} s",
+              file=sys.stderr)
+    if evaluator is None or args.phase == "train":
+        return trained
+    result = {**trained, "variant": variant, "seed": seed, "recipe": recipe, **evaluator(Path(trained["draft"]), folder)}
+    result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"{variant} seed {seed} {recipe}: tau {result['tau']:.3f}", file=sys.stderr)
+    return result
 
 
 def main(argv=None) -> dict:
     import tempfile
 
     args = parse_args(argv)
+    started = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="trainer-quality-"))
-    inputs = tiny_inputs(work, args.seed) if args.tiny else inputs_in(work, args.store)
-    runs = work / "trainer_quality" / f"{args.variant}-{args.num_layers}"  # variants may run side by side
-    if args.phase != "evaluate":
-        results = train_both(inputs, args, runs)
-        if args.phase == "train":
-            print(f"both drafts trained in {runs} ({results['seconds']}); evaluate with --phase evaluate")
-            return results
-    else:
-        trained = runs / "trained.json"
-        if not trained.is_file():
-            raise SystemExit(f"{trained} is missing: run --phase train with the same --work and settings first")
-        results = json.loads(trained.read_text(encoding="utf-8"))
-        results["settings"].update(k=args.k, max_new_tokens=args.max_new_tokens)  # this phase's evaluation
-    for name in ("draftsmith", "speculators"):
-        draft = Path(results[name]["draft"])
-        results[name].update(evaluate(draft, inputs, args, runs / name / "acceptance.json", args.device))
-    results["tau_ratio"] = results["draftsmith"]["tau"] / results["speculators"]["tau"]
-    print_table(results)
+    inputs = tiny_inputs(work, args.seeds[0]) if args.tiny else inputs_in(work, args.store)
+    runs = work / "trainer_quality"
+    runs.mkdir(parents=True, exist_ok=True)
+    evaluator = Evaluator(inputs, args, runs) if args.phase != "train" else None
+    results, skipped = [], []
+    for variant in args.variants:  # a job cut short still leaves whole comparisons of the first variant
+        for seed in args.seeds:
+            for recipe in args.recipes:
+                if args.deadline is not None and time.perf_counter() - started > args.deadline:
+                    skipped.append(f"{variant} seed {seed} {recipe}")
+                    continue
+                result = run_one(inputs, args, runs, variant, seed, recipe, evaluator)
+                if result is not None and "tau" in result:
+                    results.append(result)
+    summary = {"settings": {k: getattr(args, k) for k in (*TRAIN_KEYS, "k", "max_k", "max_new_tokens", "device",
+                                                          "evaluator", "eval_prompts")},
+               "inputs": {k: str(v) for k, v in inputs.items()}, "runs": results, "not_run": skipped,
+               "means": means(results)}
+    print_table(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    return results
+        args.out.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary
 
 
-def train_both(inputs: dict, args: argparse.Namespace, runs: Path) -> dict:
-    """Both trainers from step 0 into ``runs``; what they did is also written to ``runs/trained.json``."""
-    import shutil
+def means(results: list[dict]) -> dict:
+    """Per variant and recipe: τ and acceptance by position averaged over the seeds that ran, and
+    Draftsmith's recipes' τ over the better speculators recipe's (over the seeds both ran)."""
+    import numpy as np
 
-    shutil.rmtree(runs, ignore_errors=True)  # both trainers start from step 0, and their drafts are this run's
-    start = time.perf_counter()
-    summary = train_draftsmith(inputs, args, runs / "draftsmith", args.device)
-    seconds = {"draftsmith_train": time.perf_counter() - start}
-    start = time.perf_counter()
-    theirs, their_steps = train_speculators(inputs, args, summary["steps"], runs / "speculators", args.device)
-    seconds["speculators_train"] = time.perf_counter() - start
-    results = {"settings": {k: getattr(args, k) for k in (*TRAIN_KEYS, "k", "max_new_tokens", "seed", "device")},
-               "inputs": {k: str(v) for k, v in inputs.items()}, "steps": summary["steps"],
-               "speculators_steps": their_steps, "tokens": summary["tokens"], "seconds": seconds, "tiny": args.tiny,
-               "draftsmith": {"draft": str(runs / "draftsmith" / "draft")}, "speculators": {"draft": str(theirs)}}
-    (runs / "trained.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    return results
+    out: dict = {}
+    for variant in sorted({r["variant"] for r in results}):
+        rows = [r for r in results if r["variant"] == variant]
+        table = {}
+        for recipe in dict.fromkeys(r["recipe"] for r in rows):
+            mine = [r for r in rows if r["recipe"] == recipe]
+            table[recipe] = {"seeds": [r["seed"] for r in mine], "tau": float(np.mean([r["tau"] for r in mine])),
+                             "tau_by_seed": [r["tau"] for r in mine],
+                             "acceptance_rate_by_position": np.mean([r["acceptance_rate_by_position"] for r in mine],
+                                                                    axis=0).tolist()}
+            if "tau_by_k" in mine[0]:
+                table[recipe]["tau_by_k"] = {k: float(np.mean([r["tau_by_k"][k] for r in mine]))
+                                             for k in mine[0]["tau_by_k"]}
+        theirs = [name for name in ("speculators-matched", "speculators-default") if name in table]
+        for recipe in [name for name in table if name.startswith("draftsmith")]:
+            for name in theirs:
+                seeds = sorted(set(table[recipe]["seeds"]) & set(table[name]["seeds"]))
+                if seeds:
+                    tau = {r["recipe"] + str(r["seed"]): r["tau"] for r in rows if r["seed"] in seeds}
+                    a = np.mean([tau[recipe + str(s)] for s in seeds])
+                    b = np.mean([tau[name + str(s)] for s in seeds])
+                    table[recipe][f"ratio_to_{name}"] = float(a / b)
+        out[variant] = table
+    return out
 
 
-def print_table(results: dict) -> None:
-    s = results["settings"]
-    print(f"\n{results['steps']} steps of {s['batch_tokens']} batch tokens ({results['tokens']} tokens), "
-          f"{s['variant']} x {s['num_layers']} layer(s), TTT {s['ttt_steps']}, lr {s['lr']}, k = {s['k']}")
-    print(f"{'trainer':<12} {'tau':>6} {'accept by position':>28} {'train s':>8}")
-    for name in ("draftsmith", "speculators"):
-        r = results[name]
+def print_table(summary: dict) -> None:
+    s = summary["settings"]
+    print(f"\n{s['epochs']} epochs of {s['batch_tokens']} batch tokens, {s['num_layers']} layer(s), TTT {s['ttt_steps']}, "
+          f"lr {s['lr']}; k = {s['k']}; evaluator {s['evaluator']}")
+    print(f"{'variant':<9} {'seed':>4} {'recipe':<34} {'tau':>6} {'accept by position':>22} {'train s':>8}")
+    for r in summary["runs"]:
         by_pos = " ".join(f"{a:.3f}" for a in r["acceptance_rate_by_position"])
-        print(f"{name:<12} {r['tau']:>6.3f} {by_pos:>28} {results['seconds'][name + '_train']:>8.1f}")
-    print(f"tau ratio (Draftsmith / speculators) {results['tau_ratio']:.3f}; n-gram baseline tau "
-          f"{results['draftsmith']['ngram_tau']:.3f}; {results['draftsmith']['num_prompts']} prompts")
+        print(f"{r['variant']:<9} {r['seed']:>4} {r['recipe']:<34} {r['tau']:>6.3f} {by_pos:>22} "
+              f"{r['train_seconds']:>8.1f}")
+    for variant, table in summary["means"].items():
+        for recipe, m in table.items():
+            ratios = " ".join(f"{k[9:]} {v:.3f}" for k, v in m.items() if k.startswith("ratio_to_"))
+            by_pos = " ".join(f"{a:.3f}" for a in m["acceptance_rate_by_position"])
+            print(f"mean {variant:<9} {recipe:<34} tau {m['tau']:.3f} ({len(m['seeds'])} seeds) [{by_pos}] {ratios}")
+    if summary["runs"]:
+        print(f"n-gram baseline tau {summary['runs'][0]['ngram_tau']:.3f}")
+    if summary["not_run"]:
+        print("not run (deadline): " + "; ".join(summary["not_run"]))
 
 
 if __name__ == "__main__":

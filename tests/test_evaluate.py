@@ -518,3 +518,71 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
     assert result["vllm"]["num_drafts"] == result["num_steps"] + found["num_steps"]
     plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png", tmp_path / "sets.png")
     assert (tmp_path / "tau_vs_k.png").stat().st_size > 0
+
+
+# Acceptance replayed on the greedy text
+
+
+def _trace_of(backend, prompt, continuation):
+    from draftsmith.evaluate.replay import GreedyTrace
+
+    ids = [*prompt.ids, *continuation]
+    _, aux = backend.target.forward(ids, backend.target.new_cache(), last_only=True, capture=True)
+    return GreedyTrace(prompt, ids, aux)
+
+
+def test_replayed_match_lengths_are_the_loop_drafters_chains(backend, draft_dir):
+    """At every row, the teacher-forced pass scores what the incremental drafter proposes from there:
+    on text that continues with the draft's own chain, so that some chains match to full depth."""
+    from draftsmith.draft import load_speculators
+    from draftsmith.evaluate.replay import match_lengths
+
+    draft, depth = load_speculators(draft_dir), 3
+    prompt = PROMPTS[0]
+    opening = Eagle3Drafter(draft)
+    _, aux = backend.target.forward(prompt.ids, backend.target.new_cache(), last_only=True, capture=True)
+    opening.begin(prompt.ids, 8, aux)
+    trace = _trace_of(backend, prompt, [8, *opening.propose(10)])
+    lengths = match_lengths(draft, trace, depth)
+    expected = []
+    for row in range(len(trace.ids) - 1):
+        drafter = Eagle3Drafter(draft)
+        drafter.begin(trace.ids[:row + 1], trace.ids[row + 1], trace.aux[:row + 1])
+        chain, truth, n = drafter.propose(depth), trace.ids[row + 2:row + 2 + depth], 0
+        while n < len(truth) and chain[n] == truth[n]:
+            n += 1
+        expected.append(n)
+    assert lengths == expected
+    assert lengths[len(prompt.ids) - 1] == depth  # the chain the text was made of
+
+
+def test_replay_is_the_loops_run(backend, references, draft_dir):
+    from draftsmith.draft import load_speculators
+    from draftsmith.evaluate.replay import match_lengths, replay, trace_greedy
+
+    draft = load_speculators(draft_dir)
+    traces = trace_greedy(backend, PROMPTS, backend.max_new_tokens, depth=3)
+    for trace in traces:
+        assert trace.ids[len(trace.prompt.ids):][:backend.max_new_tokens] == references[trace.prompt.id].tokens
+        lengths = match_lengths(draft, trace, 3)
+        for k in (1, 3):
+            loop = backend.speculate(trace.prompt, Eagle3Drafter(draft), k)
+            replayed = replay(trace, lengths, k, backend.max_new_tokens, backend.stop_ids)
+            assert (replayed.tokens, replayed.accepted, replayed.proposed) == (loop.tokens, loop.accepted, loop.proposed)
+
+
+def test_replay_walk_stops_like_the_loop():
+    """Hand-made: accepted lengths capped at k, the target's token after each, a stop token ends it."""
+    from draftsmith.evaluate.replay import GreedyTrace, replay
+
+    trace = GreedyTrace(Prompt("p", [1, 2]), [1, 2, 10, 11, 12, 13, 14, 15, 16, 17, 18], torch.zeros(11, 1))
+    lengths = [0, 5, 0, 1, 0, 2, 0, 0, 0, 0]
+    # rows: 1 proposes 11.. (5 right, k caps at 2) -> 11 12 + 13; row 4: 0 -> 14; row 5: 2 -> 15 16 + 17
+    run = replay(trace, lengths, 2, 9, stop_ids=[])
+    assert run.tokens == [10, 11, 12, 13, 14, 15, 16, 17, 18] and run.accepted == [2, 0, 2, 0]
+    stopped = replay(trace, lengths, 2, 20, stop_ids=[12])
+    assert stopped.tokens == [10, 11, 12] and stopped.accepted == [2]
+    capped = replay(trace, lengths, 2, 5, stop_ids=[])
+    assert capped.tokens == [10, 11, 12, 13, 14] and capped.accepted == [2, 0]
+    with pytest.raises(EvaluationError, match="greedy text ends"):
+        replay(trace, lengths, 2, 20, stop_ids=[])
