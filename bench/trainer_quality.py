@@ -364,7 +364,7 @@ class Evaluator:
         main = by_k[args.k]
         return {"tau": main["tau"], "acceptance_rate_by_position": main["acceptance_rate_by_position"],
                 "num_prompts": main["num_prompts"], "num_tokens": main["num_tokens"], "ngram_tau": self.ngram["tau"],
-                "tau_by_k": {k: r["tau"] for k, r in by_k.items()},
+                "tau_by_k": {str(k): r["tau"] for k, r in by_k.items()},
                 "acceptance_by_position_at_max_k": by_k[args.max_k]["acceptance_rate_by_position"]}
 
     def _loop(self, draft: Path, out: Path) -> dict:
