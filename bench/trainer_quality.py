@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.hidden_states import HiddenStateIndex, ShardRows, dequantize_fp8, read_shard  # noqa: E402
+from draftsmith.extract.hidden_states import HiddenStateIndex, ShardRows, dequantize_fp8, read_shard  # noqa: E402
 
 TRAIN_KEYS = ("variant", "num_layers", "ttt_steps", "ttt_decay", "epochs", "batch_tokens", "lr", "warmup_steps",
               "weight_decay")
@@ -92,7 +92,8 @@ def tiny_inputs(work: Path, seed: int, num_rows: int = 48) -> dict:
     import numpy as np
     from transformers import LlamaForCausalLM
 
-    from draftsmith.extract import ExtractionSettings, extract_part, merge
+    from draftsmith.extract.extract import extract_part, merge
+    from draftsmith.extract.settings import ExtractionSettings
     from draftsmith.targets.inspect import write_target_json
     from draftsmith.vocab import build_vocab_mapping
     from tests.tiny import build_llama, write_jsonl
@@ -182,8 +183,8 @@ def speculators_model(inputs: dict, args: argparse.Namespace, device: str):
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from draftsmith.draft import Eagle3DraftConfig, draft_rows
+    from draftsmith.engines.weights import load_embedding_and_head
     from draftsmith.targets.inspect import read_target_json
-    from draftsmith.targets.weights import load_embedding_and_head
 
     target = read_target_json(inputs["target"])
     mapping = load_file(str(inputs["mapping"]))

@@ -7,7 +7,7 @@ regenerated turn by turn: round r answers the r-th assistant turn of every conve
 chunk, conditioned on the original user turns and the answers regenerated in earlier rounds. A
 round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
 as one ``LLM.generate`` call of vLLM's offline engine at full tensor parallelism (``backend: vllm``,
-draftsmith.targets.vllm_generation); both write the same rows. Each finished chunk
+draftsmith.engines.vllm_generation); both write the same rows. Each finished chunk
 is renamed into ``work_dir`` atomically, so a killed job resumes at the first missing chunk; a
 fingerprint of the settings, the model, the sources and this code guards the chunks against reuse
 under different conditions.
@@ -32,16 +32,16 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.conversations import BadRow, load_conversations
-from draftsmith.errors import DataError
-from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
-from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
-from draftsmith.targets.hf_model import (
+from draftsmith.engines.hf_model import (
     load_target_model,
     resolve_device,
     resolve_model_dtype,
     stop_ids_from_files,
     stop_token_ids,
 )
+from draftsmith.errors import DataError
+from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
@@ -414,7 +414,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
         regenerator = Regenerator(model, tokenizer, settings, seed=seed)
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
 
-    from draftsmith.targets.vllm_generation import VllmGenerator
+    from draftsmith.engines.vllm_generation import VllmGenerator
 
     stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     with VllmGenerator(str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype_name,

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import tiny
+from draftsmith.engines.hf_model import load_target_model
 from draftsmith.errors import EvaluationError
 from draftsmith.evaluate import (
     Drafter,
@@ -29,7 +30,6 @@ from draftsmith.evaluate import (
     evaluate_draft,
     run_evaluation,
 )
-from draftsmith.targets.hf_model import load_target_model
 from draftsmith.targets.inspect import inspect_target, write_target_json
 
 

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows
+from draftsmith.engines.weights import load_embedding_and_head
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex, ShardRows, merge_parts, read_shard
+from draftsmith.extract.hidden_states import HiddenStateIndex, ShardRows, merge_parts, read_shard
+from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import read_json
-from draftsmith.shard_writer import PartStore
 from draftsmith.targets.inspect import write_target_json
-from draftsmith.targets.weights import load_embedding_and_head
 from draftsmith.train import (
     DraftKL,
     LossKernels,

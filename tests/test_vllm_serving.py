@@ -33,8 +33,8 @@ K = 3
 
 
 def hf_backend(path, target, max_new_tokens, stop_ids=()):
+    from draftsmith.engines.hf_model import load_target_model
     from draftsmith.evaluate import HFBackend
-    from draftsmith.targets.hf_model import load_target_model
 
     model = load_target_model(path, dtype="float32", device="cpu")
     return HFBackend(model, list(stop_ids), max_new_tokens, layers_path=target["layers_path"],
@@ -222,8 +222,8 @@ CYCLE_STEPS = {"a": [K] * 5, "a2": [K] * 5, "b": [1] * 10, "b2": [1] * 10}
 
 @pytest.fixture(scope="module")
 def cycle(tmp_path_factory, in_process_engine):
+    from draftsmith.engines.vllm_serving import VllmServer
     from draftsmith.targets.inspect import inspect_target
-    from draftsmith.targets.vllm_serving import VllmServer
 
     root = tmp_path_factory.mktemp("served-cycle")
     build_cycle_target(root / "target")
@@ -307,8 +307,8 @@ def test_stop_tokens_end_the_output_as_in_the_hf_loop(cycle):
 
 
 def _vllm_run(prompts, greedy, draft):
+    from draftsmith.engines.vllm_serving import SpecCounters
     from draftsmith.evaluate import Generation, VllmRun
-    from draftsmith.targets.vllm_serving import SpecCounters
 
     def gens(tokens):
         return [Generation(p.id, t, 0.0, [0] * len(t), [K] * len(t)) for p, t in zip(prompts, tokens)]
@@ -370,7 +370,7 @@ def test_stop_ids_without_loading_weights(tmp_path):
     the same ones the loaded model and tokenizer give."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from draftsmith.targets.hf_model import load_target_model, stop_ids_from_files, stop_token_ids
+    from draftsmith.engines.hf_model import load_target_model, stop_ids_from_files, stop_token_ids
 
     path = tiny.build_llama(tmp_path / "target", num_layers=1)
     loaded = lambda: stop_token_ids(load_target_model(path, dtype="float32", device="cpu"),  # noqa: E731
@@ -381,7 +381,7 @@ def test_stop_ids_without_loading_weights(tmp_path):
 
 
 def test_counters_from_metrics():
-    from draftsmith.targets.vllm_serving import SpecCounters, read_spec_counters
+    from draftsmith.engines.vllm_serving import SpecCounters, read_spec_counters
 
     def metric(name, **kw):
         return SimpleNamespace(name=name, **kw)
@@ -398,7 +398,7 @@ def test_counters_from_metrics():
 
 
 def test_module_imports_without_vllm():
-    code = "import sys; import draftsmith.targets.vllm_serving; assert 'vllm' not in sys.modules, 'vllm was imported'"
+    code = "import sys; import draftsmith.engines.vllm_serving; assert 'vllm' not in sys.modules, 'vllm was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -13,9 +13,9 @@ from safetensors.torch import save as save_safetensors
 
 from draftsmith.draft.config import Eagle3DraftConfig
 from draftsmith.draft.model import Eagle3Draft
+from draftsmith.engines.hf_model import MODEL_DTYPES
 from draftsmith.errors import TrainingError
 from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
-from draftsmith.targets.hf_model import MODEL_DTYPES
 
 
 def speculators_state_dict(model: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ decoding; ``hf`` is Hugging Face transformers with KV caches. Metrics are comput
 backend returns.
 
 ``eval.backend: vllm`` adds the deployment check: vLLM serves the target with the draft folder as
-its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.targets.vllm_serving), every output is
+its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.engines.vllm_serving), every output is
 checked against the HF loop's greedy decoding with the same near-tie rule, and vLLM's own
 acceptance counters go into acceptance.json under ``vllm``, beside the HF loop's figures for the
 same draft and prompts. A target whose weights exceed one GPU cannot run in the HF loop; with

@@ -279,7 +279,7 @@ def make_backend(target: dict, *, max_new_tokens: int, dtype: str = "auto", devi
     """Load the target described by ``target`` (target.json) into the Hugging Face decoding loop."""
     from transformers import AutoTokenizer
 
-    from draftsmith.targets.hf_model import load_target_model, stop_token_ids
+    from draftsmith.engines.hf_model import load_target_model, stop_token_ids
 
     model = load_target_model(target["model_path"], dtype=dtype, device=device,
                               trust_remote_code=target.get("trust_remote_code", False))

@@ -30,7 +30,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     A target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False`` forces it)
     is evaluated in vLLM alone (``evaluate_in_vllm``), with the vllm backend only.
     """
-    from draftsmith.targets.hf_model import resolve_device, resolve_model_dtype, stop_ids_from_files
+    from draftsmith.engines.hf_model import resolve_device, resolve_model_dtype, stop_ids_from_files
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)

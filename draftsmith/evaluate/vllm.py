@@ -31,7 +31,7 @@ class VllmRun:
 
     greedy: list[Generation]
     draft: list[Generation]
-    counters: Any  # draftsmith.targets.vllm_serving.SpecCounters over the timed speculative call
+    counters: Any  # draftsmith.engines.vllm_serving.SpecCounters over the timed speculative call
     greedy_seconds: float
     draft_seconds: float
     speculative_config: dict
@@ -81,7 +81,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     ``draft_dir`` as its EAGLE-3 speculator at ``settings.k`` (and with ``baseline``, a third time
     with vLLM's n-gram speculator); one engine at a time, each closed before the next starts. Each
     timed call follows a short warm-up request."""
-    from draftsmith.targets.vllm_serving import VllmServer
+    from draftsmith.engines.vllm_serving import VllmServer
 
     check_servable(target, draft_dir)
     longest = max(len(p.ids) for p in prompts)
@@ -147,7 +147,7 @@ def vllm_outside_runs(run: VllmRun, k: int) -> list[OutsideRun]:
 def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k: int) -> dict:
     """acceptance.json's ``vllm`` entry: vLLM's own acceptance figures (its counters), the same
     figures from its per-request step records, the HF loop's beside them, and vLLM's timing."""
-    from draftsmith.targets.vllm_serving import vllm_version
+    from draftsmith.engines.vllm_serving import vllm_version
 
     recorded = all(g.accepted is not None for g in run.draft)
     if recorded:

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from draftsmith.errors import TrainingError
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings
 from draftsmith.online.window import PRODUCER_STATS, PROGRESS, WindowSource
-from draftsmith.shard_writer import PartStore
 from draftsmith.train.batches import plan_steps
 from draftsmith.train.launch import run_training
 from draftsmith.train.settings import TrainSettings

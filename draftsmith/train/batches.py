@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex, ShardInfo, ShardRows, dequantize_fp8, read_shard
+from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, ShardRows, dequantize_fp8, read_shard
 from draftsmith.io import file_matches
 from draftsmith.train.objective import scored_positions
 from draftsmith.train.settings import TrainSettings

@@ -24,7 +24,7 @@ from torch import nn
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex
+from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, StateSource, Step, plan_run
 from draftsmith.train.checkpoints import (
@@ -322,7 +322,7 @@ def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path
            settings: TrainSettings, device: torch.device, dtype: torch.dtype, attention: str,
            compile_: bool) -> tuple[Eagle3DraftConfig, Eagle3Draft, TTTObjective]:
     """The draft (seeded init, the target's embedding and lm_head rows frozen in) and its objective, on ``device``."""
-    from draftsmith.targets.weights import load_embedding_and_head
+    from draftsmith.engines.weights import load_embedding_and_head
 
     mapping = load_file(str(mapping_path))
     d2t, t2d = mapping["d2t"].long(), mapping["t2d"].bool()
