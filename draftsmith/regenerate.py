@@ -34,8 +34,8 @@ from tqdm import tqdm
 from draftsmith.conversations import BadRow, load_conversations
 from draftsmith.engines.hf_model import (
     load_target_model,
+    model_dtype_name,
     resolve_device,
-    resolve_model_dtype,
     stop_ids_from_files,
     stop_token_ids,
 )
@@ -400,8 +400,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
 
     model_path = Path(model_path)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_model_dtype(dtype, torch_device)
-    dtype_name = str(torch_dtype).replace("torch.", "")
+    dtype_name = model_dtype_name(dtype, torch_device)
     vllm = settings.backend == "vllm"
     fingerprint = regeneration_fingerprint(
         settings, model=weights_identity(model_path), sources=sources, seed=seed, dtype=dtype_name,
@@ -410,7 +409,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     sampling = "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}"
     if not vllm:
         model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype, sampling)
+        log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
         regenerator = Regenerator(model, tokenizer, settings, seed=seed)
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
 

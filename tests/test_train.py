@@ -311,7 +311,7 @@ def test_scored_positions_index_each_steps_loss_positions_and_their_teacher_rows
 def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs):
     index = HiddenStateIndex.load(inputs["index"])
     metas = [shard_meta(index, s, 50, 3, verify=False) for s in index.shards]
-    steps = plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)
+    steps = plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), processes=2)
     per_epoch = {}
     for step in steps:
         assert len(step.packs) == 2
@@ -323,7 +323,7 @@ def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs)
     assert sorted(per_epoch[0]) == everything and sorted(per_epoch[1]) == everything
     assert per_epoch[0] != per_epoch[1]  # reshuffled
     assert 0 < len(per_epoch[2]) < len(everything)  # half an epoch
-    assert plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)[5].packs == \
+    assert plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), processes=2)[5].packs == \
         steps[5].packs  # a pure function of data and seed
 
 

@@ -34,10 +34,10 @@ K = 3
 
 def hf_backend(path, target, max_new_tokens, stop_ids=()):
     from draftsmith.engines.hf_model import load_target_model
-    from draftsmith.evaluate import HFBackend
+    from draftsmith.evaluate import HFDecoder
 
     model = load_target_model(path, dtype="float32", device="cpu")
-    return HFBackend(model, list(stop_ids), max_new_tokens, layers_path=target["layers_path"],
+    return HFDecoder(model, list(stop_ids), max_new_tokens, layers_path=target["layers_path"],
                      aux_layer_ids=target["aux_layer_ids"])
 
 
@@ -286,10 +286,10 @@ def test_vllm_counts_as_the_hf_loop_step_by_step(cycle):
 
 @vllm_test
 def test_stop_tokens_end_the_output_as_in_the_hf_loop(cycle):
-    from draftsmith.evaluate import DrafterSpec, HFBackend, Prompt
+    from draftsmith.evaluate import DrafterSpec, HFDecoder, Prompt
 
     prompt = Prompt("a", CYCLE_PROMPTS["a"])
-    with_stop = HFBackend(cycle.hf.target.model, [23], CYCLE_TOKENS, layers_path=cycle.target["layers_path"],
+    with_stop = HFDecoder(cycle.hf.target.model, [23], CYCLE_TOKENS, layers_path=cycle.target["layers_path"],
                           aux_layer_ids=cycle.target["aux_layer_ids"])
     try:
         expected = with_stop.speculate(prompt, DrafterSpec("eagle3", path=str(cycle.draft)), K)
@@ -319,11 +319,11 @@ def _vllm_run(prompts, greedy, draft):
 def test_a_served_output_off_greedy_is_named_by_prompt_and_position(llama, one_thread):
     """A token vLLM got wrong fails the evaluation with the prompt id and the generated position;
     a difference already present without speculation is blamed on the engine, not the draft."""
-    from draftsmith.evaluate import DrafterSpec, EvalSettings, HFBackend, Prompt, run_evaluation, vllm_outside_runs
+    from draftsmith.evaluate import DrafterSpec, EvalSettings, HFDecoder, Prompt, run_evaluation, vllm_outside_runs
 
     prompts = [Prompt(pid, ids) for pid, ids in list(LLAMA_PROMPTS.items())[:2]]
     settings = EvalSettings(k=K, k_sweep=(K,), max_new_tokens=10)
-    backend = HFBackend(llama.hf.target.model, [], settings.max_new_tokens)
+    backend = HFDecoder(llama.hf.target.model, [], settings.max_new_tokens)
     greedy = [backend.greedy(p).tokens for p in prompts]
     wrong = [list(t) for t in greedy]
     wrong[1][6] = (wrong[1][6] + 1) % 384

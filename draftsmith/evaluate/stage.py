@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from draftsmith.errors import EvaluationError
-from draftsmith.evaluate.decoding import make_backend
+from draftsmith.evaluate.decoding import make_decoder
 from draftsmith.evaluate.metrics import evaluate_runs
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, read_prompts
 from draftsmith.evaluate.vllm import evaluate_in_vllm, serve_with_vllm, vllm_outside_runs, vllm_section
@@ -30,7 +30,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     A target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False`` forces it)
     is evaluated in vLLM alone (``evaluate_in_vllm``), with the vllm backend only.
     """
-    from draftsmith.engines.hf_model import resolve_device, resolve_model_dtype, stop_ids_from_files
+    from draftsmith.engines.hf_model import model_dtype_name, resolve_device, stop_ids_from_files
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
@@ -53,7 +53,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
         if not prompts:
             raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
                                   fix="raise data.heldout_fraction or data.max_heldout")
-        vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
+        vllm_dtype = model_dtype_name(dtype, resolve_device(device))
         stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
         if not hf_reference:
             sets = {name: read_prompts(path, settings.max_prompts) for name, path in (sources or {}).items()}
@@ -70,7 +70,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     elif not hf_reference:
         raise EvaluationError("evaluation without the HF loop needs eval.backend: vllm", where="eval.backend",
                               fix="set eval.backend: vllm")
-    backend = make_backend(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
+    backend = make_decoder(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
     if served is not None and served.stop_ids != backend.stop_ids:
         raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "
                               f"{backend.stop_ids}", where=f"{target['model_path']}/generation_config.json",

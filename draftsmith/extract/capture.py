@@ -45,14 +45,6 @@ def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
     return batches
 
 
-def model_dtype_name(model_dtype: str, device: str) -> str:
-    """The dtype the target runs in: ``auto`` is float32 on the CPU, bfloat16 on GPUs."""
-    if model_dtype != "auto":
-        return model_dtype
-    return "float32" if device == "cpu" else "bfloat16"
-
-
-
 # ---------------------------------------------------------------------------------------------
 # Backends
 
@@ -60,7 +52,7 @@ def model_dtype_name(model_dtype: str, device: str) -> str:
 def make_backend(name: str, target_info: dict, settings: ExtractionSettings, longest_sample: int) -> CaptureBackend:
     """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers,
     for samples of up to ``longest_sample`` tokens."""
-    from draftsmith.engines.hf_model import resolve_device
+    from draftsmith.engines.hf_model import model_dtype_name, resolve_device
 
     layer_ids = target_info["captured_layer_ids"]
     trust = bool(target_info.get("trust_remote_code", False))
@@ -135,7 +127,7 @@ class _BatchJob:
     states: list[dict[int, torch.Tensor]]  # per sample: layer id -> [length, hidden] as captured
 
 
-class _ShardWriter:
+class _StoreThread:
     """A background thread that checks each captured batch and appends it to its shard's files,
     committing a shard when its last batch is in; at most ``max_pending`` batches wait."""
 
@@ -243,7 +235,7 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
     the accelerator, and a shard's end costs only its last batch's write and the syncs.
     """
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
-    writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
+    writer = _StoreThread(store, dict(todo), max_pending=max_pending)
     inputs = ([s["input_ids"] for s in batch] for _, batch in jobs)
     ok, started = False, time.perf_counter()
     try:

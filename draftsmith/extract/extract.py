@@ -23,10 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from draftsmith.engines.hf_model import model_dtype_name, resolve_device
 from draftsmith.errors import ExtractionError
-from draftsmith.extract.capture import extract_shards, make_backend, model_dtype_name
+from draftsmith.extract.capture import extract_shards, make_backend
 from draftsmith.extract.hidden_states import (
     DamagedShard,
     HiddenStateIndex,
@@ -132,9 +131,6 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
     from draftsmith.fingerprint import code_fingerprint
 
     digest = hashlib.sha256()
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     head = {
         "code": code_fingerprint("draftsmith.extract.extract"),
         "model": weights_identity(target_info["model_path"]),
@@ -142,7 +138,7 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
         "layer_ids": target_info["captured_layer_ids"],
         "hidden_size": target_info["hidden_size"],
         "dtype": settings.dtype,
-        "model_dtype": model_dtype_name(settings.model_dtype, device),
+        "model_dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
     }
     digest.update(json.dumps(head, sort_keys=True).encode())
     for number, shard in enumerate(shards):
