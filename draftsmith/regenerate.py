@@ -40,7 +40,7 @@ from draftsmith.engines.hf_model import (
     stop_token_ids,
 )
 from draftsmith.errors import DataError
-from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, read_jsonl, sha256_file
 from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 
@@ -262,7 +262,7 @@ def _read_chunk(path: Path, ids: list[str]) -> list[dict] | None:
     """A finished chunk's rows, or None when it is missing or not the chunk expected here."""
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for _, row in read_jsonl(path, error=DataError, fix=f"delete {path}: the rerun regenerates it")]
     if [r.get("id") for r in rows] != ids:
         log.warning("%s does not hold the conversations expected there; regenerating it", path)
         return None

@@ -37,7 +37,7 @@ from draftsmith.extract.hidden_states import (
 )
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore
-from draftsmith.io import read_json
+from draftsmith.io import read_json, read_jsonl
 from draftsmith.settings import PROGRESS_INTERVAL_S
 from draftsmith.targets.identity import weights_identity
 
@@ -56,15 +56,7 @@ class _Entry:
 
 
 def _iter_rows(train_jsonl: Path) -> Iterator[tuple[int, dict]]:
-    with open(train_jsonl, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ExtractionError(f"not valid JSON: {e}", where=f"{train_jsonl}:{line_no}",
-                                      fix="rerun the prepare_dataset rule") from e
+    return read_jsonl(train_jsonl, error=ExtractionError, fix="rerun the prepare_dataset rule")
 
 
 def _check_row(row: dict, where: str) -> None:
