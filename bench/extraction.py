@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.capture import extract_shards, plan_batches  # noqa: E402
-from draftsmith.shard_writer import PartStore  # noqa: E402
-from draftsmith.targets.hf_backend import HfBackend  # noqa: E402
+from draftsmith.extract.capture import extract_shards, plan_batches  # noqa: E402
+from draftsmith.extract.hf_backend import HfBackend  # noqa: E402
+from draftsmith.extract.shard_writer import PartStore  # noqa: E402
 
 SHAPES = {
     # Llama-3-8B

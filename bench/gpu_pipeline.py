@@ -222,7 +222,8 @@ def write_conversations(data_dir: Path, budget: Budget) -> tuple[Path, dict]:
 def extract_store(train_jsonl: Path, target_json: Path, store: Path, dtype: str, budget: Budget,
                   device: str) -> dict:
     """extract_hidden_states (one part) then merge_hidden_states, into a store of its own."""
-    from draftsmith.extract import ExtractionSettings, extract_part, merge
+    from draftsmith.extract.extract import extract_part, merge
+    from draftsmith.extract.settings import ExtractionSettings
 
     settings = ExtractionSettings.from_config(
         {"backend": "hf", "parts": 1, "dtype": dtype, "batch_tokens": budget.extract_batch_tokens,
@@ -241,7 +242,7 @@ def extract_store(train_jsonl: Path, target_json: Path, store: Path, dtype: str,
 def train_from_store(index_json: Path, mapping: Path, target_json: Path, train_dir: Path, budget: Budget,
                      device: str) -> dict:
     """train_draft as its rule runs it: every shard verified first, then one training process."""
-    from draftsmith.hidden_states import verify_store
+    from draftsmith.extract.hidden_states import verify_store
     from draftsmith.train import run_training, settings_from_dict
 
     verify_store(index_json)

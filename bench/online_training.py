@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 PHASE = """
 import json, sys
 sys.path.insert(0, {root!r})
-from draftsmith.extract import ExtractionSettings, extract_part, merge
+from draftsmith.extract.extract import extract_part, merge
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.online import OnlineSettings, run_online_training
 from draftsmith.train import TrainSettings, run_training
 a = json.loads({args!r})

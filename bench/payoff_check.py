@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from draftsmith.engines.vllm_serving import SpecCounters, VllmServer  # noqa: E402
 from draftsmith.payoff import PayoffSettings, speedups, target_shape, target_step_seconds  # noqa: E402
-from draftsmith.targets.vllm_serving import SpecCounters, VllmServer  # noqa: E402
 
 SHAPES = {
     "gpu": dict(vocab_size=4096, hidden_size=1536, intermediate_size=4096, moe_intermediate_size=256,

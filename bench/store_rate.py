@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.capture import extract_shards  # noqa: E402
+from draftsmith.extract.backends import CaptureBackend  # noqa: E402
+from draftsmith.extract.capture import extract_shards  # noqa: E402
+from draftsmith.extract.shard_writer import PartStore  # noqa: E402
 from draftsmith.io import CHECKSUM, checksum_hasher  # noqa: E402
-from draftsmith.shard_writer import PartStore  # noqa: E402
-from draftsmith.targets.backends import CaptureBackend  # noqa: E402
 
 SAMPLE_TOKENS = 2048
 

@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftsmith.hidden_states import HiddenStateIndex, read_shard  # noqa: E402
+from draftsmith.extract.hidden_states import HiddenStateIndex, read_shard  # noqa: E402
 
 TRAIN_KEYS = ("num_layers", "ttt_steps", "ttt_decay", "epochs", "batch_tokens", "lr", "warmup_steps", "weight_decay")
 RECIPES = ("draftsmith", "speculators-matched", "speculators-default")
@@ -116,7 +116,8 @@ def tiny_inputs(work: Path, seed: int, num_rows: int = 48) -> dict:
     import numpy as np
     from transformers import LlamaForCausalLM
 
-    from draftsmith.extract import ExtractionSettings, extract_part, merge
+    from draftsmith.extract.extract import extract_part, merge
+    from draftsmith.extract.settings import ExtractionSettings
     from draftsmith.targets.inspect import write_target_json
     from draftsmith.vocab import build_vocab_mapping
     from tests.tiny import build_llama, write_jsonl
@@ -202,8 +203,8 @@ def speculators_model(inputs: dict, args: argparse.Namespace, variant: str, reci
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     from draftsmith.draft import Eagle3DraftConfig, draft_rows
+    from draftsmith.engines.weights import load_embedding_and_head
     from draftsmith.targets.inspect import read_target_json
-    from draftsmith.targets.weights import load_embedding_and_head
 
     target = read_target_json(inputs["target"])
     mapping = load_file(str(inputs["mapping"]))
@@ -324,14 +325,14 @@ class Evaluator:
     k up to ``max_k``; ``loop`` runs ``evaluate_draft`` (the HF loop, lossless-checked) per draft."""
 
     def __init__(self, inputs: dict, args: argparse.Namespace, work: Path) -> None:
-        self.inputs, self.args, self.backend = inputs, args, None
+        self.inputs, self.args, self.decoder = inputs, args, None
         if args.evaluator == "loop":
             return
-        from draftsmith.evaluate import DrafterSpec, acceptance_stats, make_backend, read_prompts
+        from draftsmith.evaluate import DrafterSpec, acceptance_stats, make_decoder, read_prompts
         from draftsmith.evaluate.replay import trace_greedy
         from draftsmith.targets.inspect import read_target_json
 
-        self.backend = make_backend(read_target_json(inputs["target"]), max_new_tokens=args.max_new_tokens,
+        self.decoder = make_decoder(read_target_json(inputs["target"]), max_new_tokens=args.max_new_tokens,
                                     device=args.device)
         prompts = read_prompts(inputs["heldout"], args.eval_prompts)
         cache = work / f"traces-{len(prompts)}-{args.max_new_tokens}-{args.max_k}.pt"
@@ -340,26 +341,26 @@ class Evaluator:
             self.traces, self.ngram = saved["traces"], saved["ngram"]
             return
         start = time.perf_counter()
-        self.traces = trace_greedy(self.backend, prompts, args.max_new_tokens, args.max_k)
-        ngram = [self.backend.speculate(p, DrafterSpec("ngram"), args.k) for p in prompts]
+        self.traces = trace_greedy(self.decoder, prompts, args.max_new_tokens, args.max_k)
+        ngram = [self.decoder.speculate(p, DrafterSpec("ngram"), args.k) for p in prompts]
         self.ngram = acceptance_stats(ngram, args.k)
         print(f"greedy traces and the n-gram baseline of {len(prompts)} prompts in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
         torch.save({"traces": self.traces, "ngram": self.ngram}, cache)
 
     def __call__(self, draft: Path, out: Path) -> dict:
-        if self.backend is None:
+        if self.decoder is None:
             return self._loop(draft, out)
         from draftsmith.draft import load_speculators
         from draftsmith.evaluate import acceptance_stats
         from draftsmith.evaluate.replay import match_lengths, replay
 
-        args, backend = self.args, self.backend
-        model = load_speculators(draft, dtype=backend.dtype, device=backend.target.device).eval()
+        args, decoder = self.args, self.decoder
+        model = load_speculators(draft, dtype=decoder.dtype, device=decoder.target.device).eval()
         lengths = [match_lengths(model, trace, args.max_k) for trace in self.traces]
         by_k = {}
         for k in range(1, args.max_k + 1):
-            runs = [replay(t, n, k, args.max_new_tokens, backend.stop_ids) for t, n in zip(self.traces, lengths)]
+            runs = [replay(t, n, k, args.max_new_tokens, decoder.stop_ids) for t, n in zip(self.traces, lengths)]
             by_k[k] = acceptance_stats(runs, k)
         main = by_k[args.k]
         return {"tau": main["tau"], "acceptance_rate_by_position": main["acceptance_rate_by_position"],

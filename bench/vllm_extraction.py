@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
 from usage import Usage  # noqa: E402
 
-from draftsmith.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
+from draftsmith.extract.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
+from draftsmith.extract.shard_writer import PartStore  # noqa: E402
+from draftsmith.extract.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
 from draftsmith.logs import setup_logging  # noqa: E402
-from draftsmith.shard_writer import PartStore  # noqa: E402
-from draftsmith.targets.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
 from draftsmith.targets.vllm_compat import engine_kwargs, shutdown_llm  # noqa: E402
 
 

@@ -7,12 +7,13 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from draftsmith.errors import StorageError
+from draftsmith.errors import DraftsmithError, StorageError
 
 
 def fsync_dir(path: Path) -> None:
@@ -91,6 +92,25 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 def read_json(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def read_jsonl(path: str | Path, *, error: type[DraftsmithError] | None,
+               fix: str | None = None) -> Iterator[tuple[int, Any]]:
+    """The rows of a JSON-lines file with their line numbers, blank lines skipped. A line that is
+    not JSON raises ``error`` naming the file and line, with ``fix``; with ``error=None`` it is
+    passed over instead (a log's last line, torn by a kill)."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if error is None:
+                    continue
+                raise error(f"line {lineno} is not valid JSON: {e.msg} (column {e.colno})",
+                            where=f"{path}:{lineno}", fix=fix) from e
+            yield lineno, row
 
 
 def sha256_file(path: str | Path, chunk_size: int = 1 << 22) -> str:

@@ -7,13 +7,12 @@ global state) and written atomically as PNG.
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from draftsmith.errors import EvaluationError, TrainingError
-from draftsmith.io import atomic_write_bytes, read_json
+from draftsmith.io import atomic_write_bytes, read_json, read_jsonl
 
 DPI = 120
 DRAFT_COLOR, BASELINE_COLOR = "#1f77b4", "#ff7f0e"
@@ -48,21 +47,14 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The rows draftsmith.train logs: step, and per TTT step lists loss, acc (None where a step had
     no positions to score), plus the simulated acceptance length tau."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TrainingError(f"a metrics line is not JSON: {e.msg}", where=f"{path}:{lineno}",
-                                    fix="rerun train_draft (it rewrites metrics.jsonl on resume)") from e
-            missing = [k for k in ("step", "loss", "acc") if k not in row]
-            if missing or not isinstance(row["loss"], list) or not isinstance(row["acc"], list):
-                raise TrainingError(f"a metrics row lacks {missing or 'per-step lists of loss and acc'}",
-                                    where=f"{path}:{lineno}",
-                                    fix="metrics.jsonl must come from draftsmith.train; rerun train_draft")
-            rows.append(row)
+    for lineno, row in read_jsonl(path, error=TrainingError,
+                                  fix="rerun train_draft (it rewrites metrics.jsonl on resume)"):
+        missing = [k for k in ("step", "loss", "acc") if k not in row]
+        if missing or not isinstance(row["loss"], list) or not isinstance(row["acc"], list):
+            raise TrainingError(f"a metrics row lacks {missing or 'per-step lists of loss and acc'}",
+                                where=f"{path}:{lineno}",
+                                fix="metrics.jsonl must come from draftsmith.train; rerun train_draft")
+        rows.append(row)
     return rows
 
 

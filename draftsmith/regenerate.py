@@ -7,7 +7,7 @@ regenerated turn by turn: round r answers the r-th assistant turn of every conve
 chunk, conditioned on the original user turns and the answers regenerated in earlier rounds. A
 round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
 as one ``LLM.generate`` call of vLLM's offline engine at full tensor parallelism (``backend: vllm``,
-draftsmith.targets.vllm_generation); both write the same rows. Each finished chunk
+draftsmith.engines.vllm_generation); both write the same rows. Each finished chunk
 is renamed into ``work_dir`` atomically, so a killed job resumes at the first missing chunk; a
 fingerprint of the settings, the model, the sources and this code guards the chunks against reuse
 under different conditions.
@@ -32,16 +32,16 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.conversations import BadRow, load_conversations
-from draftsmith.errors import DataError
-from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
-from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
-from draftsmith.targets.hf_model import (
+from draftsmith.engines.hf_model import (
     load_target_model,
+    model_dtype_name,
     resolve_device,
-    resolve_model_dtype,
     stop_ids_from_files,
     stop_token_ids,
 )
+from draftsmith.errors import DataError
+from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, read_jsonl, sha256_file
+from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ def _read_chunk(path: Path, ids: list[str]) -> list[dict] | None:
     """A finished chunk's rows, or None when it is missing or not the chunk expected here."""
     if not path.is_file():
         return None
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for _, row in read_jsonl(path, error=DataError, fix=f"delete {path}: the rerun regenerates it")]
     if [r.get("id") for r in rows] != ids:
         log.warning("%s does not hold the conversations expected there; regenerating it", path)
         return None
@@ -400,8 +400,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
 
     model_path = Path(model_path)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_model_dtype(dtype, torch_device)
-    dtype_name = str(torch_dtype).replace("torch.", "")
+    dtype_name = model_dtype_name(dtype, torch_device)
     vllm = settings.backend == "vllm"
     fingerprint = regeneration_fingerprint(
         settings, model=weights_identity(model_path), sources=sources, seed=seed, dtype=dtype_name,
@@ -410,11 +409,11 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     sampling = "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}"
     if not vllm:
         model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, torch_dtype, sampling)
+        log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
         regenerator = Regenerator(model, tokenizer, settings, seed=seed)
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
 
-    from draftsmith.targets.vllm_generation import VllmGenerator
+    from draftsmith.engines.vllm_generation import VllmGenerator
 
     stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     with VllmGenerator(str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype_name,

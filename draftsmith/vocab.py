@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -10,8 +9,8 @@ import numpy as np
 import torch
 from safetensors.torch import save as save_safetensors
 
-from draftsmith.errors import ConfigError
-from draftsmith.io import atomic_write_bytes, atomic_write_json
+from draftsmith.errors import ConfigError, DataError
+from draftsmith.io import atomic_write_bytes, atomic_write_json, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +24,10 @@ WARN_COVERAGE = 0.9
 def count_loss_tokens(train_jsonl: str | Path, vocab_size: int) -> np.ndarray:
     """How often each target token appears where the loss mask is on (tokens the draft must predict)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    with open(train_jsonl, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            ids = np.asarray(row["input_ids"], dtype=np.int64)
-            mask = np.asarray(row["loss_mask"], dtype=bool)
-            counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    for _, row in read_jsonl(train_jsonl, error=DataError, fix="rerun the prepare_dataset rule"):
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        mask = np.asarray(row["loss_mask"], dtype=bool)
+        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     return counts
 
 

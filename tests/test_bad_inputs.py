@@ -24,7 +24,8 @@ import tiny
 from draftsmith.config import check_config, check_semantics
 from draftsmith.data import DataSettings, prepare_dataset
 from draftsmith.errors import ConfigError, DataError, DraftsmithError, ExtractionError, StorageError, TargetError
-from draftsmith.extract import ExtractionSettings, extract_part
+from draftsmith.extract.extract import extract_part
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.placement import DEVICES_ENV, PlacementError, claim_devices
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.vocab import build_vocab_mapping

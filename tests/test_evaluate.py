@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import tiny
+from draftsmith.engines.hf_model import load_target_model
 from draftsmith.errors import EvaluationError
 from draftsmith.evaluate import (
     Drafter,
@@ -21,7 +22,7 @@ from draftsmith.evaluate import (
     Eagle3Drafter,
     EvalSettings,
     Generation,
-    HFBackend,
+    HFDecoder,
     HFTarget,
     Prompt,
     acceptance_stats,
@@ -29,7 +30,6 @@ from draftsmith.evaluate import (
     evaluate_draft,
     run_evaluation,
 )
-from draftsmith.targets.hf_model import load_target_model
 from draftsmith.targets.inspect import inspect_target, write_target_json
 
 
@@ -75,7 +75,7 @@ def model(model_dir):
 @pytest.fixture(scope="module")
 def backend(model, target):
     # No stop token: every run goes to max_new_tokens, so counts are exact.
-    backend = HFBackend(model, [], 24, layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
+    backend = HFDecoder(model, [], 24, layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
     yield backend
     backend.close()
 
@@ -129,11 +129,11 @@ def test_perfect_draft_accepts_everything(backend, references):
 
 
 def test_perfect_draft_with_a_stop_token(model, target, model_dir):
-    backend = HFBackend(model, [], 24)
+    backend = HFDecoder(model, [], 24)
     reference = backend.greedy(PROMPTS[0])
     stop = reference.tokens[9]
     first = reference.tokens.index(stop)
-    backend = HFBackend(model, [stop], 24)
+    backend = HFDecoder(model, [stop], 24)
     run = backend.speculate(PROMPTS[0], DrafterSpec("target"), 3)
     assert run.tokens == reference.tokens[:first + 1] == backend.greedy(PROMPTS[0]).tokens
     assert acceptance_stats([run], 3)["tau"] == 4.0
@@ -184,7 +184,7 @@ def _cycle_model(vocab: int = 32, cycle=(1, 2, 3, 4, 5)) -> LlamaForCausalLM:
 
 
 def test_ngram_baseline_accepts_on_a_repetitive_prompt():
-    backend = HFBackend(_cycle_model(), [], 20)
+    backend = HFDecoder(_cycle_model(), [], 20)
     prompt = Prompt("cycle", [1, 2, 3, 4, 5] * 3)
     reference = backend.greedy(prompt)
     assert reference.tokens[:6] == [1, 2, 3, 4, 5, 1]
@@ -196,7 +196,7 @@ def test_ngram_baseline_accepts_on_a_repetitive_prompt():
 
 
 def test_ngram_without_a_match_proposes_nothing():
-    backend = HFBackend(_cycle_model(cycle=(9, 20)), [], 6)
+    backend = HFDecoder(_cycle_model(cycle=(9, 20)), [], 6)
     prompt = Prompt("distinct", [7, 8, 9])
     run = backend.speculate(prompt, DrafterSpec("ngram", ngram_max=2), 3)
     assert run.tokens == backend.greedy(prompt).tokens == [20, 9, 20, 9, 20, 9]
@@ -439,7 +439,7 @@ def test_eagle3_through_a_multimodal_wrapper(tmp_path):
     info = inspect_target(llava_dir)
     assert "language_model" in info["layers_path"]
     model = load_target_model(llava_dir, dtype="float32", device="cpu")
-    backend = HFBackend(model, [], 12, layers_path=info["layers_path"], aux_layer_ids=info["aux_layer_ids"])
+    backend = HFDecoder(model, [], 12, layers_path=info["layers_path"], aux_layer_ids=info["aux_layer_ids"])
     torch.manual_seed(0)
     drafter = Eagle3Drafter(Eagle3Draft(Eagle3DraftConfig.from_target(info, draft_vocab_size=info["vocab_size"])))
     run = backend.speculate(PROMPTS[1], drafter, 3)

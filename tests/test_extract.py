@@ -19,16 +19,17 @@ import xxhash
 from safetensors.torch import save as save_safetensors
 
 import tiny
-from draftsmith import extract
-from draftsmith.capture import plan_batches
 from draftsmith.errors import ConfigError, ExtractionError
-from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
-from draftsmith.hidden_states import HiddenStateIndex, read_shard
+from draftsmith.extract import extract
+from draftsmith.extract.backends import CaptureBackend
+from draftsmith.extract.capture import plan_batches
+from draftsmith.extract.extract import extract_part, merge, plan_part
+from draftsmith.extract.hf_backend import HfBackend
+from draftsmith.extract.hidden_states import HiddenStateIndex, read_shard
+from draftsmith.extract.safetensors_stream import write_safetensors
+from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.extract.shard_writer import quantize_fp8
 from draftsmith.io import bytes_match
-from draftsmith.safetensors_stream import write_safetensors
-from draftsmith.shard_writer import quantize_fp8
-from draftsmith.targets.backends import CaptureBackend
-from draftsmith.targets.hf_backend import HfBackend
 from draftsmith.targets.inspect import write_target_json
 
 TESTS = Path(__file__).resolve().parent
@@ -239,11 +240,12 @@ def test_changed_inputs_never_mix_with_old_shards(train, target, tmp_path):
 KILL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
-import draftsmith.shard_writer as hs
-import draftsmith.capture as ex
-import draftsmith.targets.hf_backend
+import draftsmith.extract.shard_writer as hs
+import draftsmith.extract.capture as ex
+import draftsmith.extract.hf_backend
 from transformers import LlamaForCausalLM
-from draftsmith.extract import ExtractionSettings, extract_part
+from draftsmith.extract.extract import extract_part
+from draftsmith.extract.settings import ExtractionSettings
 
 # Slow the run down so the test can kill it mid-write and mid-compute.
 append = hs.ShardWriter.append

@@ -31,13 +31,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import draftsmith.capture as capture_module
-import draftsmith.extract as extract
-import draftsmith.safetensors_stream as stream
+import draftsmith.extract.capture as capture_module
+import draftsmith.extract.extract as extract
+import draftsmith.extract.safetensors_stream as stream
 import tiny
 from draftsmith.errors import ExtractionError, StorageError
-from draftsmith.extract import ExtractionSettings, extract_part, merge, plan_part
-from draftsmith.hidden_states import HiddenStateIndex, load_shard_manifest, shard_dir_name, verify_store
+from draftsmith.extract.extract import extract_part, merge, plan_part
+from draftsmith.extract.hidden_states import HiddenStateIndex, load_shard_manifest, shard_dir_name, verify_store
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import atomic_write_bytes, file_matches, read_json
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.train import FINISHED, TrainSettings, run_training
@@ -310,7 +311,7 @@ def _extraction_points(world: World, rng: random.Random) -> list[tuple[str, floa
 
 
 def _all_batches(world: World):
-    from draftsmith.capture import plan_batches
+    from draftsmith.extract.capture import plan_batches
 
     for shard in plan_part(world.train, 0, 1, ExtractionSettings(**EXTRACTION)):
         yield from plan_batches(shard, EXTRACTION["batch_tokens"])

@@ -10,8 +10,8 @@ def names(files):
 
 
 def test_closure_follows_imports_transitively():
-    closure = names(module_closure("draftsmith.targets.weights"))
-    assert {"targets/weights.py", "targets/inspect.py", "errors.py", "io.py"} <= closure
+    closure = names(module_closure("draftsmith.engines.weights"))
+    assert {"engines/weights.py", "targets/inspect.py", "errors.py", "io.py"} <= closure
     assert "vocab.py" not in closure
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaForCausalLM, LlavaForConditionalGeneration
 
 from draftsmith.errors import ExtractionError
-from draftsmith.targets.hf_backend import HfBackend
+from draftsmith.extract.hf_backend import HfBackend
 from draftsmith.targets.inspect import inspect_target
 
 # Float32 on CPU; padded rows attend over more (masked) keys, so their sums run in another order.

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from draftsmith.errors import ExtractionError
-from draftsmith.hidden_states import HiddenStateIndex, bytes_per_token, dequantize_fp8, merge_parts, read_shard
-from draftsmith.shard_writer import PartStore, quantize_fp8
+from draftsmith.extract.hidden_states import HiddenStateIndex, bytes_per_token, dequantize_fp8, merge_parts, read_shard
+from draftsmith.extract.shard_writer import PartStore, quantize_fp8
 
 
 def _store(root, dtype, states, ids):

@@ -51,7 +51,8 @@ def test_hidden_folders_are_not_part_of_the_model(tmp_path):
 def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatch):
     """Extraction shards and regeneration chunks are keyed by the weights' identity and by the
     code that makes them: new weights or a patched capture are never resumed from old work."""
-    from draftsmith.extract import ExtractionSettings, part_fingerprint
+    from draftsmith.extract.extract import part_fingerprint
+    from draftsmith.extract.settings import ExtractionSettings
     from draftsmith.regenerate import RegenerateSettings, regeneration_fingerprint
 
     folder = _folder(tmp_path / "model", 1.0)

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
 
 import tiny
+from draftsmith.engines.weights import load_embedding_and_head
 from draftsmith.errors import TargetError
 from draftsmith.targets.inspect import inspect_target
-from draftsmith.targets.weights import load_embedding_and_head
 
 
 def _no_weights_read(monkeypatch):

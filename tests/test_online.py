@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 import tiny
 from draftsmith.errors import ConfigError
-from draftsmith.extract import ExtractionSettings, extract_part, merge
+from draftsmith.extract.extract import extract_part, merge
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import read_json
 from draftsmith.online import OnlineSettings, run_online_training
 from draftsmith.targets.inspect import write_target_json

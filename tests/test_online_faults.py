@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_online import WEIGHT_TOLERANCE
 from test_workflow_faults import DRAFT, RESULTS, _session, _start, _wait, workflow  # noqa: F401, F811 - a fixture
 
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import read_json
 from draftsmith.online import OnlineSettings, run_online_training
 from draftsmith.online.window import process_alive

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoTokenizer
 
 import tiny
+from draftsmith.engines.hf_model import load_target_model, stop_token_ids
 from draftsmith.regenerate import RegenerateSettings, Regenerator, regenerate_responses
-from draftsmith.targets.hf_model import load_target_model, stop_token_ids
 
 CONVERSATIONS = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello there, how are you?"},
@@ -222,7 +222,7 @@ def test_vllm_resumes_by_chunk_and_samples_reproducibly(source, model_dir, tmp_p
 
 def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
     pytest.importorskip("vllm")
-    from draftsmith.targets.vllm_generation import engine_args
+    from draftsmith.engines.vllm_generation import engine_args
 
     args = engine_args(str(model_dir), tensor_parallel_size=8, dtype="bfloat16", trust_remote_code=True,
                        max_num_seqs=256)

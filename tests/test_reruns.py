@@ -147,7 +147,7 @@ def test_a_patched_capture_rewrites_the_shards_and_nothing_upstream_runs(finishe
     shards = {k: v for k, v in _mtimes(results / "hidden_states").items() if "/shard-" in k}
     assert shards
     data = _mtimes(results / "data")
-    _patch(workdir, "draftsmith.extract", "\nCAPTURE_PATCH = 1\n")
+    _patch(workdir, "draftsmith.extract.extract", "\nCAPTURE_PATCH = 1\n")
     planned = planned_rules(snakemake(workdir, "-n", configfile=configfile))
     assert planned == {"extract_hidden_states", "merge_hidden_states", "train_draft", "evaluate_draft",
                        "plot_training", "plot_evaluation", "estimate_payoff"}

@@ -14,8 +14,8 @@ import pytest
 
 import tiny
 from draftsmith.config import check_config
+from draftsmith.engines.hf_model import load_hf_model
 from draftsmith.errors import ConfigError, TargetError
-from draftsmith.targets.hf_model import load_hf_model
 from draftsmith.targets.inspect import inspect_target
 from workflow_helpers import ROOT, copy_workflow, snakemake, write_config
 

@@ -11,7 +11,7 @@ import pytest
 from draftsmith.data import DataSettings
 from draftsmith.errors import ConfigError
 from draftsmith.evaluate import EvalSettings
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.online import OnlineSettings
 from draftsmith.payoff import PayoffSettings
 from draftsmith.regenerate import RegenerateSettings

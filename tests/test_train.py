@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows
+from draftsmith.engines.weights import load_embedding_and_head
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex, ShardRows, merge_parts, read_shard
+from draftsmith.extract.hidden_states import HiddenStateIndex, ShardRows, merge_parts, read_shard
+from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import read_json
-from draftsmith.shard_writer import PartStore
 from draftsmith.targets.inspect import write_target_json
-from draftsmith.targets.weights import load_embedding_and_head
 from draftsmith.train import (
     DraftKL,
     LossKernels,
@@ -311,7 +311,7 @@ def test_scored_positions_index_each_steps_loss_positions_and_their_teacher_rows
 def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs):
     index = HiddenStateIndex.load(inputs["index"])
     metas = [shard_meta(index, s, 50, 3, verify=False) for s in index.shards]
-    steps = plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)
+    steps = plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), processes=2)
     per_epoch = {}
     for step in steps:
         assert len(step.packs) == 2
@@ -323,7 +323,7 @@ def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs)
     assert sorted(per_epoch[0]) == everything and sorted(per_epoch[1]) == everything
     assert per_epoch[0] != per_epoch[1]  # reshuffled
     assert 0 < len(per_epoch[2]) < len(everything)  # half an epoch
-    assert plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), group=2)[5].packs == \
+    assert plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), processes=2)[5].packs == \
         steps[5].packs  # a pure function of data and seed
 
 

@@ -76,7 +76,7 @@ def assert_parity(got, path, batch, layer_ids, dtype=CAPTURE_DTYPE):
 
 
 def _engine(path, layer_ids, dtype=CAPTURE_DTYPE, **kwargs):
-    from draftsmith.targets.vllm_backend import VllmBackend
+    from draftsmith.extract.vllm_backend import VllmBackend
 
     return VllmBackend(str(path), layer_ids, dtype=dtype, max_model_len=MAX_MODEL_LEN, **ENGINE_ARGS, **kwargs)
 
@@ -206,7 +206,7 @@ def test_moe_targets_match_hf(builder, tmp_path_factory, in_process_engine):
 def test_multiprocess_engine_bf16(tmp_path):
     """vLLM's default layout (engine core and worker in their own processes) in bf16: states come back
     through the spool folder, and their error against float32 HF is the error bf16 HF itself makes."""
-    from draftsmith.targets.vllm_backend import VllmBackend
+    from draftsmith.extract.vllm_backend import VllmBackend
 
     path = build_llama(tmp_path / "target", num_layers=4)
     layer_ids = [1, 2, 4]
@@ -251,7 +251,7 @@ def _build_idefics3(path):
 def test_tensor_parallel_2_matches_hf(builder, tmp_path):
     """Two ranks, each with half of every attention and MLP (and of the experts' weights): rank 0's
     residual stream, after the all-reduce, is what the capture keeps; it must be HF's."""
-    from draftsmith.targets.vllm_backend import VllmBackend
+    from draftsmith.extract.vllm_backend import VllmBackend
 
     path = builder(tmp_path / "target")
     layer_ids = [1, 2, 4]
@@ -272,13 +272,13 @@ def test_tensor_parallel_2_matches_hf(builder, tmp_path):
 
 
 def test_module_imports_without_vllm():
-    code = ("import sys; import draftsmith.targets.vllm_backend, draftsmith.targets.vllm_worker; "
+    code = ("import sys; import draftsmith.extract.vllm_backend, draftsmith.extract.vllm_worker; "
             "assert 'vllm' not in sys.modules, 'vllm was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_prompt_runs_are_the_rows_counting_up_from_position_zero():
-    from draftsmith.targets.vllm_worker import prompt_runs
+    from draftsmith.extract.vllm_worker import prompt_runs
 
     # two whole prompts, a decode row of another request (position 9), a third prompt, padding
     positions = [0, 1, 2, 0, 1, 9, 0, 1, 2, 3, 7]
@@ -293,7 +293,7 @@ def test_read_pass_waits_for_the_file_and_reports_a_failed_write(tmp_path):
     leaves its reason beside the name instead; a pass that never comes stops the wait."""
     import threading
 
-    from draftsmith.targets.vllm_worker import read_pass
+    from draftsmith.extract.vllm_worker import read_pass
 
     states = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)
     info = {"file": str(tmp_path / "pass-0.raw"), "layers": 2, "rows": 3, "hidden": 4, "dtype": "bfloat16"}
@@ -322,7 +322,7 @@ def test_a_failed_spool_write_is_reported_beside_the_pass_and_the_writer_lives_o
     import queue
     import threading
 
-    from draftsmith.targets.vllm_worker import CaptureWorkerExtension, _Pass, read_pass
+    from draftsmith.extract.vllm_worker import CaptureWorkerExtension, _Pass, read_pass
 
     worker = CaptureWorkerExtension()
     worker._ds_spool, worker._ds_writer_error = str(tmp_path), None

@@ -33,11 +33,11 @@ K = 3
 
 
 def hf_backend(path, target, max_new_tokens, stop_ids=()):
-    from draftsmith.evaluate import HFBackend
-    from draftsmith.targets.hf_model import load_target_model
+    from draftsmith.engines.hf_model import load_target_model
+    from draftsmith.evaluate import HFDecoder
 
     model = load_target_model(path, dtype="float32", device="cpu")
-    return HFBackend(model, list(stop_ids), max_new_tokens, layers_path=target["layers_path"],
+    return HFDecoder(model, list(stop_ids), max_new_tokens, layers_path=target["layers_path"],
                      aux_layer_ids=target["aux_layer_ids"])
 
 
@@ -222,8 +222,8 @@ CYCLE_STEPS = {"a": [K] * 5, "a2": [K] * 5, "b": [1] * 10, "b2": [1] * 10}
 
 @pytest.fixture(scope="module")
 def cycle(tmp_path_factory, in_process_engine):
+    from draftsmith.engines.vllm_serving import VllmServer
     from draftsmith.targets.inspect import inspect_target
-    from draftsmith.targets.vllm_serving import VllmServer
 
     root = tmp_path_factory.mktemp("served-cycle")
     build_cycle_target(root / "target")
@@ -286,10 +286,10 @@ def test_vllm_counts_as_the_hf_loop_step_by_step(cycle):
 
 @vllm_test
 def test_stop_tokens_end_the_output_as_in_the_hf_loop(cycle):
-    from draftsmith.evaluate import DrafterSpec, HFBackend, Prompt
+    from draftsmith.evaluate import DrafterSpec, HFDecoder, Prompt
 
     prompt = Prompt("a", CYCLE_PROMPTS["a"])
-    with_stop = HFBackend(cycle.hf.target.model, [23], CYCLE_TOKENS, layers_path=cycle.target["layers_path"],
+    with_stop = HFDecoder(cycle.hf.target.model, [23], CYCLE_TOKENS, layers_path=cycle.target["layers_path"],
                           aux_layer_ids=cycle.target["aux_layer_ids"])
     try:
         expected = with_stop.speculate(prompt, DrafterSpec("eagle3", path=str(cycle.draft)), K)
@@ -307,8 +307,8 @@ def test_stop_tokens_end_the_output_as_in_the_hf_loop(cycle):
 
 
 def _vllm_run(prompts, greedy, draft):
+    from draftsmith.engines.vllm_serving import SpecCounters
     from draftsmith.evaluate import Generation, VllmRun
-    from draftsmith.targets.vllm_serving import SpecCounters
 
     def gens(tokens):
         return [Generation(p.id, t, 0.0, [0] * len(t), [K] * len(t)) for p, t in zip(prompts, tokens)]
@@ -319,11 +319,11 @@ def _vllm_run(prompts, greedy, draft):
 def test_a_served_output_off_greedy_is_named_by_prompt_and_position(llama, one_thread):
     """A token vLLM got wrong fails the evaluation with the prompt id and the generated position;
     a difference already present without speculation is blamed on the engine, not the draft."""
-    from draftsmith.evaluate import DrafterSpec, EvalSettings, HFBackend, Prompt, run_evaluation, vllm_outside_runs
+    from draftsmith.evaluate import DrafterSpec, EvalSettings, HFDecoder, Prompt, run_evaluation, vllm_outside_runs
 
     prompts = [Prompt(pid, ids) for pid, ids in list(LLAMA_PROMPTS.items())[:2]]
     settings = EvalSettings(k=K, k_sweep=(K,), max_new_tokens=10)
-    backend = HFBackend(llama.hf.target.model, [], settings.max_new_tokens)
+    backend = HFDecoder(llama.hf.target.model, [], settings.max_new_tokens)
     greedy = [backend.greedy(p).tokens for p in prompts]
     wrong = [list(t) for t in greedy]
     wrong[1][6] = (wrong[1][6] + 1) % 384
@@ -370,7 +370,7 @@ def test_stop_ids_without_loading_weights(tmp_path):
     the same ones the loaded model and tokenizer give."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from draftsmith.targets.hf_model import load_target_model, stop_ids_from_files, stop_token_ids
+    from draftsmith.engines.hf_model import load_target_model, stop_ids_from_files, stop_token_ids
 
     path = tiny.build_llama(tmp_path / "target", num_layers=1)
     loaded = lambda: stop_token_ids(load_target_model(path, dtype="float32", device="cpu"),  # noqa: E731
@@ -381,7 +381,7 @@ def test_stop_ids_without_loading_weights(tmp_path):
 
 
 def test_counters_from_metrics():
-    from draftsmith.targets.vllm_serving import SpecCounters, read_spec_counters
+    from draftsmith.engines.vllm_serving import SpecCounters, read_spec_counters
 
     def metric(name, **kw):
         return SimpleNamespace(name=name, **kw)
@@ -398,7 +398,7 @@ def test_counters_from_metrics():
 
 
 def test_module_imports_without_vllm():
-    code = "import sys; import draftsmith.targets.vllm_serving; assert 'vllm' not in sys.modules, 'vllm was imported'"
+    code = "import sys; import draftsmith.engines.vllm_serving; assert 'vllm' not in sys.modules, 'vllm was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import tiny
-from draftsmith.extract import ExtractionSettings, extract_part, merge
+from draftsmith.extract.extract import extract_part, merge
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import read_json
 from draftsmith.train import run_training, settings_from_dict
 from workflow_helpers import SNAKEMAKE, copy_workflow, snakemake, write_config

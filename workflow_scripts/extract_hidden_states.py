@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from draftsmith.extract import ExtractionSettings, extract_part
+from draftsmith.extract.extract import extract_part
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
 

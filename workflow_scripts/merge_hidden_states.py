@@ -1,6 +1,6 @@
 """Snakemake entry: merge the extraction parts' manifests into hidden_states/index.json."""
 
-from draftsmith.extract import merge
+from draftsmith.extract.extract import merge
 from draftsmith.logs import setup_logging
 
 setup_logging(snakemake.log[0])

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.logs import setup_logging
 from draftsmith.online import OnlineSettings, run_online_training, split_devices
 from draftsmith.placement import engine_env, engine_placement

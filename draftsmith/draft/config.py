@@ -13,9 +13,8 @@ algos.py) name them:
 
 ``norm_before_fc`` (one RMSNorm over the concatenation, gpt-oss style, speculators' trainer default)
 is read and written too, so drafts trained by speculators load here; it is no Draftsmith variant.
-vLLM 0.24's ``algos.py`` copies neither ``fc_norm`` nor ``norm_output`` from the top level of
-config.json (vLLM PR 46488 added that later) but its model reads both from the draft's
-PretrainedConfig, which starts as ``transformer_layer_config``: they are written there too.
+``fc_norm`` and ``norm_output`` are also written into ``transformer_layer_config``, where vLLM 0.24
+reads them (``draftsmith.targets.vllm_compat.LAYER_CONFIG_FLAGS``).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith.errors import TrainingError
+from draftsmith.targets.vllm_compat import LAYER_CONFIG_FLAGS
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format is written here
 NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
@@ -32,8 +32,6 @@ VARIANTS: dict[str, dict[str, bool]] = {
     "eagle3": {"norm_before_fc": False, "fc_norm": False, "norm_output": False},
     "eagle3.1": {"norm_before_fc": False, "fc_norm": True, "norm_output": True},
 }
-# read from transformer_layer_config by vLLM releases whose algos.py drops them (module docstring)
-LAYER_CONFIG_FLAGS = ("fc_norm", "norm_output")
 
 
 @dataclass
@@ -130,7 +128,7 @@ class Eagle3DraftConfig:
 
         ``num_aux_hidden_states`` rides along because vLLM's llama_eagle3.py reads the fc input
         width from it and otherwise assumes 3 aux layers; ``fc_norm`` and ``norm_output`` for vLLM
-        releases that read them only there (module docstring).
+        releases that read them only there (``vllm_compat.LAYER_CONFIG_FLAGS``).
         """
         from transformers import LlamaConfig
 

@@ -13,18 +13,18 @@ from safetensors.torch import save as save_safetensors
 
 from draftsmith.draft.config import Eagle3DraftConfig
 from draftsmith.draft.model import Eagle3Draft
+from draftsmith.engines.hf_model import MODEL_DTYPES
 from draftsmith.errors import TrainingError
 from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
-from draftsmith.targets.hf_model import MODEL_DTYPES
+from draftsmith.targets.vllm_compat import vocab_maps_allowed
 
 
 def speculators_state_dict(model: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights under speculators 0.9's names (ours are the same), floats cast to ``dtype``."""
     out = {}
-    # vLLM 0.32 has no d2t/t2d parameters for a draft over the whole target vocabulary.
-    full_vocab = model.config.draft_vocab_size == model.config.target_vocab_size
+    maps = vocab_maps_allowed(model.config.draft_vocab_size, model.config.target_vocab_size)
     for name, tensor in model.state_dict().items():
-        if name.startswith("rotary.") or (full_vocab and name in ("d2t", "t2d")):
+        if name.startswith("rotary.") or (not maps and name in ("d2t", "t2d")):
             continue
         tensor = tensor.detach().cpu()
         out[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()

@@ -5,7 +5,7 @@ The package, in the order an evaluation runs:
 
 * ``settings``  EvalSettings, the drafters asked for (DrafterSpec), prompts, and what decoding returns
 * ``drafters``  the Drafter protocol, the n-gram baseline, the EAGLE-3 draft
-* ``decoding``  the speculative loop in transformers (HFBackend), the target as a drafter
+* ``decoding``  the speculative loop in transformers (HFDecoder), the target as a drafter
 * ``metrics``   the lossless check, acceptance figures and speedup; the runs over prompts and drafters
 * ``vllm``      the draft served by vLLM as its speculator; a target evaluated in vLLM alone
 * ``stage``     ``evaluate_draft``: the rule's entry point, acceptance.json
@@ -25,7 +25,7 @@ decoding; ``hf`` is Hugging Face transformers with KV caches. Metrics are comput
 backend returns.
 
 ``eval.backend: vllm`` adds the deployment check: vLLM serves the target with the draft folder as
-its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.targets.vllm_serving), every output is
+its EAGLE-3 speculator (``serve_with_vllm``, draftsmith.engines.vllm_serving), every output is
 checked against the HF loop's greedy decoding with the same near-tie rule, and vLLM's own
 acceptance counters go into acceptance.json under ``vllm``, beside the HF loop's figures for the
 same draft and prompts. A target whose weights exceed one GPU cannot run in the HF loop; with
@@ -35,11 +35,11 @@ as the reference, both drafters as vLLM speculators at ``k``).
 
 from draftsmith.evaluate.decoding import (
     DecodingBackend,
-    HFBackend,
+    HFDecoder,
     HFTarget,
     TargetDrafter,
     check_draft_fits,
-    make_backend,
+    make_decoder,
 )
 from draftsmith.evaluate.drafters import Drafter, Eagle3Drafter, NgramDrafter
 from draftsmith.evaluate.metrics import (
@@ -66,7 +66,7 @@ from draftsmith.evaluate.vllm import (
 __all__ = [
     "ACCEPTANCE_FORMAT", "DRAFTER_KINDS", "MAX_LISTED_TIES", "MIN_TIMED_PROMPTS", "TIE_TOLERANCE", "acceptance_stats",
     "check_draft_fits", "check_lossless", "check_servable", "DecodingBackend", "Drafter", "DrafterSpec",
-    "Eagle3Drafter", "EvalSettings", "evaluate_draft", "evaluate_in_vllm", "Generation", "HFBackend", "HFTarget",
-    "make_backend", "NgramDrafter", "OutsideRun", "Prompt", "read_prompts", "run_evaluation", "serve_with_vllm",
+    "Eagle3Drafter", "EvalSettings", "evaluate_draft", "evaluate_in_vllm", "Generation", "HFDecoder", "HFTarget",
+    "make_decoder", "NgramDrafter", "OutsideRun", "Prompt", "read_prompts", "run_evaluation", "serve_with_vllm",
     "TargetDrafter", "vllm_outside_runs", "vllm_section", "VllmRun",
 ]

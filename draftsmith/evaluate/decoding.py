@@ -1,5 +1,5 @@
 """The speculative loop in Hugging Face transformers: greedy and speculative decoding of one prompt
-with KV caches for the target and the drafter (``HFBackend``), and the target as a drafter."""
+with KV caches for the target and the drafter (``HFDecoder``), and the target as a drafter."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def check_draft_fits(config, path: str | Path, aux_layer_ids: Sequence[int], voc
                               fix="evaluate the draft against the target it was trained for")
 
 
-class HFBackend(DecodingBackend):
+class HFDecoder(DecodingBackend):
     """Greedy and speculative decoding with Hugging Face transformers, one prompt at a time."""
 
     name = "hf"
@@ -275,15 +275,15 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def make_backend(target: dict, *, max_new_tokens: int, dtype: str = "auto", device: str = "auto") -> HFBackend:
+def make_decoder(target: dict, *, max_new_tokens: int, dtype: str = "auto", device: str = "auto") -> HFDecoder:
     """Load the target described by ``target`` (target.json) into the Hugging Face decoding loop."""
     from transformers import AutoTokenizer
 
-    from draftsmith.targets.hf_model import load_target_model, stop_token_ids
+    from draftsmith.engines.hf_model import load_target_model, stop_token_ids
 
     model = load_target_model(target["model_path"], dtype=dtype, device=device,
                               trust_remote_code=target.get("trust_remote_code", False))
     tokenizer = AutoTokenizer.from_pretrained(target["model_path"],
                                               trust_remote_code=target.get("trust_remote_code", False))
-    return HFBackend(model, stop_token_ids(model, tokenizer), max_new_tokens,
+    return HFDecoder(model, stop_token_ids(model, tokenizer), max_new_tokens,
                      layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import EvaluationError
-from draftsmith.evaluate.decoding import HFBackend
+from draftsmith.evaluate.decoding import HFDecoder
 from draftsmith.evaluate.settings import Generation, Prompt
 
 
@@ -37,10 +37,10 @@ class GreedyTrace:
 
 
 @torch.no_grad()
-def trace_greedy(backend: HFBackend, prompts: Sequence[Prompt], max_new_tokens: int, depth: int) -> list[GreedyTrace]:
+def trace_greedy(decoder: HFDecoder, prompts: Sequence[Prompt], max_new_tokens: int, depth: int) -> list[GreedyTrace]:
     """The target's greedy continuation of each prompt, ``max_new_tokens + depth + 1`` tokens long
     (the loop's last step may propose ``depth`` tokens past its limit), and its aux states."""
-    target, traces = backend.target, []
+    target, traces = decoder.target, []
     for prompt in prompts:
         cache = target.new_cache()
         logits, _ = target.forward(prompt.ids, cache, last_only=True)
@@ -86,7 +86,7 @@ def match_lengths(draft: torch.nn.Module, trace: GreedyTrace, depth: int) -> lis
 
 def replay(trace: GreedyTrace, lengths: Sequence[int], k: int, max_new_tokens: int,
            stop_ids: Sequence[int]) -> Generation:
-    """The HF loop's run of one prompt at ``k`` (``HFBackend.speculate``), from the draft's match
+    """The HF loop's run of one prompt at ``k`` (``HFDecoder.speculate``), from the draft's match
     lengths: the same tokens, accepted and proposed counts (seconds 0: nothing was timed)."""
     stop, first = set(stop_ids), len(trace.prompt.ids)
     tokens = [trace.ids[first]]

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import EvaluationError
+from draftsmith.io import read_jsonl
 from draftsmith.settings import check_settings, from_schema
 
 log = logging.getLogger(__name__)
@@ -86,20 +86,16 @@ class Generation:
 def read_prompts(heldout_jsonl: str | Path, max_prompts: int | None = None) -> list[Prompt]:
     """The first ``max_prompts`` held-out prompts (heldout.jsonl rows: id, prompt_ids, ...)."""
     prompts = []
-    with open(heldout_jsonl, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompt = Prompt(str(row["id"]), [int(t) for t in row["prompt_ids"]])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise EvaluationError(f"not a held-out prompt row: {type(e).__name__}: {e}",
-                                      where=f"{heldout_jsonl}:{lineno}", fix="rerun prepare_dataset") from e
-            if not prompt.ids:
-                raise EvaluationError("the held-out prompt is empty", where=f"{heldout_jsonl}:{lineno}",
-                                      fix="rerun prepare_dataset")
-            prompts.append(prompt)
-            if max_prompts is not None and len(prompts) >= max_prompts:
-                break
+    for lineno, row in read_jsonl(heldout_jsonl, error=EvaluationError, fix="rerun prepare_dataset"):
+        try:
+            prompt = Prompt(str(row["id"]), [int(t) for t in row["prompt_ids"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EvaluationError(f"not a held-out prompt row: {type(e).__name__}: {e}",
+                                  where=f"{heldout_jsonl}:{lineno}", fix="rerun prepare_dataset") from e
+        if not prompt.ids:
+            raise EvaluationError("the held-out prompt is empty", where=f"{heldout_jsonl}:{lineno}",
+                                  fix="rerun prepare_dataset")
+        prompts.append(prompt)
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            break
     return prompts

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from draftsmith.errors import EvaluationError
-from draftsmith.evaluate.decoding import make_backend
+from draftsmith.evaluate.decoding import make_decoder
 from draftsmith.evaluate.metrics import evaluate_runs
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, read_prompts
 from draftsmith.evaluate.vllm import evaluate_in_vllm, serve_with_vllm, vllm_outside_runs, vllm_section
@@ -24,80 +24,115 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     ``sources`` (name -> prompts in heldout.jsonl's format, from prepare_eval_prompts) are evaluated
     the same way, each reported on its own under ``sources``.
 
-    With ``settings.backend == "vllm"`` the draft is first served by vLLM (``serve_with_vllm``; the
-    engines are closed before the HF loop loads the target, so the two never share the GPU), its
-    outputs are checked against the HF loop's greedy decoding, and vLLM's figures go under ``vllm``.
-    A target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False`` forces it)
-    is evaluated in vLLM alone (``evaluate_in_vllm``), with the vllm backend only.
+    One of three modes runs: the HF loop alone (``eval.backend: hf``, ``_in_hf_loop``); the draft
+    served by vLLM and checked against the HF loop (``eval.backend: vllm``, ``_served_and_in_hf_loop``);
+    or, for a target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False``
+    forces it), vLLM alone (``_in_vllm_alone``), with the vllm backend only.
     """
-    from draftsmith.targets.hf_model import resolve_device, resolve_model_dtype, stop_ids_from_files
+    from draftsmith.engines.hf_model import model_dtype_name, resolve_device
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
     if hf_reference is None:
-        hf_reference = True
-        if resolve_device(device).startswith("cuda") and "num_parameters" in target:
-            from draftsmith.errors import TargetError
-            from draftsmith.targets.inspect import check_fits_devices
-
-            try:  # before any engine starts
-                check_fits_devices(target, {"evaluate_draft": 1}, dtype=dtype)
-            except TargetError as e:
-                if settings.backend != "vllm":
-                    raise
-                log.warning("the HF loop cannot hold the target (%s): evaluating in vLLM alone", e.what)
-                hf_reference = False
+        hf_reference = _hf_loop_holds(target, settings, dtype, device)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
-    served = None
+    sources = sources or {}
     if settings.backend == "vllm":
         if not prompts:
             raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
                                   fix="raise data.heldout_fraction or data.max_heldout")
-        vllm_dtype = str(resolve_model_dtype(dtype, resolve_device(device))).replace("torch.", "")
-        stop_ids = stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
-        if not hf_reference:
-            sets = {name: read_prompts(path, settings.max_prompts) for name, path in (sources or {}).items()}
-            result = evaluate_in_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
-                                      tensor_parallel_size=tensor_parallel_size, sources=sets,
-                                      **(engine_kwargs or {}))
-            for name, path in (sources or {}).items():
-                result["sources"][name] = source_section(result["sources"][name], path)
-            result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
-            atomic_write_json(out_path, result)
-            return result
-        served = serve_with_vllm(target, draft_dir, prompts, settings, dtype=vllm_dtype, stop_ids=stop_ids,
-                                 tensor_parallel_size=tensor_parallel_size, **(engine_kwargs or {}))
+        engine = {"dtype": model_dtype_name(dtype, resolve_device(device)),
+                  "tensor_parallel_size": tensor_parallel_size, **(engine_kwargs or {})}
+        if hf_reference:
+            result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine, dtype=dtype,
+                                            device=device)
+        else:
+            result = _in_vllm_alone(target, draft_dir, prompts, settings, sources, engine)
     elif not hf_reference:
         raise EvaluationError("evaluation without the HF loop needs eval.backend: vllm", where="eval.backend",
                               fix="set eval.backend: vllm")
-    backend = make_backend(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
-    if served is not None and served.stop_ids != backend.stop_ids:
-        raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "
-                              f"{backend.stop_ids}", where=f"{target['model_path']}/generation_config.json",
-                              fix="set eos_token_id in the model's generation_config.json")
-    log.info("evaluating %s on %d held-out prompts with %s (%s backend, %s)", draft_dir, len(prompts),
-             target["model_path"], settings.backend, backend.describe_device())
-    outside = vllm_outside_runs(served, settings.k) if served is not None else []
-    drafters = DrafterSpec("eagle3", path=str(draft_dir)), DrafterSpec("ngram", ngram_max=settings.ngram_max)
-    result, runs = evaluate_runs(backend, prompts, *drafters, settings, outside)
-    if served is not None:
-        result["vllm"] = vllm_section(served, result, runs["draft", settings.k], settings.k)
-        log.info("vLLM serving the draft: τ = %.3f (HF loop %.3f) at k=%d; speedup over vLLM greedy %.2fx",
-                 result["vllm"]["tau"] or 0, result["tau"] or 0, settings.k, result["vllm"]["speedup"] or 0)
-    if sources:
-        result["sources"] = {name: _evaluate_set(backend, name, path, drafters, settings)
-                             for name, path in sources.items()}
+    else:
+        result = _in_hf_loop(target, draft_dir, prompts, settings, sources, dtype=dtype, device=device)
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
 
 
-def _evaluate_set(backend, name: str, path: str | Path, drafters: tuple[DrafterSpec, DrafterSpec],
+def _hf_loop_holds(target: dict, settings: EvalSettings, dtype: str, device: str) -> bool:
+    """Whether the HF loop can hold the target (checked before any engine starts); a target too
+    large for one GPU is evaluated in vLLM alone where eval.backend is vllm, and stops otherwise."""
+    from draftsmith.engines.hf_model import resolve_device
+    from draftsmith.errors import TargetError
+    from draftsmith.targets.inspect import check_fits_devices
+
+    if not (resolve_device(device).startswith("cuda") and "num_parameters" in target):
+        return True
+    try:
+        check_fits_devices(target, {"evaluate_draft": 1}, dtype=dtype)
+    except TargetError as e:
+        if settings.backend != "vllm":
+            raise
+        log.warning("the HF loop cannot hold the target (%s): evaluating in vLLM alone", e.what)
+        return False
+    return True
+
+
+def _stop_ids(target: dict) -> list[int]:
+    from draftsmith.engines.hf_model import stop_ids_from_files
+
+    return stop_ids_from_files(target["model_path"], trust_remote_code=target.get("trust_remote_code", False))
+
+
+def _in_vllm_alone(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
+                   sources: dict[str, str | Path], engine: dict) -> dict:
+    """vLLM's greedy decoding as the reference, both drafters as vLLM speculators at ``k``."""
+    sets = {name: read_prompts(path, settings.max_prompts) for name, path in sources.items()}
+    result = evaluate_in_vllm(target, draft_dir, prompts, settings, stop_ids=_stop_ids(target), sources=sets,
+                              **engine)
+    for name, path in sources.items():
+        result["sources"][name] = source_section(result["sources"][name], path)
+    return result
+
+
+def _served_and_in_hf_loop(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
+                           sources: dict[str, str | Path], engine: dict, *, dtype: str, device: str) -> dict:
+    """The draft served by vLLM (its engines closed before the HF loop loads the target, so the two
+    never share the GPU), its outputs checked against the HF loop's greedy decoding; vLLM's figures
+    go under ``vllm``."""
+    served = serve_with_vllm(target, draft_dir, prompts, settings, stop_ids=_stop_ids(target), **engine)
+    return _in_hf_loop(target, draft_dir, prompts, settings, sources, dtype=dtype, device=device, served=served)
+
+
+def _in_hf_loop(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
+                sources: dict[str, str | Path], *, dtype: str, device: str, served=None) -> dict:
+    """The draft and the n-gram baseline in the HF speculative loop, on the held-out prompts and on
+    each prompt set; with ``served``, vLLM's run of the same prompts is checked and reported too."""
+    decoder = make_decoder(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
+    if served is not None and served.stop_ids != decoder.stop_ids:
+        raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "
+                              f"{decoder.stop_ids}", where=f"{target['model_path']}/generation_config.json",
+                              fix="set eos_token_id in the model's generation_config.json")
+    log.info("evaluating %s on %d held-out prompts with %s (%s backend, %s)", draft_dir, len(prompts),
+             target["model_path"], settings.backend, decoder.describe_device())
+    outside = vllm_outside_runs(served, settings.k) if served is not None else []
+    drafters = DrafterSpec("eagle3", path=str(draft_dir)), DrafterSpec("ngram", ngram_max=settings.ngram_max)
+    result, runs = evaluate_runs(decoder, prompts, *drafters, settings, outside)
+    if served is not None:
+        result["vllm"] = vllm_section(served, result, runs["draft", settings.k], settings.k)
+        log.info("vLLM serving the draft: τ = %.3f (HF loop %.3f) at k=%d; speedup over vLLM greedy %.2fx",
+                 result["vllm"]["tau"] or 0, result["tau"] or 0, settings.k, result["vllm"]["speedup"] or 0)
+    if sources:
+        result["sources"] = {name: _evaluate_set(decoder, name, path, drafters, settings)
+                             for name, path in sources.items()}
+    return result
+
+
+def _evaluate_set(decoder, name: str, path: str | Path, drafters: tuple[DrafterSpec, DrafterSpec],
                   settings: EvalSettings) -> dict:
     """One eval.sources prompt set through the HF loop, as the held-out prompts (vLLM's serving
     check covers the held-out prompts only: each set would be two more engine starts)."""
     log.info("evaluating the prompt set %s (%s)", name, path)
-    found, _ = evaluate_runs(backend, read_prompts(path, settings.max_prompts), *drafters, settings)
+    found, _ = evaluate_runs(decoder, read_prompts(path, settings.max_prompts), *drafters, settings)
     return source_section(found, path)
 
 

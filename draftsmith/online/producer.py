@@ -14,13 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.capture import extract_shards, make_backend
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.capture import extract_shards, make_backend
+from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings, Unit
 from draftsmith.online.window import POLL_S, PRODUCER_STATS, WAIT_LOG_S, present_shards, read_progress
 from draftsmith.settings import PROGRESS_INTERVAL_S
-from draftsmith.shard_writer import PartStore
 from draftsmith.train.batches import plan_steps
 from draftsmith.train.settings import TrainSettings
 
@@ -41,7 +41,7 @@ class Producer:
         self.plan = OnlinePlan.build(spec["train_jsonl"], self.target_info, spec["window"], self.extraction,
                                      self.online)
         settings = TrainSettings(**spec["train"])
-        steps = plan_steps(self.plan.metas(settings.batch_tokens, settings.ttt_steps), settings, spec["group"])
+        steps = plan_steps(self.plan.metas(settings.batch_tokens, settings.ttt_steps), settings, spec["processes"])
         self.units = self.plan.units(steps)
         self.store = PartStore(self.plan.window, PART, fingerprint=self.plan.fingerprint, dtype=self.extraction.dtype,
                                hidden_size=self.target_info["hidden_size"],

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from draftsmith.errors import TrainingError
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings
 from draftsmith.online.window import PRODUCER_STATS, PROGRESS, WindowSource
-from draftsmith.shard_writer import PartStore
 from draftsmith.train.batches import plan_steps
 from draftsmith.train.launch import run_training
 from draftsmith.train.settings import TrainSettings
@@ -59,8 +59,7 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
     window = work_dir / "window"
     target_info = read_target_json(target_json)
     plan = OnlinePlan.build(train_jsonl, target_info, window, extraction, online)
-    group = devices * settings.grad_accum_steps
-    steps = plan_steps(plan.metas(settings.batch_tokens, settings.ttt_steps), settings, group)
+    steps = plan_steps(plan.metas(settings.batch_tokens, settings.ttt_steps), settings, devices)
     units = plan.units(steps)
     needed = plan.check_window(units, len(steps), online, extraction)
     made_again = len(units) - len(plan.shards)
@@ -75,7 +74,7 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
         (window / stale).unlink(missing_ok=True)
     spec_path = work_dir / "online.json"
     atomic_write_json(spec_path, {
-        "train_jsonl": str(train_jsonl), "target_json": str(target_json), "window": str(window), "group": group,
+        "train_jsonl": str(train_jsonl), "target_json": str(target_json), "window": str(window), "processes": devices,
         "extraction": dataclasses.asdict(extraction), "online": dataclasses.asdict(online),
         "train": dataclasses.asdict(settings)})
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import SHARD_MANIFEST, DamagedShard, load_shard_manifest, shard_dir_name
+from draftsmith.extract.hidden_states import SHARD_MANIFEST, DamagedShard, load_shard_manifest, shard_dir_name
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.online.plan import OnlinePlan, OnlineSettings, Unit
 from draftsmith.train.batches import ShardMeta, Step

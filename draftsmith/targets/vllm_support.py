@@ -92,3 +92,12 @@ def vllm_support(info: dict, config) -> dict:
     tested = TESTED_VLLM.get(release_series(version))
     return {"supported": True, "version": version, "tested_on": tested or f"untested release inside the supported "
             f"range {OLDEST_VLLM}–{NEWEST_VLLM}", "vllm_class": f"{entry[0]}.{entry[1]}", "supports_eagle3": eagle3}
+
+
+def backend_support(info: dict, config) -> dict[str, dict]:
+    """For target.json: which backends can capture this target, and why not where one cannot."""
+    return {
+        # The HF backend runs the very class preflight just built, through the layer path it resolved.
+        "hf": {"supported": True},
+        "vllm": vllm_support(info, config),
+    }

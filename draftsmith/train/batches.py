@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex, ShardInfo, ShardRows, dequantize_fp8, read_shard
+from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, ShardRows, dequantize_fp8, read_shard
 from draftsmith.io import file_matches
 from draftsmith.train.objective import scored_positions
 from draftsmith.train.settings import TrainSettings
@@ -118,7 +118,15 @@ class Step:
     tokens: int
 
 
-def plan_steps(metas: list[ShardMeta], settings: TrainSettings, group: int) -> list[Step]:
+def step_group(settings: TrainSettings, processes: int) -> int:
+    """Micro-batches in one optimizer step: each of the ``processes`` takes ``grad_accum_steps``."""
+    return processes * settings.grad_accum_steps
+
+
+def plan_steps(metas: list[ShardMeta], settings: TrainSettings, processes: int) -> list[Step]:
+    """Every optimizer step of a run by ``processes`` training processes, from shard metadata alone:
+    the one plan offline training, online training and online training's producer all follow."""
+    group = step_group(settings, processes)
     steps: list[Step] = []
     num_epochs = math.ceil(settings.epochs)
     for epoch in range(num_epochs):
@@ -276,15 +284,15 @@ class ShardVerifier(threading.Thread):
                     return
 
 
-def plan_run(index: HiddenStateIndex, settings: TrainSettings, group: int, index_path: Path,
+def plan_run(index: HiddenStateIndex, settings: TrainSettings, processes: int, index_path: Path,
              metas: list[ShardMeta] | None = None) -> tuple[list[ShardMeta], list[Step]]:
-    """Every optimizer step of the run, from shard metadata alone (cheap), identically on every rank;
-    ``group`` micro-batches make one step (processes x gradient accumulation). ``metas`` are given
+    """Every optimizer step of the run, from shard metadata alone (cheap), identically on every rank
+    (``plan_steps``). ``metas`` are given
     when the shards are not on disk yet (online training)."""
     if metas is None:
         metas = [shard_meta(index, s, settings.batch_tokens, settings.ttt_steps, settings.verify_shards)
                  for s in index.shards]
-    steps = plan_steps(metas, settings, group)
+    steps = plan_steps(metas, settings, processes)
     if not steps:
         raise TrainingError("the hidden states hold no sample with at least 2 tokens", where=str(index_path),
                             fix="check the dataset stage: every training sample needs a prompt and a reply")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import verify_store
+from draftsmith.extract.hidden_states import verify_store
 from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
 from draftsmith.train.batches import StateSource
 from draftsmith.train.checkpoints import FINISHED

@@ -24,9 +24,9 @@ from torch import nn
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
 from draftsmith.errors import TrainingError
-from draftsmith.hidden_states import HiddenStateIndex
+from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.io import atomic_write_json, read_json
-from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, StateSource, Step, plan_run
+from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, StateSource, Step, plan_run, step_group
 from draftsmith.train.checkpoints import (
     CHECKPOINT_FORMAT,
     checkpoint_key,
@@ -279,12 +279,11 @@ def _prepare(index_path: Path | None, mapping_path: Path, target_json: Path, wor
     target = read_json(target_json)
     config, draft, objective = _build(index, target, where, mapping_path, target_json, settings, device,
                                       dtype, attention, compile_)
-    group = ddp.world * settings.grad_accum_steps
     metas = None if source is None else source.metas(settings.batch_tokens, settings.ttt_steps)
-    metas, steps = plan_run(index, settings, group, where, metas)
+    metas, steps = plan_run(index, settings, ddp.world, where, metas)
 
     states = None if source is None else source.fingerprint
-    key = checkpoint_key(settings, index_path, mapping_path, target, group, states)
+    key = checkpoint_key(settings, index_path, mapping_path, target, step_group(settings, ddp.world), states)
     checkpoint, checkpoint_state, resume = find_checkpoint(work_dir, key)
     log.info("%s", resume)
     trainable = [p for p in draft.parameters() if p.requires_grad]
@@ -322,7 +321,7 @@ def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path
            settings: TrainSettings, device: torch.device, dtype: torch.dtype, attention: str,
            compile_: bool) -> tuple[Eagle3DraftConfig, Eagle3Draft, TTTObjective]:
     """The draft (seeded init, the target's embedding and lm_head rows frozen in) and its objective, on ``device``."""
-    from draftsmith.targets.weights import load_embedding_and_head
+    from draftsmith.engines.weights import load_embedding_and_head
 
     mapping = load_file(str(mapping_path))
     d2t, t2d = mapping["d2t"].long(), mapping["t2d"].bool()

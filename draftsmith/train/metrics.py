@@ -3,13 +3,12 @@ to metrics.jsonl, TensorBoard and the log by the main process, with a progress b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from draftsmith.io import atomic_write_text
+from draftsmith.io import atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +43,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop log lines past the resumed step, so metrics.jsonl reads like one uninterrupted run."""
     if not path.exists():
         return
-    keep = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
+    # rows are rewritten as _log_metrics wrote them (json.dumps); a line torn by a kill is dropped
+    keep = [row for _, row in read_jsonl(path, error=None) if row.get("step", 0) <= step]
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in keep))
 
 
 def _log_metrics(metrics_file, writer, entry: dict) -> None:

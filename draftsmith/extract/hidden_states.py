@@ -9,7 +9,7 @@ Layout under the store root (``results/<run>/hidden_states``)::
     part-<p>.json                        the part's manifest (the extraction rule's output)
     index.json                           every part and shard (the merge rule's output)
 
-A shard is written (``draftsmith.shard_writer``) into a hidden temporary folder and renamed into
+A shard is written (``draftsmith.extract.shard_writer``) into a hidden temporary folder and renamed into
 place once all its files are written, synced and checksummed, so a crash leaves either a whole
 shard or none. The rule outputs are the small manifests: Snakemake deletes a failed job's outputs,
 never the shards. This module holds the format and everything that reads it.
@@ -35,7 +35,7 @@ from draftsmith.io import atomic_write_json, bytes_match, file_matches, read_jso
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = "draftsmith.hidden_states/1"
+INDEX_FORMAT = "draftsmith.extract.hidden_states/1"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 STORAGE_DTYPES = {

@@ -4,7 +4,7 @@ Each distinct sample is one request with ``max_tokens=1``, so the model runs exa
 prefill (the one sampled token is never fed back). Prefix caching is off (a cached prefix is never
 computed, so its rows would be missing) and so is chunked prefill (each prompt is computed whole in
 one forward pass, which is how the workers recognise its rows: see
-:mod:`draftsmith.targets.vllm_worker`); the token budget of a pass is at least ``max_model_len``.
+:mod:`draftsmith.extract.vllm_worker`); the token budget of a pass is at least ``max_model_len``.
 vLLM must run eagerly (``enforce_eager=True``) so the Python hooks run as written. The workers
 spool each pass's states to files in a shared-memory folder; this process maps them.
 ``capture_stream`` starts each batch before it maps the previous one's files, so the engine does
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from draftsmith.errors import ExtractionError
-from draftsmith.targets.backends import CaptureBackend
+from draftsmith.extract.backends import CaptureBackend
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "draftsmith.targets.vllm_worker.CaptureWorkerExtension"
+WORKER_EXTENSION = "draftsmith.extract.vllm_worker.CaptureWorkerExtension"
 DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
 SPOOL_MIN_FREE = 8 << 30  # the passes of the batches in flight; containers often mount a 64 MiB /dev/shm
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
@@ -162,7 +162,7 @@ class VllmBackend(CaptureBackend):
 
     def _states(self, ran: _Ran) -> list[dict[int, torch.Tensor]]:
         """Map a computed batch's pass files (waiting for any still being written) into its states."""
-        from draftsmith.targets.vllm_worker import read_pass
+        from draftsmith.extract.vllm_worker import read_pass
 
         result, distinct = ran.result, ran.distinct
         try:

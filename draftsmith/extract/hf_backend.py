@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftsmith.engines.hf_model import load_hf_model
 from draftsmith.errors import ExtractionError
-from draftsmith.targets.backends import CaptureBackend
-from draftsmith.targets.hf_model import load_hf_model
+from draftsmith.extract.backends import CaptureBackend
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Capturing a part's shards: load the target under a backend, run its batches, and write each
 batch into its shard on a writer thread while the backend computes the next one.
 
-The planning of parts, shards and batches and the part's resume are in ``draftsmith.extract``;
-the shard format in ``draftsmith.hidden_states`` and ``draftsmith.shard_writer``.
+The planning of parts, shards and batches and the part's resume are in ``draftsmith.extract.extract``;
+the shard format in ``draftsmith.extract.hidden_states`` and ``draftsmith.extract.shard_writer``.
 """
 
 from __future__ import annotations
@@ -15,19 +15,16 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from draftsmith.errors import DraftsmithError, ExtractionError, StorageError
-from draftsmith.hidden_states import STORAGE_DTYPES, ShardInfo
+from draftsmith.extract.backends import CaptureBackend
+from draftsmith.extract.hidden_states import STORAGE_DTYPES, ShardInfo
+from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.extract.shard_writer import PartStore, ShardWriter
 from draftsmith.io import storage_error
 from draftsmith.settings import BACKENDS
-from draftsmith.shard_writer import PartStore, ShardWriter
-from draftsmith.targets.backends import CaptureBackend
-
-if TYPE_CHECKING:
-    from draftsmith.extract import ExtractionSettings
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +45,6 @@ def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
     return batches
 
 
-def model_dtype_name(model_dtype: str, device: str) -> str:
-    """The dtype the target runs in: ``auto`` is float32 on the CPU, bfloat16 on GPUs."""
-    if model_dtype != "auto":
-        return model_dtype
-    return "float32" if device == "cpu" else "bfloat16"
-
-
-
 # ---------------------------------------------------------------------------------------------
 # Backends
 
@@ -63,13 +52,13 @@ def model_dtype_name(model_dtype: str, device: str) -> str:
 def make_backend(name: str, target_info: dict, settings: ExtractionSettings, longest_sample: int) -> CaptureBackend:
     """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers,
     for samples of up to ``longest_sample`` tokens."""
-    from draftsmith.targets.hf_model import resolve_device
+    from draftsmith.engines.hf_model import model_dtype_name, resolve_device
 
     layer_ids = target_info["captured_layer_ids"]
     trust = bool(target_info.get("trust_remote_code", False))
     device = resolve_device(settings.device)
     if name == "hf":
-        from draftsmith.targets.hf_backend import HfBackend
+        from draftsmith.extract.hf_backend import HfBackend
 
         return HfBackend.load(
             target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
@@ -81,7 +70,7 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
             raise ExtractionError(f"the vLLM backend cannot capture this target: {support.get('reason')}",
                                   where="target.json backends.vllm",
                                   fix=support.get("fix") or "use extraction.backend: hf")
-        from draftsmith.targets.vllm_backend import VllmBackend
+        from draftsmith.extract.vllm_backend import VllmBackend
 
         return VllmBackend(
             target_info["model_path"], layer_ids, tensor_parallel_size=settings.tensor_parallel_size,
@@ -138,7 +127,7 @@ class _BatchJob:
     states: list[dict[int, torch.Tensor]]  # per sample: layer id -> [length, hidden] as captured
 
 
-class _ShardWriter:
+class _StoreThread:
     """A background thread that checks each captured batch and appends it to its shard's files,
     committing a shard when its last batch is in; at most ``max_pending`` batches wait."""
 
@@ -246,7 +235,7 @@ def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tup
     the accelerator, and a shard's end costs only its last batch's write and the syncs.
     """
     jobs = [(number, batch) for number, samples in todo for batch in plan_batches(samples, batch_tokens)]
-    writer = _ShardWriter(store, dict(todo), max_pending=max_pending)
+    writer = _StoreThread(store, dict(todo), max_pending=max_pending)
     inputs = ([s["input_ids"] for s in batch] for _, batch in jobs)
     ok, started = False, time.perf_counter()
     try:

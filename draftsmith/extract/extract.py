@@ -6,7 +6,7 @@ tokens. The plan depends only on train.jsonl and the settings, so a restarted pa
 the same shards in the same batches and writes the same bytes. Complete shards are checked
 against their checksums and skipped; the target loads only when some shard is missing.
 
-The capture itself (backends, batches, the writer thread) is in ``draftsmith.capture``.
+The capture itself (backends, batches, the writer thread) is in ``draftsmith.extract.capture``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from draftsmith.capture import extract_shards, make_backend, model_dtype_name
+from draftsmith.engines.hf_model import model_dtype_name, resolve_device
 from draftsmith.errors import ExtractionError
-from draftsmith.hidden_states import (
-    STORAGE_DTYPES,
+from draftsmith.extract.capture import extract_shards, make_backend
+from draftsmith.extract.hidden_states import (
     DamagedShard,
     HiddenStateIndex,
     ShardInfo,
@@ -37,48 +35,13 @@ from draftsmith.hidden_states import (
     merge_parts,
     shard_dir_name,
 )
-from draftsmith.io import read_json
-from draftsmith.settings import PROGRESS_INTERVAL_S, bad_setting, check_settings, from_schema, settings_from
-from draftsmith.shard_writer import PartStore
+from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.extract.shard_writer import PartStore
+from draftsmith.io import read_json, read_jsonl
+from draftsmith.settings import PROGRESS_INTERVAL_S
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ExtractionSettings:
-    """How to extract; the workflow fills it from the config's ``extraction`` section (plus the
-    target's dtype and the device). Defaults and ranges of config keys come from the schema."""
-
-    backend: str = from_schema("extraction.backend")
-    parts: int = from_schema("extraction.parts")
-    tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")
-    dtype: str = from_schema("extraction.dtype")  # storage dtype of the states
-    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
-    device: str = from_schema("device")
-    device_map: str | None = from_schema("extraction.device_map")  # "auto" spreads the hf model over the GPUs
-    batch_tokens: int = from_schema("extraction.batch_tokens")  # padded tokens per forward pass
-    shard_tokens: int = from_schema("extraction.shard_tokens")  # tokens per shard, the unit of resume
-    max_samples: int | None = None  # Python-only: the first samples of each part (tests, benchmarks)
-    min_free_bytes: int = 1 << 30  # Python-only: disk space to leave free beyond the estimate
-    max_model_len: int | None = from_schema("extraction.max_model_len")  # vLLM context; None = longest sample
-
-    SECTION = "extraction"
-    NOT_SETTINGS = {}  # every key of the section is a setting
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if self.dtype not in STORAGE_DTYPES:
-            raise bad_setting("extraction.dtype", self.dtype, "one of " + ", ".join(map(repr, STORAGE_DTYPES)))
-        if self.max_samples is not None and (not isinstance(self.max_samples, int) or self.max_samples < 1):
-            raise bad_setting("extraction.max_samples", self.max_samples, "a positive integer, or null")
-        if not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
-            raise bad_setting("extraction.min_free_bytes", self.min_free_bytes, "an integer >= 0")
-
-    @classmethod
-    def from_config(cls, extraction: dict, **overrides) -> ExtractionSettings:
-        """Settings from the config's ``extraction`` section plus keys found elsewhere (model dtype, device)."""
-        return settings_from(cls, {**extraction, **overrides}, "extraction")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,15 +56,7 @@ class _Entry:
 
 
 def _iter_rows(train_jsonl: Path) -> Iterator[tuple[int, dict]]:
-    with open(train_jsonl, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ExtractionError(f"not valid JSON: {e}", where=f"{train_jsonl}:{line_no}",
-                                      fix="rerun the prepare_dataset rule") from e
+    return read_jsonl(train_jsonl, error=ExtractionError, fix="rerun the prepare_dataset rule")
 
 
 def _check_row(row: dict, where: str) -> None:
@@ -168,17 +123,14 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
     from draftsmith.fingerprint import code_fingerprint
 
     digest = hashlib.sha256()
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     head = {
-        "code": code_fingerprint("draftsmith.extract"),
+        "code": code_fingerprint("draftsmith.extract.extract"),
         "model": weights_identity(target_info["model_path"]),
         "layers_path": target_info["layers_path"],
         "layer_ids": target_info["captured_layer_ids"],
         "hidden_size": target_info["hidden_size"],
         "dtype": settings.dtype,
-        "model_dtype": model_dtype_name(settings.model_dtype, device),
+        "model_dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
     }
     digest.update(json.dumps(head, sort_keys=True).encode())
     for number, shard in enumerate(shards):

@@ -1,8 +1,8 @@
-"""The interface every hidden-state capture backend implements, and which backends suit a target.
-
+"""The interface every hidden-state capture backend implements.
 A backend loads the target once and turns batches of token ids into per-sample hidden states of
 the captured layers (DESIGN.md's numbering: id i is the input of decoder layer i, id L the state
-the lm_head consumes). Sorting, batching, sharding and writing belong to the extraction driver.
+the lm_head consumes). Sorting, batching, sharding and writing belong to the extraction driver;
+which backends suit a target is preflight's answer (``draftsmith.targets.vllm_support.backend_support``).
 """
 
 from __future__ import annotations
@@ -29,14 +29,3 @@ class CaptureBackend(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def backend_support(info: dict, config) -> dict[str, dict]:
-    """For target.json: which backends can capture this target, and why not where one cannot."""
-    from draftsmith.targets.vllm_support import vllm_support
-
-    return {
-        # The HF backend runs the very class preflight just built, through the layer path it resolved.
-        "hf": {"supported": True},
-        "vllm": vllm_support(info, config),
-    }

@@ -1,5 +1,5 @@
 """Writing the hidden-state shard store: one part's shards, each appended batch by batch and made
-visible only when complete (the layout and the readers are in ``draftsmith.hidden_states``).
+visible only when complete (the layout and the readers are in ``draftsmith.extract.hidden_states``).
 
 A shard is written into a hidden temporary folder and renamed into place once all its files are
 written, synced and checksummed, so a crash leaves either a whole shard or none.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import ExtractionError
-from draftsmith.hidden_states import (
+from draftsmith.extract.hidden_states import (
     FP8_MAX,
     INDEX_FORMAT,
     SHARD_MANIFEST,
@@ -34,8 +34,8 @@ from draftsmith.hidden_states import (
     shard_info_from_manifest,
     shard_manifest_bytes,
 )
+from draftsmith.extract.safetensors_stream import SafetensorsStream, write_safetensors
 from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
-from draftsmith.safetensors_stream import SafetensorsStream, write_safetensors
 
 log = logging.getLogger(__name__)
 

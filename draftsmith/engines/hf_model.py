@@ -16,7 +16,8 @@ MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` = cuda when a GPU is visible, else cpu."""
+    """Where the target runs, for every stage and every cache key: ``auto`` = cuda when a GPU is
+    visible, else cpu."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -25,14 +26,20 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_model_dtype(dtype: str, device: str) -> torch.dtype:
-    """``auto`` = bfloat16 on GPU; float32 on CPU, where bf16 matmuls are slow."""
+def model_dtype_name(dtype: str, device: str) -> str:
+    """The dtype the target runs in on the resolved ``device``, by name, for every stage, engine and
+    cache key: ``auto`` = bfloat16 on GPU; float32 on CPU, where bf16 matmuls are slow."""
     if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
+        return "float32" if device == "cpu" else "bfloat16"
     if dtype not in MODEL_DTYPES:
         raise ExtractionError(f"unknown model dtype {dtype!r}", where="target.dtype",
                               fix=f"use auto or one of {sorted(MODEL_DTYPES)}")
-    return MODEL_DTYPES[dtype]
+    return dtype
+
+
+def resolve_model_dtype(dtype: str, device: str) -> torch.dtype:
+    """``model_dtype_name`` as a torch dtype, for transformers."""
+    return MODEL_DTYPES[model_dtype_name(dtype, device)]
 
 
 def load_hf_model(model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
