@@ -111,13 +111,13 @@ class OnlinePlan:
         units: list[Unit] = []
         latest: dict[int, int] = {}  # shard -> its latest unit
         for s, step in enumerate(steps):
-            for pack in step.packs:
-                k = latest.get(pack.shard)
+            for shard in sorted({shard for pack in step.packs for shard in pack.shards}):
+                k = latest.get(shard)
                 if k is not None and (units[k].cached or units[k].last >= s - 1):
                     units[k] = replace(units[k], last=s)
                 else:
-                    latest[pack.shard] = len(units)
-                    units.append(Unit(pack.shard, s, s, pack.shard in self.cached))
+                    latest[shard] = len(units)
+                    units.append(Unit(shard, s, s, shard in self.cached))
         return units
 
     def window_needed(self, units: list[Unit], num_steps: int) -> int:

@@ -60,33 +60,74 @@ def tokens_meta(offsets: np.ndarray, loss_mask: np.ndarray, cap: int, ttt_steps:
 
 @dataclass(frozen=True)
 class Pack:
-    shard: int  # position in index.shards
-    samples: tuple[int, ...]  # sample positions in that shard's ShardMeta
+    members: tuple[tuple[int, int], ...]  # (shard's position in index.shards, sample position in its ShardMeta)
     tokens: int
     counts: tuple[int, ...]  # loss positions per TTT step
     dummy: bool = False  # fills the last global batch; carries no loss
-    group: int = 0  # the epoch's group of shards whose batches are shuffled together
+    group: int = 0  # the epoch's group of shards whose samples are mixed
+
+    @property
+    def shards(self) -> list[int]:
+        return sorted({shard for shard, _ in self.members})
 
 
-def plan_epoch(metas: list[ShardMeta], cap: int, seed: int, epoch: int, mix_shards: int = 1) -> list[Pack]:
-    """The epoch's micro-batches: shards in a seeded order, each packed best-fit-decreasing into
-    batches of at most ``cap`` positions; the batches of each ``mix_shards`` consecutive shards are
-    shuffled together. Depends on nothing but data and seed.
+PACKINGS = ("shuffled", "best_fit")
+
+
+def plan_epoch(metas: list[ShardMeta], cap: int, seed: int, epoch: int, mix_shards: int, packing: str) -> list[Pack]:
+    """The epoch's micro-batches: shards in a seeded order, in groups of ``mix_shards``; each group's
+    samples packed into batches of at most ``cap`` positions, the group's batches in a seeded order.
+    Depends on nothing but data and seed.
 
     Extraction sorts samples by length before it cuts shards, so each shard holds one band of
-    lengths (and often one kind of sample); read one after another, the batches would walk
-    through the bands, and the last steps at a decaying learning rate would see one band only."""
+    lengths (and often one kind of sample). ``shuffled`` packs the group's samples, all its shards
+    together, consecutively in a seeded shuffle (as speculators packs): each batch is a random mix
+    of lengths. ``best_fit`` packs each shard best-fit-decreasing (the least padding): each batch
+    holds samples of one band, and the last batch of each shard is a part-filled one."""
+    if packing not in PACKINGS:
+        raise TrainingError(f"unknown packing {packing!r}", where="config key train.packing",
+                            fix="use one of " + ", ".join(PACKINGS))
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(metas))
     packs: list[Pack] = []
     for group, first in enumerate(range(0, len(order), mix_shards)):
-        mixed = [pack for s in order[first:first + mix_shards] for pack in _pack_shard(metas[s], int(s), group, cap, rng)]
+        shards = [int(s) for s in order[first:first + mix_shards]]
+        if packing == "shuffled":
+            mixed = _pack_shuffled(metas, shards, group, cap, rng)
+        else:
+            mixed = [pack for s in shards for pack in _pack_best_fit(metas, s, group, cap, rng)]
         packs += [mixed[b] for b in rng.permutation(len(mixed))]
     return packs
 
 
-def _pack_shard(meta: ShardMeta, shard: int, group: int, cap: int, rng: np.random.Generator) -> list[Pack]:
+def _pack(metas: list[ShardMeta], members: list[tuple[int, int]], group: int) -> Pack:
+    members = sorted(members)  # rows read in store order
+    lengths = sum(int(metas[s].lengths[i]) for s, i in members)
+    counts = np.sum([metas[s].counts[i] for s, i in members], axis=0)
+    return Pack(tuple(members), lengths, tuple(int(c) for c in counts), group=group)
+
+
+def _pack_shuffled(metas: list[ShardMeta], shards: list[int], group: int, cap: int,
+                   rng: np.random.Generator) -> list[Pack]:
+    """The samples of ``shards`` in a seeded shuffle, cut into consecutive runs of at most ``cap`` positions."""
+    members = [(s, i) for s in shards for i in range(len(metas[s].lengths))]
+    packs, current, used = [], [], 0
+    for k in rng.permutation(len(members)):
+        shard, i = members[k]
+        need = int(metas[shard].lengths[i])
+        if current and used + need > cap:
+            packs.append(_pack(metas, current, group))
+            current, used = [], 0
+        current.append((shard, i))
+        used += need
+    if current:
+        packs.append(_pack(metas, current, group))
+    return packs
+
+
+def _pack_best_fit(metas: list[ShardMeta], shard: int, group: int, cap: int, rng: np.random.Generator) -> list[Pack]:
     """One shard's samples packed best-fit-decreasing (ties in seeded order) into batches of at most ``cap``."""
+    meta = metas[shard]
     order = rng.permutation(len(meta.lengths))
     order = order[np.argsort(-meta.lengths[order], kind="stable")]
     bins: list[list[int]] = []
@@ -101,12 +142,7 @@ def _pack_shard(meta: ShardMeta, shard: int, group: int, cap: int, rng: np.rando
             free, b = room.pop(k)
             bins[b].append(int(i))
             bisect.insort(room, (free - need, b))
-    packs = []
-    for members in bins:
-        idx = np.asarray(sorted(members))
-        packs.append(Pack(shard, tuple(int(i) for i in idx), int(meta.lengths[idx].sum()),
-                          tuple(int(c) for c in meta.counts[idx].sum(0)), group=group))
-    return packs
+    return [_pack(metas, [(shard, i) for i in members], group) for members in bins]
 
 
 @dataclass
@@ -130,7 +166,7 @@ def plan_steps(metas: list[ShardMeta], settings: TrainSettings, processes: int) 
     steps: list[Step] = []
     num_epochs = math.ceil(settings.epochs)
     for epoch in range(num_epochs):
-        packs = plan_epoch(metas, settings.batch_tokens, settings.seed, epoch, settings.mix_shards)
+        packs = plan_epoch(metas, settings.batch_tokens, settings.seed, epoch, settings.mix_shards, settings.packing)
         if not packs:
             break
         per_epoch = math.ceil(len(packs) / group)
@@ -153,24 +189,26 @@ def _padded_length(tokens: int, pad_to: int, fixed: int | None) -> int:
     return max(tokens, 1) if pad_to <= 1 else -(-tokens // pad_to) * pad_to
 
 
-def build_batch(pack: Pack, meta: ShardMeta, rows: ShardRows, aux_ids: list[int], final_id: int,
-                 hidden: int, ttt_steps: int, t_pad: int, dtype: torch.dtype, pin: bool) -> dict:
+def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRows], aux_ids: list[int],
+                final_id: int, hidden: int, ttt_steps: int, t_pad: int, dtype: torch.dtype, pin: bool) -> dict:
     """Pack the samples into ``t_pad`` rows: aux [T, A*H], final [T, H], per-step token ids and
     valid masks [K, T], positions, document ids (padding rows form one extra document), and the
-    gather indices of ``scored_positions``."""
+    gather indices of ``scored_positions``. ``open_rows`` holds the pack's shards' rows."""
     total = pack.tokens
     # fp8 stores travel as fp8 plus per-token scales and are dequantised on the device
     # (``dequantize_batch``): half the bytes over PCIe, and no slow CPU float8 conversion.
-    store_dtype = torch.float8_e4m3fn if rows.fp8 else dtype
+    fp8 = open_rows[pack.members[0][0]].fp8
+    store_dtype = torch.float8_e4m3fn if fp8 else dtype
     aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=store_dtype)
     final = torch.zeros(t_pad, hidden, dtype=store_dtype)
-    scales = torch.zeros(t_pad, len(aux_ids) + 1) if rows.fp8 else None  # aux layers, then final
+    scales = torch.zeros(t_pad, len(aux_ids) + 1) if fp8 else None  # aux layers, then final
     ids = torch.zeros(ttt_steps, t_pad, dtype=torch.long)
     valid = torch.zeros(ttt_steps, t_pad, dtype=torch.bool)
     pos = torch.zeros(t_pad, dtype=torch.long)
-    doc = torch.full((t_pad,), len(pack.samples), dtype=torch.int32)  # padding: one extra document
+    doc = torch.full((t_pad,), len(pack.members), dtype=torch.int32)  # padding: one extra document
     o = 0
-    for d, i in enumerate(pack.samples):
+    for d, (shard, i) in enumerate(pack.members):
+        meta, rows = metas[shard], open_rows[shard]
         s, m = int(meta.starts[i]), int(meta.lengths[i])
         for a, layer in enumerate([*aux_ids, final_id]):
             final_layer = a == len(aux_ids)
@@ -340,14 +378,13 @@ class BatchFeed:
         if (epoch, pack.group) != self.open_group:  # the shards of one mixed group open at a time
             self.open_rows.clear()
             self.open_group = (epoch, pack.group)
-        if pack.shard not in self.open_rows:
-            if self.source is not None:
-                self.source.before_read(pack.shard)
-            self.open_rows[pack.shard] = ShardRows(self.index, self.index.shards[pack.shard],
-                                                   [*self.aux_ids, self.final_id])
-        return build_batch(pack, self.metas[pack.shard], self.open_rows[pack.shard], self.aux_ids, self.final_id,
-                           self.index.hidden_size, self.settings.ttt_steps,
-                           _padded_length(pack.tokens, self.pad_to, self.fixed), self.dtype, self.device.type == "cuda")
+        for shard in pack.shards:
+            if shard not in self.open_rows:
+                if self.source is not None:
+                    self.source.before_read(shard)
+                self.open_rows[shard] = ShardRows(self.index, self.index.shards[shard], [*self.aux_ids, self.final_id])
+        return build_batch(pack, self.metas, self.open_rows, self.aux_ids, self.final_id, self.index.hidden_size,
+                           self.settings.ttt_steps, _padded_length(pack.tokens, self.pad_to, self.fixed), self.dtype, self.device.type == "cuda")
 
     def fetch(self) -> list[dict]:
         """The next step's micro-batches, on their way to the device."""

@@ -24,6 +24,7 @@ class TrainSettings:
     max_steps: int | None = from_schema("train.max_steps")
     batch_tokens: int = from_schema("train.batch_tokens")
     mix_shards: int = from_schema("train.mix_shards")
+    packing: str = from_schema("train.packing")
     grad_accum_steps: int = 1
     lr: float = from_schema("train.lr")
     warmup_steps: int = from_schema("train.warmup_steps")
