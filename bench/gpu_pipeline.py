@@ -225,10 +225,8 @@ def extract_store(train_jsonl: Path, target_json: Path, store: Path, dtype: str,
     from draftsmith.extract.extract import extract_part, merge
     from draftsmith.extract.settings import ExtractionSettings
 
-    settings = ExtractionSettings.from_config(
-        {"backend": "hf", "parts": 1, "dtype": dtype, "batch_tokens": budget.extract_batch_tokens,
-         "shard_tokens": budget.shard_tokens},
-        model_dtype="auto", device=device)
+    settings = ExtractionSettings(backend="hf", parts=1, dtype=dtype, batch_tokens=budget.extract_batch_tokens,
+                                  shard_tokens=budget.shard_tokens, device=device)
     manifest = store / "part-0.json"
     extract_part(train_jsonl, target_json, 0, settings, store_root=store, manifest_path=manifest)
     index = merge([manifest], store / "index.json")
@@ -243,11 +241,11 @@ def train_from_store(index_json: Path, mapping: Path, target_json: Path, train_d
                      device: str) -> dict:
     """train_draft as its rule runs it: every shard verified first, then one training process."""
     from draftsmith.extract.hidden_states import verify_store
-    from draftsmith.train import run_training, settings_from_dict
+    from draftsmith.train import TrainSettings, run_training
 
     verify_store(index_json)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"  # bf16 autocast is slow on CPUs
-    settings = settings_from_dict({**budget.train, "seed": SEED, "dtype": dtype, "device": device.split(":")[0]})
+    settings = TrainSettings(**budget.train, seed=SEED, dtype=dtype, device=device.split(":")[0])
     return run_training(index_json, mapping, target_json, train_dir / "draft", train_dir / "state", settings,
                         devices=1, metrics_out=train_dir / "metrics.jsonl", summary_out=train_dir / "summary.json")
 
@@ -292,10 +290,10 @@ def run_pipeline(args: argparse.Namespace, budget: Budget, stages: Stages, summa
 
     with stages.stage("regenerate_responses"):
         settings = RegenerateSettings(enabled=True, max_new_tokens=budget.regen_max_new_tokens, temperature=0.0,
-                                      batch_size=budget.regen_batch_size, chunk_size=budget.regen_chunk_size)
+                                      batch_size=budget.regen_batch_size, chunk_size=budget.regen_chunk_size,
+                                      seed=SEED, device=device)
         regen = regenerate_responses([source], target["model_path"], regenerated, data_dir / "regenerate_work",
-                                     settings, seed=SEED, dtype="auto", device=device,
-                                     trust_remote_code=target["trust_remote_code"])
+                                     settings, trust_remote_code=target["trust_remote_code"])
         data["regenerated"] = pick(regen, ("conversations", "turns_generated", "tokens_generated", "turns_truncated",
                                            "empty_answers", "seconds"))
 
@@ -341,10 +339,10 @@ def run_pipeline(args: argparse.Namespace, budget: Budget, stages: Stages, summa
             settings = EvalSettings(k=budget.k, k_sweep=budget.k_sweep,
                                     max_prompts=min(heldout_rows, budget.eval_prompts or heldout_rows),
                                     max_new_tokens=budget.eval_max_new_tokens,
-                                    sweep_max_prompts=budget.sweep_max_prompts)
-            evaluation["settings"] = {**dataclasses.asdict(settings), "k_sweep": list(settings.k_sweep)}
+                                    sweep_max_prompts=budget.sweep_max_prompts, device=device)
+            evaluation["settings"] = {**settings.section_values(), "k_sweep": list(settings.k_sweep)}
             result = evaluate_draft(work / f"train_{dtype}" / "draft", target_json, heldout,
-                                    work / f"eval_{dtype}" / "acceptance.json", settings, dtype="auto", device=device)
+                                    work / f"eval_{dtype}" / "acceptance.json", settings)
             baseline, speedup = result.get("baseline", {}), result.get("speedup", {})
             evaluation[dtype] = {
                 "tau": result.get("tau"),

@@ -114,10 +114,10 @@ def run_one(args: argparse.Namespace, backend: str) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     batch = args.vllm_batch_size if backend == "vllm" else args.hf_batch_size
     settings = RegenerateSettings(backend=backend, max_new_tokens=args.max_new_tokens, batch_size=batch,
-                                  chunk_size=args.conversations)  # one chunk: one round per turn
+                                  chunk_size=args.conversations,  # one chunk: one round per turn
+                                  model_dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
     started = time.perf_counter()
-    stats = regenerate_responses([args.work / "conversations.jsonl"], args.work / "model", out, work, settings,
-                                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp)
+    stats = regenerate_responses([args.work / "conversations.jsonl"], args.work / "model", out, work, settings)
     seconds = time.perf_counter() - started
     return {"backend": backend, "tensor_parallel_size": args.tp if backend == "vllm" else 1, "batch_size": batch,
             "seconds_with_load": round(seconds, 2), "generation_seconds": stats["seconds"],

@@ -137,8 +137,8 @@ def tiny_inputs(work: Path, seed: int, num_rows: int = 48) -> dict:
     (work / "data").mkdir(parents=True, exist_ok=True)
     write_jsonl(work / "data" / "train.jsonl", rows)
     write_jsonl(work / "data" / "heldout.jsonl", prompts)
-    settings = ExtractionSettings.from_config({"backend": "hf", "dtype": "float32", "batch_tokens": 2048,
-                                               "shard_tokens": 1024}, model_dtype="float32", device="cpu")
+    settings = ExtractionSettings(backend="hf", dtype="float32", batch_tokens=2048, shard_tokens=1024,
+                                  model_dtype="float32", device="cpu")
     store = work / "hidden_states_float32"
     extract_part(work / "data" / "train.jsonl", work / "target.json", 0, settings, store_root=store,
                  manifest_path=store / "part-0.json")
@@ -305,12 +305,12 @@ def recipe_overrides(recipe: str) -> dict:
 
 def train_draftsmith(inputs: dict, args: argparse.Namespace, variant: str, recipe: str, seed: int, out: Path,
                      device: str) -> dict:
-    from draftsmith.train import run_training, settings_from_dict
+    from draftsmith.train import TrainSettings, run_training
 
     values = {k: getattr(args, k) for k in TRAIN_KEYS}
-    settings = settings_from_dict({**values, "variant": variant, "seed": seed, "device": device, "progress": False,
-                                   "dtype": "bfloat16" if device == "cuda" else "float32",
-                                   "checkpoint_every": 10**6, "log_every": 10, **recipe_overrides(recipe)})
+    settings = TrainSettings(**{**values, "variant": variant, "seed": seed, "device": device, "progress": False,
+                                "dtype": "bfloat16" if device == "cuda" else "float32",
+                                "checkpoint_every": 10**6, "log_every": 10, **recipe_overrides(recipe)})
     return run_training(inputs["index"], inputs["mapping"], inputs["target"], out / "draft", out / "state", settings,
                         devices=1, metrics_out=out / "metrics.jsonl", summary_out=out / "summary.json")
 
@@ -373,9 +373,9 @@ class Evaluator:
 
         args = self.args
         settings = EvalSettings(backend="hf", k=args.k, k_sweep=(args.k,), max_prompts=args.eval_prompts or 10**6,
-                                max_new_tokens=args.max_new_tokens, sweep_max_prompts=1)
+                                max_new_tokens=args.max_new_tokens, sweep_max_prompts=1, device=args.device)
         result = evaluate_draft(draft, self.inputs["target"], self.inputs["heldout"], out / "acceptance.json",
-                                settings, dtype="auto", device=args.device)
+                                settings)
         return {"tau": result["tau"], "acceptance_rate_by_position": result["acceptance_rate_by_position"],
                 "num_prompts": result["num_prompts"], "num_tokens": result["num_tokens"],
                 "ngram_tau": result["baseline"]["tau"]}

@@ -19,8 +19,8 @@ import os
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -46,7 +46,7 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation is part of t
 )
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, fsync_dir, share_mode, storage_error
-from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
+from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, config_value, from_schema
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ MAX_LOGGED_BAD_ROWS = 10
 
 
 @dataclass(frozen=True)
-class DataSettings:
+class DataSettings(StageSettings):
     """The data section of the config (plus the run's seed); defaults and ranges from the schema."""
 
     max_seq_len: int = from_schema("data.max_seq_len")
@@ -94,9 +94,16 @@ class DataSettings:
     SECTION = "data"
     # config keys of the section that are not settings of this stage, and why
     NOT_SETTINGS = {"sources": "the rule's inputs (prepare_dataset's sources argument)"}
+    ALSO_READS = ("regenerate.enabled",)
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> DataSettings:
+        settings = super().from_config(config)
+        # regenerate_responses writes its conversations as messages rows, whatever format the sources had
+        return replace(settings, format="auto") if config_value(config, "regenerate.enabled") else settings
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from draftsmith.errors import EvaluationError
 from draftsmith.io import atomic_write_json, read_json
-from draftsmith.settings import check_settings, from_schema, settings_from
+from draftsmith.settings import StageSettings, check_settings, config_value, from_schema
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto ser
 
 
 @dataclass(frozen=True)
-class PayoffSettings:
+class PayoffSettings(StageSettings):
     """The eval.payoff section: the serving setup; defaults and ranges from the schema."""
 
     gpu: str = from_schema("eval.payoff.gpu")
@@ -56,12 +56,19 @@ class PayoffSettings:
     allreduce_latency_us: float = from_schema("eval.payoff.allreduce_latency_us")
 
     SECTION = "eval.payoff"
-    NOT_SETTINGS = {}  # every key of the section is a setting
+    ALSO_READS = ("extraction.tensor_parallel_size", "target.dtype")
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "k"):
             object.__setattr__(self, name, tuple(sorted(set(getattr(self, name)))))
         check_settings(self)
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> PayoffSettings:
+        """eval.payoff with its nulls filled in: the target is served as this run ran it (extraction's
+        tensor parallel size, target.dtype)."""
+        return super().from_config(config).resolved(config_value(config, "extraction.tensor_parallel_size"),
+                                                    config_value(config, "target.dtype"))
 
     def resolved(self, tensor_parallel_size: int = 1, dtype: str = "auto") -> PayoffSettings:
         """Every null filled in: the GPU's rates, the run's tensor parallel size and dtype."""
@@ -262,13 +269,11 @@ def speedups(shape: TargetShape, draft: DraftShape | None, acceptance: Sequence[
 
 
 def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_dir: str | Path,
-                    out_path: str | Path, settings: dict | PayoffSettings, *, tensor_parallel_size: int = 1,
-                    dtype: str = "auto", plot_path: str | Path | None = None) -> dict:
+                    out_path: str | Path, settings: PayoffSettings, *, plot_path: str | Path | None = None) -> dict:
     """Write payoff.json: the speedup the measured acceptance of the draft and of the n-gram baseline
-    (acceptance.json) would give on the server of ``settings`` (eval.payoff), and plot it."""
-    if isinstance(settings, dict):
-        settings = settings_from(PayoffSettings, settings, "eval.payoff")
-    server = settings.resolved(tensor_parallel_size, dtype)
+    (acceptance.json) would give on the server of ``settings`` (eval.payoff), and plot it. Nulls
+    ``from_config`` has not filled in are one GPU's serving in bf16."""
+    server = settings.resolved()
     target = read_json(target_json)
     shape = target_shape(target.get("text_config") or {})
     draft = draft_shape(draft_dir)

@@ -41,7 +41,7 @@ from draftsmith.engines.hf_model import (
 )
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, read_jsonl, sha256_file
-from draftsmith.settings import PROGRESS_INTERVAL_S, check_settings, from_schema
+from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,10 @@ REGENERATE_FORMAT = "draftsmith.regenerate/1"
 
 
 @dataclass(frozen=True)
-class RegenerateSettings:
-    """The regenerate section of the config (``enabled`` is the workflow's switch, unused here);
-    defaults and ranges from the schema."""
+class RegenerateSettings(StageSettings):
+    """The regenerate section of the config (``enabled`` is the workflow's switch, unused here), and
+    the target's engine: its dtype, the device, vLLM's tensor parallel size and the sampling seed.
+    Defaults and ranges from the schema."""
 
     enabled: bool = from_schema("regenerate.enabled")
     backend: str = from_schema("regenerate.backend")  # hf: transformers' generate; vllm: vLLM's engine
@@ -65,9 +66,12 @@ class RegenerateSettings:
     top_p: float = from_schema("regenerate.top_p")
     batch_size: int = from_schema("regenerate.batch_size")
     chunk_size: int = from_schema("regenerate.chunk_size")  # conversations per resumable chunk
+    seed: int = from_schema("seed")
+    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
+    device: str = from_schema("device")
+    tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")  # vLLM's; hf runs on one device
 
     SECTION = "regenerate"
-    NOT_SETTINGS = {}  # every key of the section is a setting
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -83,24 +87,28 @@ def _source_identity(source: Path) -> dict:
     return {source.name: sha256_file(source)}
 
 
-def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path],
-                             seed: int, dtype: str, device: str, tensor_parallel_size: int = 1) -> str:
+def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path]) -> str:
     """Hash of everything that decides the regenerated text; chunks written under another are stale."""
     from draftsmith.fingerprint import code_fingerprint
 
-    generation = asdict(settings)
+    generation = settings.section_values()
     generation.pop("enabled")
     if settings.greedy:
         # Greedy answers depend on none of these; sampled ones on all (the random stream).
         generation.pop("top_p")
         generation.pop("chunk_size")
     else:
-        generation.update(seed=seed)
+        generation.update(seed=settings.seed)
+    device = resolve_device(settings.device)
+    # The engine's numerics by what they resolve to ("auto" on this machine), so a config that
+    # names what auto chose keeps the chunks; vLLM's tensor parallel size only where vLLM runs.
+    numerics = {"dtype": model_dtype_name(settings.model_dtype, device), "device": device.split(":")[0],
+                "tensor_parallel_size": settings.tensor_parallel_size if settings.backend == "vllm" else 1}
     payload = {
         "format": REGENERATE_FORMAT,
         "generation": generation,
         "model": model,
-        "numerics": {"dtype": dtype, "device": device, "tensor_parallel_size": tensor_parallel_size},
+        "numerics": numerics,
         "sources": [{"path": str(s), "content": _source_identity(Path(s))} for s in sources],
         # this module and the draftsmith modules it imports (reading conversations, loading the target),
         # not tokenising or masking: a patch to prepare_dataset keeps regenerated answers
@@ -132,8 +140,8 @@ class Regenerator:
     """Answers the assistant turns of conversations with one loaded model and tokenizer."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, settings: RegenerateSettings, *,
-                 seed: int = 0, stop_ids: Sequence[int] | None = None) -> None:
-        self.model, self.tokenizer, self.settings, self.seed = model, tokenizer, settings, seed
+                 stop_ids: Sequence[int] | None = None) -> None:
+        self.model, self.tokenizer, self.settings, self.seed = model, tokenizer, settings, settings.seed
         self.stop_ids = list(stop_ids) if stop_ids is not None else stop_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.stop_ids[0])
@@ -226,9 +234,8 @@ class VllmRegenerator(Regenerator):
     """A ``Regenerator`` whose rounds run in vLLM's engine (``VllmGenerator``): one call per round,
     vLLM batching the prompts itself (up to ``batch_size`` sequences at once, its max_num_seqs)."""
 
-    def __init__(self, generator: Any, tokenizer: Any, settings: RegenerateSettings, *, seed: int = 0,
-                 stop_ids: Sequence[int]) -> None:
-        self.generator, self.tokenizer, self.settings, self.seed = generator, tokenizer, settings, seed
+    def __init__(self, generator: Any, tokenizer: Any, settings: RegenerateSettings, *, stop_ids: Sequence[int]) -> None:
+        self.generator, self.tokenizer, self.settings, self.seed = generator, tokenizer, settings, settings.seed
         self.stop_ids = list(stop_ids)
         self.on_answers = None
 
@@ -390,36 +397,34 @@ def _concatenate(parts: list[Path], out_path: Path) -> None:
 
 
 def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, out_path: str | Path,
-                         work_dir: str | Path, settings: RegenerateSettings, *, seed: int = 0,
-                         dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False,
-                         tensor_parallel_size: int = 1, engine_kwargs: dict | None = None) -> dict:
+                         work_dir: str | Path, settings: RegenerateSettings, *, trust_remote_code: bool = False,
+                         engine_kwargs: dict | None = None) -> dict:
     """Load the target in ``model_path`` (transformers or vLLM, per ``settings.backend``) and write
     ``out_path``: the conversations of ``sources`` with the target's own answers (OpenAI messages,
-    same ids, plus ``source``). ``tensor_parallel_size`` and ``engine_kwargs`` are vLLM's."""
+    same ids, plus ``source``). ``engine_kwargs`` are vLLM's."""
     from transformers import AutoTokenizer
 
     model_path = Path(model_path)
-    torch_device = resolve_device(device)
-    dtype_name = model_dtype_name(dtype, torch_device)
-    vllm = settings.backend == "vllm"
-    fingerprint = regeneration_fingerprint(
-        settings, model=weights_identity(model_path), sources=sources, seed=seed, dtype=dtype_name,
-        device=torch_device.split(":")[0], tensor_parallel_size=tensor_parallel_size if vllm else 1)
+    torch_device = resolve_device(settings.device)
+    dtype_name = model_dtype_name(settings.model_dtype, torch_device)
+    fingerprint = regeneration_fingerprint(settings, model=weights_identity(model_path), sources=sources)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    sampling = "greedy" if settings.greedy else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {seed}"
-    if not vllm:
-        model = load_target_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    sampling = ("greedy" if settings.greedy
+                else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {settings.seed}")
+    if settings.backend != "vllm":
+        model = load_target_model(model_path, dtype=settings.model_dtype, device=settings.device,
+                                  trust_remote_code=trust_remote_code)
         log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
-        regenerator = Regenerator(model, tokenizer, settings, seed=seed)
+        regenerator = Regenerator(model, tokenizer, settings)
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
 
     from draftsmith.engines.vllm_generation import VllmGenerator
 
     stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
-    with VllmGenerator(str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype_name,
+    with VllmGenerator(str(model_path), tensor_parallel_size=settings.tensor_parallel_size, dtype=dtype_name,
                        trust_remote_code=trust_remote_code, max_num_seqs=settings.batch_size,
                        **(engine_kwargs or {})) as generator:
-        log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path, tensor_parallel_size,
-                 dtype_name, sampling)
-        regenerator = VllmRegenerator(generator, tokenizer, settings, seed=seed, stop_ids=stop_ids)
+        log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
+                 settings.tensor_parallel_size, dtype_name, sampling)
+        regenerator = VllmRegenerator(generator, tokenizer, settings, stop_ids=stop_ids)
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)

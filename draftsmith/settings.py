@@ -1,20 +1,23 @@
 """Settings from one source: ``config/schema.yaml`` holds every config key's type, range and default.
 
 The settings dataclasses of the stages (``DataSettings``, ``RegenerateSettings``,
-``ExtractionSettings``, ``TrainSettings``, ``EvalSettings``) declare each field that is a config
-key as ``from_schema("section.key")``: its default is read from the schema, and
-``check_settings`` checks its value against the same schema, so Python callers (``bench/``,
-tests) and the workflow get the same defaults and the same checks. Fields that are not config
-keys (Python-only knobs) are checked by their class, through ``bad_setting``: every settings
-error is a ``ConfigError`` naming ``section.key``.
+``ExtractionSettings``, ``TrainSettings``, ``OnlineSettings``, ``EvalSettings``, ``PayoffSettings``)
+are ``StageSettings`` and declare each field that is a config key as ``from_schema("section.key")``
+(a key of another section too: ``device``, ``target.dtype``, ``seed``): its default is read from the
+schema, and ``check_settings`` checks its value against the same schema, so Python callers
+(``bench/``, tests) and the workflow get the same defaults and the same checks. Every stage's
+settings are built one way from the config, ``X.from_config(config)``, each field from its dotted
+key. Fields that are not config keys (Python-only knobs) are checked by their class, through
+``bad_setting``: every settings error is a ``ConfigError`` naming ``section.key``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import jsonschema
 import yaml
@@ -94,11 +97,54 @@ def check_settings(settings: Any) -> None:
             raise bad_setting(key, value, allowed(schema))
 
 
-def settings_from(cls: type, values: dict[str, Any], section: str) -> Any:
-    """``cls(**values)``, with a key ``cls`` does not know as a ConfigError naming ``section``."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown {section} settings {unknown}", where=f"config key {section}",
-                          fix=f"use only {sorted(known)}")
-    return cls(**values)
+def config_value(config: Mapping, key: str) -> Any:
+    """The value of the dotted ``key`` in ``config``, or the schema's default where ``config``
+    leaves it out (as the workflow's validation fills it in); a list becomes a tuple."""
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return schema_default(key)
+        node = node[part]
+    return tuple(node) if isinstance(node, list) else node
+
+
+class StageSettings:
+    """What every stage's settings dataclass shares: built from the config one way (``from_config``).
+
+    A subclass names its config section (``SECTION``), the keys of that section it does not take
+    and why (``NOT_SETTINGS``), and any key it reads besides its fields' (``ALSO_READS``), so a
+    rule can hand it exactly the config it reads (``config_keys``).
+    """
+
+    SECTION: ClassVar[str]
+    NOT_SETTINGS: ClassVar[dict[str, str]] = {}
+    ALSO_READS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        """Every dotted config key ``from_config`` reads."""
+        return [f.metadata["schema"] for f in dataclasses.fields(cls) if "schema" in f.metadata] + list(cls.ALSO_READS)
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> Self:
+        """The settings from a config (the workflow's, or the part of it a rule passes): each field
+        that is a config key from that key, a key the config leaves out at its schema default.
+        A key of the section the schema does not know is a ConfigError (a typo in a Python caller's dict)."""
+        section: Any = config
+        for part in cls.SECTION.split("."):
+            section = section.get(part, {}) if isinstance(section, Mapping) else {}
+        known = key_schema(cls.SECTION)["properties"]
+        for name in section:
+            if name not in known:
+                raise ConfigError(f"unknown {cls.SECTION} setting {name!r}", where=f"config key {cls.SECTION}.{name}",
+                                  fix=f"use only {sorted(known)} (config/{SCHEMA_PATH.name})")
+        return cls(**{f.name: config_value(config, f.metadata["schema"])
+                      for f in dataclasses.fields(cls) if "schema" in f.metadata})
+
+    def section_values(self) -> dict[str, Any]:
+        """The fields that are keys of the stage's own section, by name: what a stage records of its
+        settings (acceptance.json) and keys its caches by; the keys it reads from elsewhere (device,
+        target.dtype, seed) each stage records itself, where and how they matter."""
+        prefix = self.SECTION + "."
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("schema", "").startswith(prefix)}

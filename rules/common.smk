@@ -1,5 +1,6 @@
 # Helpers for every stage: paths, config lookups, resources, code fingerprints.
 
+import copy
 import os
 from pathlib import Path
 
@@ -12,6 +13,27 @@ RUN = config["run"]
 RESULTS = f"results/{RUN}"
 LOGS = f"logs/{RUN}"
 BENCH = f"benchmarks/{RUN}"
+
+
+def stage_config(*keys, leave_out=()):
+    """The part of the config a stage's settings read (``X.from_config`` in its workflow script):
+    the dotted ``keys`` (whole sections or single keys) less the dotted keys ``leave_out``, as a
+    nested dict. A rule's parameter, so a change to a key the stage does not read does not rerun it;
+    tests/test_settings.py checks that each rule passes every key its settings read."""
+    part = {}
+    for key in keys:
+        *parents, last = key.split(".")
+        value, into = config, part
+        for name in parents:
+            value, into = value[name], into.setdefault(name, {})
+        into[last] = copy.deepcopy(value[last])
+    for key in leave_out:
+        *parents, last = key.split(".")
+        into = part
+        for name in parents:
+            into = into[name]
+        del into[last]
+    return part
 
 
 def script_code(rule_name):
@@ -74,14 +96,6 @@ def conversations_for_training():
     if config["regenerate"]["enabled"]:
         return [f"{RESULTS}/data/regenerated.jsonl"]
     return dataset_sources()
-
-
-def data_settings():
-    """prepare_dataset's settings; regenerated conversations are always in messages format."""
-    settings = {k: v for k, v in config["data"].items() if k != "sources"}
-    if config["regenerate"]["enabled"]:
-        settings["format"] = "auto"
-    return {**settings, "seed": config["seed"]}
 
 
 def preflight_format():
@@ -178,12 +192,6 @@ def eval_source_path(wildcards):
 def eval_source_prompts():
     """Each evaluation prompt set rendered for the target (prepare_eval_prompts' outputs)."""
     return [f"{RESULTS}/data/eval_sources/{name}.jsonl" for name in eval_sources()]
-
-
-def eval_settings():
-    """evaluate_draft's settings: the eval section less its inputs (sources) and the payoff
-    estimate's own section, so a change to those does not rerun the evaluation."""
-    return {k: v for k, v in config["eval"].items() if k not in ("sources", "payoff")}
 
 
 def final_outputs():

@@ -31,11 +31,7 @@ rule regenerate_responses:
     resources:
         gpu=regenerate_gpus(),
     params:
-        settings=config["regenerate"],
-        dtype=config["target"]["dtype"],
-        device=config["device"],
-        seed=config["seed"],
-        tensor_parallel_size=regenerate_tensor_parallel_size(),
+        config=stage_config("regenerate", "seed", "target.dtype", "device", "extraction.tensor_parallel_size"),
         work_dir=f"{RESULTS}/data/regenerate_work",
         weights=target_weights(),
         code=script_code("regenerate_responses"),
@@ -63,7 +59,7 @@ rule prepare_dataset:
         "../envs/trainer.yaml"
     threads: 1
     params:
-        settings=data_settings(),
+        config=stage_config("data", "seed", "regenerate.enabled", leave_out=["data.sources"]),
         code=script_code("prepare_dataset"),
     script:
         "../workflow_scripts/prepare_dataset.py"

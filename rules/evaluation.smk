@@ -25,11 +25,16 @@ rule evaluate_draft:
     resources:
         gpu=eval_gpus(),
     params:
-        settings=eval_settings(),
+        # the eval section less its inputs (sources) and the payoff estimate's own section, so a
+        # change to those does not rerun the evaluation
+        config=stage_config(
+            "eval",
+            "target.dtype",
+            "device",
+            "extraction.tensor_parallel_size",
+            leave_out=["eval.sources", "eval.payoff"],
+        ),
         sources=list(eval_sources()),
-        dtype=config["target"]["dtype"],
-        device=config["device"],
-        tensor_parallel_size=eval_tensor_parallel_size(),
         weights=target_weights(),
         code=script_code("evaluate_draft"),
     script:
@@ -109,9 +114,7 @@ rule estimate_payoff:
         "../envs/trainer.yaml"
     threads: 1
     params:
-        settings=config["eval"]["payoff"],
-        tensor_parallel_size=config["extraction"]["tensor_parallel_size"],
-        dtype=config["target"]["dtype"],
+        config=stage_config("eval.payoff", "extraction.tensor_parallel_size", "target.dtype"),
         code=script_code("estimate_payoff"),
     script:
         "../workflow_scripts/estimate_payoff.py"

@@ -18,10 +18,7 @@ rule extract_hidden_states:
     resources:
         gpu=target_gpus(),
     params:
-        parts=config["extraction"]["parts"],
-        settings=config["extraction"],
-        model_dtype=config["target"]["dtype"],
-        device=config["device"],
+        config=stage_config("extraction", "target.dtype", "device"),
         weights=target_weights(),
         code=script_code("extract_hidden_states"),
     script:

@@ -31,11 +31,7 @@ if config["train"]["mode"] == "online":
             gpu=online_gpus(),
         params:
             work_dir=f"{RESULTS}/train/state",
-            settings={**config["train"], **config["draft"], "seed": config["seed"]},
-            extraction=config["extraction"],
-            online=config["online"],
-            model_dtype=config["target"]["dtype"],
-            device=config["device"],
+            config=stage_config("train", "draft", "seed", "device", "extraction", "target.dtype", "online"),
             engine_gpus=target_gpus(),
             weights=target_weights(),
             code=script_code("train_draft_online"),
@@ -69,8 +65,7 @@ else:
             gpu=train_gpus(),
         params:
             work_dir=f"{RESULTS}/train/state",
-            settings={**config["train"], **config["draft"], "seed": config["seed"]},
-            device=config["device"],
+            config=stage_config("train", "draft", "seed", "device"),
             code=script_code("train_draft"),
         script:
             "../workflow_scripts/train_draft.py"

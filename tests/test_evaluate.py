@@ -375,8 +375,9 @@ def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
         {"id": p.id, "messages": [], "prompt_ids": p.ids, "source": {"file": "x.jsonl", "line": i}}
         for i, p in enumerate(PROMPTS)])
     out = tmp_path / "eval" / "acceptance.json"
-    settings = EvalSettings(k=2, k_sweep=(1, 2, 3), max_prompts=3, max_new_tokens=10, sweep_max_prompts=2)
-    result = evaluate_draft(draft_dir, target_json, heldout, out, settings, dtype="float32", device="cpu")
+    settings = EvalSettings(k=2, k_sweep=(1, 2, 3), max_prompts=3, max_new_tokens=10, sweep_max_prompts=2,
+                            model_dtype="float32", device="cpu")
+    result = evaluate_draft(draft_dir, target_json, heldout, out, settings)
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     for key in ("tau", "acceptance_rate_by_position", "num_prompts", "num_tokens", "num_steps", "settings",
@@ -410,9 +411,9 @@ def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_di
     repeating = [Prompt(f"r{i}", [5, 6, 7, 8] * 4 + [i]) for i in range(3)]
     sources = {"code": prompt_file("code", PROMPTS), "repeats": prompt_file("repeats", repeating)}
     out = tmp_path / "eval" / "acceptance.json"
-    settings = EvalSettings(k=2, k_sweep=(1, 2), max_prompts=3, max_new_tokens=8, sweep_max_prompts=1)
-    result = evaluate_draft(draft_dir, target_json, heldout, out, settings, dtype="float32", device="cpu",
-                            sources=sources)
+    settings = EvalSettings(k=2, k_sweep=(1, 2), max_prompts=3, max_new_tokens=8, sweep_max_prompts=1,
+                            model_dtype="float32", device="cpu")
+    result = evaluate_draft(draft_dir, target_json, heldout, out, settings, sources=sources)
     assert result["num_prompts"] == 2 and set(result["sources"]) == {"code", "repeats"}
     for name, path in sources.items():
         found = result["sources"][name]
@@ -422,8 +423,7 @@ def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_di
         assert found["lossless"]["checked_generations"] == 3 * 2 + 1 * 2 * 1  # k=2 on all, k=1 on the first
         assert "settings" not in found and "device" not in found
     # a set's figures are those of an evaluation of that set alone
-    alone = evaluate_draft(draft_dir, target_json, sources["repeats"], tmp_path / "alone.json", settings,
-                           dtype="float32", device="cpu")
+    alone = evaluate_draft(draft_dir, target_json, sources["repeats"], tmp_path / "alone.json", settings)
     for key in ("tau", "acceptance_rate_by_position", "num_tokens", "num_steps", "tau_by_k"):
         assert result["sources"]["repeats"][key] == alone[key], key
     assert result["sources"]["repeats"]["baseline"]["tau"] == alone["baseline"]["tau"]
@@ -495,9 +495,10 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
         if __name__ == "__main__":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            settings = EvalSettings(backend="vllm", k=3, max_prompts={len(LLAMA_PROMPTS)}, max_new_tokens=16)
+            settings = EvalSettings(backend="vllm", k=3, max_prompts={len(LLAMA_PROMPTS)}, max_new_tokens=16,
+                                    model_dtype="float32", device="cpu")
             result = evaluate_draft({str(draft)!r}, {str(tmp_path / "target.json")!r}, {str(heldout)!r},
-                                    {str(out)!r}, settings, dtype="float32", device="cpu",
+                                    {str(out)!r}, settings,
                                     engine_kwargs=ENGINE_ARGS, hf_reference=False,
                                     sources={{"repeats": {str(repeats)!r}}})
             with open({str(tmp_path / "result.json")!r}, "w") as f:

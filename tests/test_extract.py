@@ -115,9 +115,9 @@ def test_settings_are_checked():
         ExtractionSettings(dtype="int4")
     with pytest.raises(ConfigError, match="shard_tokens"):
         ExtractionSettings(shard_tokens=0)
-    with pytest.raises(ConfigError, match="unknown extraction settings"):
-        ExtractionSettings.from_config({"backend": "hf", "batch_size": 4})
-    assert ExtractionSettings.from_config({"parts": 2}, device="cpu").parts == 2
+    with pytest.raises(ConfigError, match="unknown extraction setting"):
+        ExtractionSettings.from_config({"extraction": {"backend": "hf", "batch_size": 4}})
+    assert ExtractionSettings.from_config({"extraction": {"parts": 2}, "device": "cpu"}).parts == 2
 
 
 # --- what is stored ---------------------------------------------------------------------------

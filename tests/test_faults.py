@@ -557,8 +557,8 @@ def test_the_training_rule_checks_every_shard_before_training_reads_any(world, t
         input=SimpleNamespace(index=str(store / "index.json"), mapping=str(world.mapping), target=str(world.target)),
         output=SimpleNamespace(config=str(out / "draft" / "config.json"), metrics=str(out / "metrics.jsonl"),
                                weights=str(out / "draft" / "model.safetensors"), summary=str(out / "summary.json")),
-        params=SimpleNamespace(work_dir=str(out / "state"), device="cpu", settings={"max_steps": 1, "devices": 1},
-                               get=lambda key, default=None: default),
+        params=SimpleNamespace(work_dir=str(out / "state"),
+                               config={"train": {"max_steps": 1, "devices": 1}, "device": "cpu"}),
         resources=SimpleNamespace(gpu=0),
         log=[str(tmp_path / "train.log")])
     with pytest.raises(ExtractionError, match="part 0 shard 3: layer-8.safetensors fails its checksum"):

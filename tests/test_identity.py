@@ -63,8 +63,8 @@ def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatc
 
     def keys() -> tuple[str, str]:
         return (part_fingerprint(target, shards, settings),
-                regeneration_fingerprint(RegenerateSettings(), model=weights_identity(folder), sources=[],
-                                         seed=0, dtype="float32", device="cpu"))
+                regeneration_fingerprint(RegenerateSettings(model_dtype="float32", device="cpu"),
+                                         model=weights_identity(folder), sources=[]))
 
     before = keys()
     stat = (folder / "model.safetensors").stat()

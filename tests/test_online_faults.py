@@ -19,7 +19,7 @@ from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import read_json
 from draftsmith.online import OnlineSettings, run_online_training
 from draftsmith.online.window import process_alive
-from draftsmith.train import settings_and_launch
+from draftsmith.train import TrainSettings
 from workflow_helpers import snakemake, write_config
 
 pytestmark = pytest.mark.slow
@@ -80,14 +80,14 @@ def test_killing_the_producer_or_the_trainer_resumes_both_at_the_checkpoint(work
     assert summary["online"]["started_at_step"] >= summary["resumed_from_step"]
     assert summary["online"]["peak_window_tokens"] <= ONLINE["window_tokens"]
 
-    settings, _ = settings_and_launch({**TRAIN, "seed": 0, "device": "cpu"})
+    config = {"train": TRAIN, "extraction": EXTRACTION, "online": ONLINE, "device": "cpu"}
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the job's thread count: float sums depend on it
     try:
         run_online_training(results / "data" / "train.jsonl", results / "target.json",
-                            results / "vocab" / "mapping.safetensors", tmp_path / "draft", tmp_path / "work", settings,
-                            ExtractionSettings.from_config(EXTRACTION, device="cpu", model_dtype="auto"),
-                            OnlineSettings.from_config(ONLINE))
+                            results / "vocab" / "mapping.safetensors", tmp_path / "draft", tmp_path / "work",
+                            TrainSettings.from_config(config), ExtractionSettings.from_config(config),
+                            OnlineSettings.from_config(config))
     finally:
         torch.set_num_threads(threads)
     ours, reference = load_file(str(workdir / DRAFT)), load_file(str(tmp_path / "draft" / "model.safetensors"))

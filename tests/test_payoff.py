@@ -140,7 +140,9 @@ def test_estimate_payoff_writes_json_and_plot(tmp_path):
                   "sources": {"gsm8k": {"acceptance_rate_by_position": [0.7, 0.5, 0.3]}}}
     (tmp_path / "acceptance.json").write_text(json.dumps(acceptance))
     result = estimate_payoff(tmp_path / "acceptance.json", tmp_path / "target.json", draft,
-                             tmp_path / "payoff.json", {"batch_sizes": [1, 16]}, tensor_parallel_size=2,
+                             tmp_path / "payoff.json",
+                             PayoffSettings.from_config({"eval": {"payoff": {"batch_sizes": [1, 16]}},
+                                                         "extraction": {"tensor_parallel_size": 2}}),
                              plot_path=tmp_path / "payoff.png")
     assert json.loads((tmp_path / "payoff.json").read_text()) == json.loads(json.dumps(result))
     assert result["draft_shape"]["params"] == 64 * 128 + 64 * 192  # the embedding and d2t are not read

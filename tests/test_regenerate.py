@@ -51,10 +51,10 @@ def source(tmp_path):
 
 
 def _run(source, model_dir, tmp_path, chunk_size=1, **settings):
-    settings = {"max_new_tokens": 12, "batch_size": 2, "chunk_size": chunk_size, **settings}
+    settings = {"max_new_tokens": 12, "batch_size": 2, "chunk_size": chunk_size, "seed": 3, "model_dtype": "float32",
+                "device": "cpu", **settings}
     out = tmp_path / "regenerated.jsonl"
-    stats = regenerate_responses([source], model_dir, out, tmp_path / "work", RegenerateSettings(**settings),
-                                 seed=3, dtype="float32", device="cpu")
+    stats = regenerate_responses([source], model_dir, out, tmp_path / "work", RegenerateSettings(**settings))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return rows, stats
 

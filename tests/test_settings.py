@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
 import types
 import typing
+from pathlib import Path
 
 import pytest
+import yaml
 
 from draftsmith.data import DataSettings
 from draftsmith.errors import ConfigError
@@ -16,7 +20,7 @@ from draftsmith.online import OnlineSettings
 from draftsmith.payoff import PayoffSettings
 from draftsmith.regenerate import RegenerateSettings
 from draftsmith.settings import key_schema
-from draftsmith.train import TrainSettings, settings_from_dict
+from draftsmith.train import TrainSettings, launch_from_config
 
 SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, OnlineSettings, EvalSettings,
             PayoffSettings]
@@ -81,10 +85,121 @@ def test_every_config_key_of_a_section_is_a_setting_or_said_why_not(cls):
     (lambda: EvalSettings(k_sweep=(0, 2)), "eval.k_sweep"),
     (lambda: EvalSettings(backend="sglang"), "eval.backend"),
     (lambda: OnlineSettings(cache_fraction=1.5), "online.cache_fraction"),
-    (lambda: settings_from_dict({"learning_rate": 1e-3}), "train"),
-    (lambda: ExtractionSettings.from_config({"batch_size": 4}), "extraction"),
+    (lambda: TrainSettings.from_config({"train": {"learning_rate": 1e-3}}), "train.learning_rate"),
+    (lambda: ExtractionSettings.from_config({"extraction": {"batch_size": 4}}), "extraction.batch_size"),
+    (lambda: EvalSettings.from_config({"device": "tpu"}), "device"),
 ])
 def test_a_bad_setting_is_a_config_error_naming_its_key(make, key):
     with pytest.raises(ConfigError) as error:
         make()
     assert f"config key {key}" in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# One way from the config: X.from_config, fed by the rule's stage_config(...)
+
+ROOT = Path(__file__).resolve().parents[1]
+# the settings each rule's workflow script builds with X.from_config(snakemake.params.config)
+RULE_SETTINGS = {
+    "prepare_dataset": [DataSettings],
+    "regenerate_responses": [RegenerateSettings],
+    "extract_hidden_states": [ExtractionSettings],
+    "train_draft": [TrainSettings],
+    "train_draft_online": [TrainSettings, ExtractionSettings, OnlineSettings],
+    "evaluate_draft": [EvalSettings],
+    "estimate_payoff": [PayoffSettings],
+}
+
+
+def _stage_config_calls() -> dict[str, tuple[list[str], list[str]]]:
+    """rule -> the keys and leave_out of its ``config=stage_config(...)`` parameter, read from rules/*.smk."""
+    calls = {}
+    for smk in (ROOT / "rules").glob("*.smk"):
+        for block in re.split(r"^\s*rule ", smk.read_text(), flags=re.M)[1:]:
+            found = re.search(r"config=(stage_config\(.*?\))", block, flags=re.S)
+            if found:
+                call = ast.parse(found.group(1), mode="eval").body
+                leave_out = next((ast.literal_eval(k.value) for k in call.keywords if k.arg == "leave_out"), [])
+                calls[block.split(":", 1)[0].strip()] = ([ast.literal_eval(a) for a in call.args], leave_out)
+    return calls
+
+
+def _within(key: str, prefixes: list[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def test_each_rule_passes_every_config_key_its_settings_read():
+    calls = _stage_config_calls()
+    assert set(calls) == set(RULE_SETTINGS)
+    for rule, classes in RULE_SETTINGS.items():
+        keys, leave_out = calls[rule]
+        script = (ROOT / "workflow_scripts" / f"{rule}.py").read_text()
+        for cls in classes:
+            assert f"{cls.__name__}.from_config(" in script, f"{rule}.py does not build {cls.__name__} from the config"
+            for key in cls.config_keys():
+                assert _within(key, keys) and not _within(key, leave_out), f"{rule} does not pass {key} ({cls.__name__})"
+
+
+def test_from_config_reads_each_field_from_its_key_and_the_schema_default_where_the_config_is_silent():
+    config = {"eval": {"k": 3, "k_sweep": [1, 3], "payoff": {"gpu": "h100"}, "sources": []}, "device": "cpu",
+              "target": {"dtype": "float32"}, "extraction": {"tensor_parallel_size": 4}}
+    settings = EvalSettings.from_config(config)
+    assert settings == EvalSettings(k=3, k_sweep=(1, 3), model_dtype="float32", device="cpu", tensor_parallel_size=4)
+    assert DataSettings.from_config({"data": {"format": "conversations"}, "seed": 5}) == DataSettings(format="conversations", seed=5)
+    # regenerated conversations are messages rows, whatever the sources were
+    assert DataSettings.from_config({"data": {"format": "conversations"}, "regenerate": {"enabled": True}}).format == "auto"
+    payoff = PayoffSettings.from_config({"extraction": {"tensor_parallel_size": 4}, "target": {"dtype": "float32"}})
+    assert payoff.tensor_parallel_size == 4 and payoff.weight_bytes == 4
+
+
+def test_acceptance_json_records_the_eval_section_alone():
+    """The device, dtype and tensor parallel size EvalSettings carries stay out of acceptance.json's settings."""
+    settings = EvalSettings(k=3, k_sweep=(1, 3), device="cpu", model_dtype="float32", tensor_parallel_size=2)
+    assert settings.section_values() == {"backend": "hf", "k": 3, "k_sweep": (1, 3), "max_prompts": 64,
+                                         "max_new_tokens": 128, "ngram_max": 3, "sweep_max_prompts": 16}
+
+
+def _demo_config() -> dict:
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+    validate(config, str(ROOT / "config" / "schema.yaml"))  # the schema's defaults filled in, as the workflow does
+    return {**config, "device": "cpu"}
+
+
+def test_cache_keys_are_those_of_the_settings_before_they_carried_the_device(monkeypatch):
+    """The stages' cache keys, their code part pinned, equal the keys computed at b842bc9, where
+    device, dtype, seed and tensor parallel size reached the stages as loose arguments: carrying
+    them in the settings reuses the regeneration chunks, extraction shards and checkpoints of
+    existing runs (their code part changes with the code, as always)."""
+    import draftsmith.extract.extract
+    import draftsmith.train.checkpoints
+    from draftsmith.extract.extract import part_fingerprint
+    from draftsmith.regenerate import regeneration_fingerprint
+    from draftsmith.train.checkpoints import checkpoint_key
+
+    monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "CODE")
+    model = {"files": {"config.json": "abc"}}
+    monkeypatch.setattr(draftsmith.extract.extract, "weights_identity", lambda path: model)
+    monkeypatch.setattr(draftsmith.train.checkpoints, "sha256_file", lambda path: "FILE")
+    before = {  # regeneration_fingerprint(..., seed=7, dtype="float32", device="cpu", tensor_parallel_size=2 or 1)
+        ("hf", 0.0): "638591d74d4e8ba1a083be9ed83344a3043dbcab2ad3da2002b95de831f5fe13",
+        ("vllm", 0.0): "6d326a207d3df4601e58fe29462ca3d0042ffb5ed9f71d6e8acbfb287a772592",
+        ("hf", 0.7): "654e77fab90c54b1459a29a1677f68820042bdb9e1b75f6456610acea6c4dbd7",
+        ("vllm", 0.7): "7cb2e905646c3063d453ddd2d0d1f732bf536687fa87d622b6331257f1f4d436",
+    }
+    for (backend, temperature), key in before.items():
+        settings = RegenerateSettings.from_config({
+            "regenerate": {"backend": backend, "temperature": temperature}, "seed": 7, "target": {"dtype": "float32"},
+            "device": "cpu", "extraction": {"tensor_parallel_size": 2}})
+        assert regeneration_fingerprint(settings, model=model, sources=[]) == key, (backend, temperature)
+
+    target = {"model_path": "/m", "layers_path": "model.layers", "captured_layer_ids": [1, 2], "hidden_size": 4}
+    shards = [[{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}]]
+    assert part_fingerprint(target, shards, ExtractionSettings.from_config({"device": "cpu"})) == \
+        "8d8a0ab0514ecfaf18e006ac4bf428c54938907962dde29fc6d31fd78dae15d4"
+
+    config = _demo_config()
+    key = checkpoint_key(TrainSettings.from_config(config), Path("i"), Path("m"), target, 2)
+    assert key["settings"] == "09e7d61d4de89e9d" and key["target"] == "9956d7233b700cf1"
+    assert launch_from_config(config) == {"devices": 1, "nodes": 1, "rdzv_port": 29400}

@@ -625,9 +625,10 @@ def test_trained_eagle31_draft_is_served_by_vllm_as_the_hf_loop_drafts(tmp_path)
     script.write_text(textwrap.dedent(f"""
         import json
         from draftsmith.evaluate import EvalSettings, evaluate_draft
-        settings = EvalSettings(backend="vllm", k=3, k_sweep=(3,), max_prompts=6, max_new_tokens=24, sweep_max_prompts=1)
+        settings = EvalSettings(backend="vllm", k=3, k_sweep=(3,), max_prompts=6, max_new_tokens=24, sweep_max_prompts=1,
+                                model_dtype="float32", device="cpu")
         result = evaluate_draft({str(draft)!r}, {str(inputs["target"])!r}, {str(heldout)!r}, {str(tmp_path / "acc.json")!r},
-                                settings, dtype="float32", device="cpu", engine_kwargs={ENGINE_ARGS!r})
+                                settings, engine_kwargs={ENGINE_ARGS!r})
         print("RESULT", json.dumps(result))
     """))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -655,10 +656,6 @@ def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
     import runpy
     from types import SimpleNamespace
 
-    class Params(SimpleNamespace):
-        def get(self, key, default=None):
-            return getattr(self, key, default)
-
     results = tmp_path / "results"
     (results / "train").mkdir(parents=True)
     log = tmp_path / "train_draft.log"
@@ -669,11 +666,11 @@ def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
                                weights=str(results / "draft" / "model.safetensors"),
                                metrics=str(results / "train" / "metrics.jsonl"),
                                summary=str(results / "train" / "summary.json")),
-        params=Params(work_dir=str(results / "train" / "state"), device="cpu", code="x",
-                      settings={"ttt_steps": 2, "epochs": 1, "max_steps": 3, "batch_tokens": 96, "lr": 1e-3,
-                                "warmup_steps": 1, "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8,
-                                "checkpoint_every": 2, "log_every": 1, "devices": 1, "nodes": 1,
-                                "rdzv_port": 29400, "seed": 0}),
+        params=SimpleNamespace(work_dir=str(results / "train" / "state"), code="x", config={
+            "train": {"ttt_steps": 2, "epochs": 1, "max_steps": 3, "batch_tokens": 96, "lr": 1e-3, "warmup_steps": 1,
+                      "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8, "checkpoint_every": 2,
+                      "log_every": 1, "devices": 1, "nodes": 1, "rdzv_port": 29400},
+            "seed": 0, "device": "cpu"}),
         resources=SimpleNamespace(gpu=0),
         log=[str(log)])
     runpy.run_path(str(REPO / "workflow_scripts" / "train_draft.py"), init_globals={"snakemake": rule})

@@ -22,7 +22,7 @@ import tiny
 from draftsmith.extract.extract import extract_part, merge
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.io import read_json
-from draftsmith.train import run_training, settings_from_dict
+from draftsmith.train import TrainSettings, run_training
 from workflow_helpers import SNAKEMAKE, copy_workflow, snakemake, write_config
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def _reference(workdir: Path, tmp: Path) -> tuple[dict[str, str], str]:
     the train job's thread count (floating-point sums depend on it)."""
     results = workdir / RESULTS
     store = tmp / "reference"
-    settings = ExtractionSettings.from_config(EXTRACTION, device="cpu", model_dtype="auto")
+    settings = ExtractionSettings.from_config({"extraction": EXTRACTION, "device": "cpu"})
     for part in range(2):
         extract_part(results / "data" / "train.jsonl", results / "target.json", part, settings, store,
                      store / f"part-{part}.json")
@@ -107,7 +107,7 @@ def _reference(workdir: Path, tmp: Path) -> tuple[dict[str, str], str]:
     try:
         values = {**read_json(results / "train" / "summary.json")["settings"]}
         run_training(results / "hidden_states" / "index.json", results / "vocab" / "mapping.safetensors",
-                     results / "target.json", tmp / "draft", tmp / "work", settings_from_dict(values))
+                     results / "target.json", tmp / "draft", tmp / "work", TrainSettings(**values))
     finally:
         torch.set_num_threads(threads)
     return states, _sha(tmp / "draft" / "model.safetensors")

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from draftsmith.logs import setup_logging
-from draftsmith.payoff import estimate_payoff
+from draftsmith.payoff import PayoffSettings, estimate_payoff
 
 setup_logging(snakemake.log[0])
 estimate_payoff(
@@ -11,8 +11,6 @@ estimate_payoff(
     snakemake.input.target,
     Path(snakemake.input.draft).parent,
     snakemake.output.payoff,
-    snakemake.params.settings,
-    tensor_parallel_size=snakemake.params.tensor_parallel_size,
-    dtype=snakemake.params.dtype,
+    PayoffSettings.from_config(snakemake.params.config),
     plot_path=snakemake.output.plot,
 )

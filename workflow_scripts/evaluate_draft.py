@@ -16,9 +16,6 @@ if __name__ == "__main__":
             snakemake.input.target,
             snakemake.input.heldout,
             snakemake.output.acceptance,
-            EvalSettings(**snakemake.params.settings),
-            dtype=snakemake.params.dtype,
-            device=snakemake.params.device,
-            tensor_parallel_size=snakemake.params.tensor_parallel_size,
+            EvalSettings.from_config(snakemake.params.config),
             sources=dict(zip(snakemake.params.sources, snakemake.input.sources, strict=True)),
         )

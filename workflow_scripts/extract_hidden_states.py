@@ -16,11 +16,7 @@ if __name__ == "__main__":
             snakemake.input.train,
             snakemake.input.target,
             int(snakemake.wildcards.part),
-            ExtractionSettings.from_config(
-                snakemake.params.settings,
-                model_dtype=snakemake.params.model_dtype,
-                device=snakemake.params.device,
-            ),
+            ExtractionSettings.from_config(snakemake.params.config),
             store_root=Path(snakemake.output.manifest).parent,
             manifest_path=snakemake.output.manifest,
         )

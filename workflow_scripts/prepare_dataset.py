@@ -11,5 +11,5 @@ prepare_dataset(
     list(snakemake.input.sources),
     read_target_json(snakemake.input.target)["model_path"],
     Path(snakemake.output.train).parent,
-    DataSettings(**snakemake.params.settings),
+    DataSettings.from_config(snakemake.params.config),
 )

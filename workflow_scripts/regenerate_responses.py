@@ -16,10 +16,6 @@ if __name__ == "__main__":
             target["model_path"],
             snakemake.output.data,
             snakemake.params.work_dir,
-            RegenerateSettings(**snakemake.params.settings),
-            seed=snakemake.params.seed,
-            dtype=snakemake.params.dtype,
-            device=snakemake.params.device,
+            RegenerateSettings.from_config(snakemake.params.config),
             trust_remote_code=target["trust_remote_code"],
-            tensor_parallel_size=snakemake.params.tensor_parallel_size,
         )

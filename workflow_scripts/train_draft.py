@@ -4,20 +4,19 @@ from pathlib import Path
 
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_placement
-from draftsmith.train import run_training, settings_and_launch
+from draftsmith.train import TrainSettings, launch_from_config, run_training
 
 setup_logging(snakemake.log[0])
-settings, launch = settings_and_launch({**snakemake.params.settings,
-                                        "device": snakemake.params.get("device", "auto")})
+launch = launch_from_config(snakemake.params.config)
 # The GPUs of this node: train.devices of the gpu = devices x nodes the job booked.
-with engine_placement(min(snakemake.resources.gpu, snakemake.params.settings["devices"])):
+with engine_placement(min(snakemake.resources.gpu, launch["devices"])):
     run_training(
         snakemake.input.index,
         snakemake.input.mapping,
         snakemake.input.target,
         Path(snakemake.output.config).parent,
         snakemake.params.work_dir,
-        settings,
+        TrainSettings.from_config(snakemake.params.config),
         **launch,
         log_path=snakemake.log[0],
         metrics_out=snakemake.output.metrics,

@@ -6,14 +6,13 @@ from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.logs import setup_logging
 from draftsmith.online import OnlineSettings, run_online_training, split_devices
 from draftsmith.placement import engine_env, engine_placement
-from draftsmith.train import settings_and_launch
+from draftsmith.train import TrainSettings, launch_from_config
 
 # vLLM may start its engine with multiprocessing "spawn", which runs this file again as
 # __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
 if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     params = snakemake.params
-    settings, launch = settings_and_launch({**params.settings, "device": params.device})
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)) as claim:
         engine_devices, trainer_devices = split_devices(claim.devices, params.engine_gpus)
         run_online_training(
@@ -22,10 +21,10 @@ if __name__ == "__main__":
             snakemake.input.mapping,
             Path(snakemake.output.config).parent,
             params.work_dir,
-            settings,
-            ExtractionSettings.from_config(params.extraction, model_dtype=params.model_dtype, device=params.device),
-            OnlineSettings.from_config(params.online),
-            devices=launch.get("devices", 1),
+            TrainSettings.from_config(params.config),
+            ExtractionSettings.from_config(params.config),
+            OnlineSettings.from_config(params.config),
+            devices=launch_from_config(params.config)["devices"],
             engine_devices=engine_devices,
             trainer_devices=trainer_devices,
             log_path=snakemake.log[0],

@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -174,7 +174,7 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
             "numerical_ties": ties[:MAX_LISTED_TIES],
         },
         "device": backend.describe_device(),
-        "settings": {**asdict(settings), "k_sweep": list(settings.k_sweep), "stop_token_ids": backend.stop_ids},
+        "settings": {**settings.section_values(), "k_sweep": list(settings.k_sweep), "stop_token_ids": backend.stop_ids},
         "seconds": round(time.perf_counter() - started, 2),
     }
     log.info("τ = %.3f (draft) vs %.3f (%s baseline) at k=%d over %d prompts, %d tokens; speedup over greedy "

@@ -10,7 +10,7 @@ from typing import Any
 
 from draftsmith.errors import EvaluationError
 from draftsmith.io import read_jsonl
-from draftsmith.settings import check_settings, from_schema
+from draftsmith.settings import StageSettings, check_settings, from_schema
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +19,13 @@ DRAFTER_KINDS = ("eagle3", "ngram", "target")
 
 
 @dataclass(frozen=True)
-class EvalSettings:
-    """The eval section of the config; defaults and ranges from the schema.
+class EvalSettings(StageSettings):
+    """The eval section of the config, and the target's engine (its dtype, the device, vLLM's tensor
+    parallel size); defaults and ranges from the schema.
 
     ``sweep_max_prompts`` bounds the prompts used for the τ-against-k sweep (each k is a full
-    speculative run); the configured ``k`` always runs on all ``max_prompts`` prompts.
+    speculative run); the configured ``k`` always runs on all ``max_prompts`` prompts. acceptance.json
+    records the eval section's settings; what the engine ran on is its ``device`` entry.
     """
 
     backend: str = from_schema("eval.backend")
@@ -33,6 +35,9 @@ class EvalSettings:
     max_new_tokens: int = from_schema("eval.max_new_tokens")
     ngram_max: int = from_schema("eval.ngram_max")
     sweep_max_prompts: int = from_schema("eval.sweep_max_prompts")
+    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
+    device: str = from_schema("device")
+    tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")  # vLLM's; the HF loop uses one device
 
     SECTION = "eval"
     NOT_SETTINGS = {"sources": "the rule's inputs (evaluate_draft's sources argument)",

@@ -16,8 +16,7 @@ log = logging.getLogger(__name__)
 
 
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
-                   out_path: str | Path, settings: EvalSettings, *, dtype: str = "auto",
-                   device: str = "auto", tensor_parallel_size: int = 1, engine_kwargs: dict | None = None,
+                   out_path: str | Path, settings: EvalSettings, *, engine_kwargs: dict | None = None,
                    hf_reference: bool | None = None, sources: dict[str, str | Path] | None = None) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
     prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
@@ -34,41 +33,40 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
 
     target = read_target_json(target_json)
     if hf_reference is None:
-        hf_reference = _hf_loop_holds(target, settings, dtype, device)
+        hf_reference = _hf_loop_holds(target, settings)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
     sources = sources or {}
     if settings.backend == "vllm":
         if not prompts:
             raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
                                   fix="raise data.heldout_fraction or data.max_heldout")
-        engine = {"dtype": model_dtype_name(dtype, resolve_device(device)),
-                  "tensor_parallel_size": tensor_parallel_size, **(engine_kwargs or {})}
+        engine = {"dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
+                  "tensor_parallel_size": settings.tensor_parallel_size, **(engine_kwargs or {})}
         if hf_reference:
-            result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine, dtype=dtype,
-                                            device=device)
+            result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine)
         else:
             result = _in_vllm_alone(target, draft_dir, prompts, settings, sources, engine)
     elif not hf_reference:
         raise EvaluationError("evaluation without the HF loop needs eval.backend: vllm", where="eval.backend",
                               fix="set eval.backend: vllm")
     else:
-        result = _in_hf_loop(target, draft_dir, prompts, settings, sources, dtype=dtype, device=device)
+        result = _in_hf_loop(target, draft_dir, prompts, settings, sources)
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
 
 
-def _hf_loop_holds(target: dict, settings: EvalSettings, dtype: str, device: str) -> bool:
+def _hf_loop_holds(target: dict, settings: EvalSettings) -> bool:
     """Whether the HF loop can hold the target (checked before any engine starts); a target too
     large for one GPU is evaluated in vLLM alone where eval.backend is vllm, and stops otherwise."""
     from draftsmith.engines.hf_model import resolve_device
     from draftsmith.errors import TargetError
     from draftsmith.targets.inspect import check_fits_devices
 
-    if not (resolve_device(device).startswith("cuda") and "num_parameters" in target):
+    if not (resolve_device(settings.device).startswith("cuda") and "num_parameters" in target):
         return True
     try:
-        check_fits_devices(target, {"evaluate_draft": 1}, dtype=dtype)
+        check_fits_devices(target, {"evaluate_draft": 1}, dtype=settings.model_dtype)
     except TargetError as e:
         if settings.backend != "vllm":
             raise
@@ -95,19 +93,20 @@ def _in_vllm_alone(target: dict, draft_dir: str | Path, prompts: list, settings:
 
 
 def _served_and_in_hf_loop(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
-                           sources: dict[str, str | Path], engine: dict, *, dtype: str, device: str) -> dict:
+                           sources: dict[str, str | Path], engine: dict) -> dict:
     """The draft served by vLLM (its engines closed before the HF loop loads the target, so the two
     never share the GPU), its outputs checked against the HF loop's greedy decoding; vLLM's figures
     go under ``vllm``."""
     served = serve_with_vllm(target, draft_dir, prompts, settings, stop_ids=_stop_ids(target), **engine)
-    return _in_hf_loop(target, draft_dir, prompts, settings, sources, dtype=dtype, device=device, served=served)
+    return _in_hf_loop(target, draft_dir, prompts, settings, sources, served=served)
 
 
 def _in_hf_loop(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
-                sources: dict[str, str | Path], *, dtype: str, device: str, served=None) -> dict:
+                sources: dict[str, str | Path], *, served=None) -> dict:
     """The draft and the n-gram baseline in the HF speculative loop, on the held-out prompts and on
     each prompt set; with ``served``, vLLM's run of the same prompts is checked and reported too."""
-    decoder = make_decoder(target, max_new_tokens=settings.max_new_tokens, dtype=dtype, device=device)
+    decoder = make_decoder(target, max_new_tokens=settings.max_new_tokens, dtype=settings.model_dtype,
+                           device=settings.device)
     if served is not None and served.stop_ids != decoder.stop_ids:
         raise EvaluationError(f"vLLM was run with stop tokens {served.stop_ids}, the loaded target stops at "
                               f"{decoder.stop_ids}", where=f"{target['model_path']}/generation_config.json",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +233,7 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
                  "baseline": run.baseline_counters.summary(),
                  "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over each timed call"},
         "device": {"backend": "vllm", **run.engine},
-        "settings": {**asdict(settings), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
+        "settings": {**settings.section_values(), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
         "seconds": round(time.perf_counter() - started, 2),
     })
     result["baseline"]["speculative_config"] = run.baseline_config

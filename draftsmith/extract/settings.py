@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.extract.hidden_states import STORAGE_DTYPES
-from draftsmith.settings import bad_setting, check_settings, from_schema, settings_from
+from draftsmith.settings import StageSettings, bad_setting, check_settings, from_schema
 
 
 @dataclass(frozen=True)
-class ExtractionSettings:
-    """How to extract; the workflow fills it from the config's ``extraction`` section (plus the
-    target's dtype and the device). Defaults and ranges of config keys come from the schema."""
+class ExtractionSettings(StageSettings):
+    """How to extract: the config's ``extraction`` section, the target's dtype and the device
+    (``from_config``). Defaults and ranges of config keys come from the schema."""
 
     backend: str = from_schema("extraction.backend")
     parts: int = from_schema("extraction.parts")
@@ -27,7 +27,6 @@ class ExtractionSettings:
     max_model_len: int | None = from_schema("extraction.max_model_len")  # vLLM context; None = longest sample
 
     SECTION = "extraction"
-    NOT_SETTINGS = {}  # every key of the section is a setting
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -37,8 +36,3 @@ class ExtractionSettings:
             raise bad_setting("extraction.max_samples", self.max_samples, "a positive integer, or null")
         if not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
             raise bad_setting("extraction.min_free_bytes", self.min_free_bytes, "an integer >= 0")
-
-    @classmethod
-    def from_config(cls, extraction: dict, **overrides) -> ExtractionSettings:
-        """Settings from the config's ``extraction`` section plus keys found elsewhere (model dtype, device)."""
-        return settings_from(cls, {**extraction, **overrides}, "extraction")

@@ -19,28 +19,23 @@ from draftsmith.errors import ConfigError
 from draftsmith.extract.extract import part_fingerprint, plan_part
 from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, part_dir_name, shard_dir_name
 from draftsmith.extract.settings import ExtractionSettings
-from draftsmith.settings import check_settings, from_schema, settings_from
+from draftsmith.settings import StageSettings, check_settings, from_schema
 from draftsmith.train.batches import ShardMeta, Step, tokens_meta
 
 PART = 0  # online runs one engine: the window holds one part's shards
 
 
 @dataclass(frozen=True)
-class OnlineSettings:
+class OnlineSettings(StageSettings):
     """The config's ``online`` section: the window's size and the share of shards kept for later epochs."""
 
     window_tokens: int = from_schema("online.window_tokens")
     cache_fraction: float = from_schema("online.cache_fraction")
 
     SECTION = "online"
-    NOT_SETTINGS = {}  # every key of the section is a setting
 
     def __post_init__(self) -> None:
         check_settings(self)
-
-    @classmethod
-    def from_config(cls, online: dict) -> OnlineSettings:
-        return settings_from(cls, online, "online")
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,11 @@ from draftsmith.train.launch import launch_command, main, run_training
 from draftsmith.train.loop import train_draft, train_step
 from draftsmith.train.metrics import summarize
 from draftsmith.train.objective import DraftKL, LossKernels, TTTObjective, scored_positions
-from draftsmith.train.settings import LAUNCH_KEYS, TrainSettings, settings_and_launch, settings_from_dict
+from draftsmith.train.settings import LAUNCH_KEYS, TrainSettings, launch_from_config
 
 __all__ = [
     "CHECKPOINT_FORMAT", "FINISHED", "LAUNCH_KEYS", "PAD_MULTIPLE", "BatchFeed", "Dist", "DraftKL", "LossKernels",
     "Pack", "ShardMeta", "Step", "TTTObjective", "TrainSettings", "build_batch", "dequantize_batch",
-    "init_distributed", "launch_command", "main", "plan_run", "plan_steps", "run_training", "scored_positions",
-    "settings_and_launch", "settings_from_dict", "shard_meta", "summarize", "train_draft", "train_step",
+    "init_distributed", "launch_command", "launch_from_config", "main", "plan_run", "plan_steps", "run_training",
+    "scored_positions", "shard_meta", "summarize", "train_draft", "train_step",
 ]

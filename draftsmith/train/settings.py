@@ -1,16 +1,17 @@
-"""TrainSettings: the train section of the config, and the launch keys split from it."""
+"""TrainSettings: the train section of the config (with the draft's shape, the seed and the device),
+and the launch keys beside it."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from draftsmith.settings import bad_setting, check_settings, from_schema, settings_from
+from draftsmith.settings import StageSettings, bad_setting, check_settings, config_value, from_schema
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(StageSettings):
     """Everything that decides the trained weights, plus how often to log and checkpoint.
 
     ``batch_tokens`` is per micro-batch (one process, one forward); an optimizer step takes
@@ -46,7 +47,7 @@ class TrainSettings:
     device: str = from_schema("device")  # "auto" (cuda when present), "cuda" or "cpu"
 
     SECTION = "train"
-    NOT_SETTINGS = {**{key: "launch, not math: run_training's arguments (settings_and_launch)"
+    NOT_SETTINGS = {**{key: "launch, not math: run_training's arguments (launch_from_config)"
                        for key in ("devices", "nodes", "rdzv_port")},
                     "mode": "which rule trains (train_draft or train_draft_online), not math: the same draft either way"}
 
@@ -73,18 +74,10 @@ class TrainSettings:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.NON_MATH}
 
 
-def settings_from_dict(values: dict[str, Any]) -> TrainSettings:
-    """TrainSettings from the workflow's ``train:`` section merged with its ``draft:`` section
-    (unknown keys are a ConfigError)."""
-    return settings_from(TrainSettings, values, "train")
-
-
 LAUNCH_KEYS = ("devices", "nodes", "rdzv_port")  # train: keys that decide the processes, not the math
 
 
-def settings_and_launch(values: dict[str, Any]) -> tuple[TrainSettings, dict[str, int]]:
-    """The workflow's ``train:`` section split into TrainSettings and ``run_training``'s launch
-    arguments (``devices``, ``nodes``, ``rdzv_port``); ``mode`` chose the rule and is dropped."""
-    launch = {k: values[k] for k in LAUNCH_KEYS if k in values}
-    rest = {k: v for k, v in values.items() if k not in launch and k != "mode"}
-    return settings_from_dict(rest), launch
+def launch_from_config(config: Mapping) -> dict[str, int]:
+    """``run_training``'s launch arguments (``devices``, ``nodes``, ``rdzv_port``) from the config's
+    train section, beside ``TrainSettings.from_config``: they decide the processes, not the weights."""
+    return {key: config_value(config, f"train.{key}") for key in LAUNCH_KEYS}
