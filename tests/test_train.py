@@ -625,7 +625,7 @@ def test_trained_eagle31_draft_is_served_by_vllm_as_the_hf_loop_drafts(tmp_path)
     script.write_text(textwrap.dedent(f"""
         import json
         from draftsmith.evaluate import EvalSettings, evaluate_draft
-        settings = EvalSettings(backend="vllm", k=3, k_sweep=(3,), max_prompts=6, max_new_tokens=24, sweep_max_prompts=1,
+        settings = EvalSettings(backend="vllm", hf_check=True, k=3, k_sweep=(3,), max_prompts=6, max_new_tokens=24, sweep_max_prompts=1,
                                 model_dtype="float32", device="cpu")
         result = evaluate_draft({str(draft)!r}, {str(inputs["target"])!r}, {str(heldout)!r}, {str(tmp_path / "acc.json")!r},
                                 settings, engine_kwargs={ENGINE_ARGS!r})

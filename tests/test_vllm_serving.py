@@ -93,7 +93,7 @@ def llama_eval(llama, tmp_path_factory, in_process_engine):
     heldout = tiny.write_jsonl(root / "heldout.jsonl", [
         {"id": pid, "messages": [], "prompt_ids": ids, "source": {"file": "x.jsonl", "line": i}}
         for i, (pid, ids) in enumerate(LLAMA_PROMPTS.items())])
-    settings = EvalSettings(backend="vllm", k=K, k_sweep=(1, K), max_prompts=len(LLAMA_PROMPTS),
+    settings = EvalSettings(backend="vllm", hf_check=True, k=K, k_sweep=(1, K), max_prompts=len(LLAMA_PROMPTS),
                             max_new_tokens=NEW_TOKENS, sweep_max_prompts=2, model_dtype="float32", device="cpu")
     out = root / "eval" / "acceptance.json"
     result = evaluate_draft(llama.draft, root / "target.json", heldout, out, settings, engine_kwargs=ENGINE_ARGS)

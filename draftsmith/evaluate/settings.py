@@ -29,6 +29,7 @@ class EvalSettings(StageSettings):
     """
 
     backend: str = from_schema("eval.backend")
+    hf_check: bool = from_schema("eval.hf_check")
     k: int = from_schema("eval.k")
     k_sweep: tuple[int, ...] = from_schema("eval.k_sweep")
     max_prompts: int = from_schema("eval.max_prompts")

@@ -17,40 +17,35 @@ log = logging.getLogger(__name__)
 
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
                    out_path: str | Path, settings: EvalSettings, *, engine_kwargs: dict | None = None,
-                   hf_reference: bool | None = None, sources: dict[str, str | Path] | None = None) -> dict:
+                   sources: dict[str, str | Path] | None = None) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
     prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
     ``sources`` (name -> prompts in heldout.jsonl's format, from prepare_eval_prompts) are evaluated
     the same way, each reported on its own under ``sources``.
 
-    One of three modes runs: the HF loop alone (``eval.backend: hf``, ``_in_hf_loop``); the draft
-    served by vLLM and checked against the HF loop (``eval.backend: vllm``, ``_served_and_in_hf_loop``);
-    or, for a target the HF loop cannot hold (its weights exceed one GPU; ``hf_reference=False``
-    forces it), vLLM alone (``_in_vllm_alone``), with the vllm backend only.
+    One of three modes runs: the HF loop alone (``eval.backend: hf``, ``_in_hf_loop``); vLLM alone
+    (``eval.backend: vllm``, ``_in_vllm_alone``); or with ``eval.hf_check`` the draft served by vLLM
+    and checked against the HF loop (``_served_and_in_hf_loop``), where the HF loop can hold the target.
     """
     from draftsmith.engines.hf_model import model_dtype_name, resolve_device
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
-    if hf_reference is None:
-        hf_reference = _hf_loop_holds(target, settings)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
     sources = sources or {}
-    if settings.backend == "vllm":
+    if settings.backend == "hf":
+        _hf_loop_holds(target, settings)  # stops a target the HF loop cannot hold
+        result = _in_hf_loop(target, draft_dir, prompts, settings, sources)
+    else:
         if not prompts:
             raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
                                   fix="raise data.heldout_fraction or data.max_heldout")
         engine = {"dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
                   "tensor_parallel_size": settings.tensor_parallel_size, **(engine_kwargs or {})}
-        if hf_reference:
+        if settings.hf_check and _hf_loop_holds(target, settings):
             result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine)
         else:
             result = _in_vllm_alone(target, draft_dir, prompts, settings, sources, engine)
-    elif not hf_reference:
-        raise EvaluationError("evaluation without the HF loop needs eval.backend: vllm", where="eval.backend",
-                              fix="set eval.backend: vllm")
-    else:
-        result = _in_hf_loop(target, draft_dir, prompts, settings, sources)
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
@@ -58,7 +53,8 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
 
 def _hf_loop_holds(target: dict, settings: EvalSettings) -> bool:
     """Whether the HF loop can hold the target (checked before any engine starts); a target too
-    large for one GPU is evaluated in vLLM alone where eval.backend is vllm, and stops otherwise."""
+    large for one GPU is evaluated in vLLM alone where eval.backend is vllm (eval.hf_check is then
+    ignored, with a warning), and stops otherwise."""
     from draftsmith.engines.hf_model import resolve_device
     from draftsmith.errors import TargetError
     from draftsmith.targets.inspect import check_fits_devices
