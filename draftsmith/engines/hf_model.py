@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith.engines.loads import target_load
 from draftsmith.errors import ExtractionError, TargetError
 
 MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -85,7 +86,8 @@ def load_target_model(model_path: str | Path, *, dtype: str = "auto", device: st
     """
     from transformers import GenerationConfig
 
-    model = load_hf_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    with target_load(f"transformers ({model_dtype_name(dtype, resolve_device(device))} on {resolve_device(device)})"):
+        model = load_hf_model(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     text_config = model.config.get_text_config()
     model.generation_config = GenerationConfig(
         bos_token_id=getattr(text_config, "bos_token_id", None),

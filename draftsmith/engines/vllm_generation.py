@@ -18,11 +18,11 @@ vLLM is imported only when an engine is created, so this module imports without 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 import torch
 
+from draftsmith.engines.loads import target_load
 from draftsmith.errors import TargetError
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
 
@@ -64,16 +64,17 @@ class VllmGenerator:
         # An in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaces torch.set_num_threads
         # with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
-        started = time.monotonic()
+        graphs = "eager" if self.args.get("enforce_eager") else "CUDA graphs"
         try:
-            self.llm = LLM(**self.args)
+            with target_load(f"vLLM generation engine (TP {self.args['tensor_parallel_size']}, {graphs})") as load:
+                self.llm = LLM(**self.args)
         except Exception as e:
             torch.set_num_threads = self._set_num_threads
             raise TargetError(f"vLLM cannot load {model_path}: {type(e).__name__}: {e}", where=str(model_path),
                               fix="see docs/adapting-a-target.md (vLLM versions and known limits), "
                                   "or set regenerate.backend: hf for a target that fits one device") from e
         self.max_model_len = _max_model_len(self.llm, self.args.get("max_model_len"))
-        self.load_seconds = time.monotonic() - started
+        self.load_seconds = load.seconds
         log.info("vLLM loaded %s in %.1fs (tensor_parallel_size %d, max_model_len %d)", model_path,
                  self.load_seconds, self.args["tensor_parallel_size"], self.max_model_len)
 

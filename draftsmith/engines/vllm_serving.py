@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.engines.loads import target_load
 from draftsmith.errors import EvaluationError
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm, spec_decode_record
 
@@ -131,16 +132,18 @@ class VllmServer:
         # In-process CPU engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) replace torch.set_num_threads
         # with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
-        started = time.monotonic()
+        graphs = "eager" if kwargs.get("enforce_eager") else "CUDA graphs"
+        role = "with the speculator " + self.speculative_config["method"] if self.speculative_config else "greedy"
         try:
-            self.llm = LLM(**kwargs)
+            with target_load(f"vLLM serving engine, {role} (TP {kwargs.get('tensor_parallel_size', 1)}, {graphs})") as load:
+                self.llm = LLM(**kwargs)
         except Exception as e:
             torch.set_num_threads = self._set_num_threads
             what = f" with the speculator {self.speculative_config}" if self.speculative_config else ""
             raise EvaluationError(f"vLLM cannot serve {model_path}{what}: {type(e).__name__}: {e}",
                                   where=str(model_path),
                                   fix="see docs/adapting-a-target.md (vLLM versions and known limits)") from e
-        self.load_seconds = time.monotonic() - started
+        self.load_seconds = load.seconds
         log.info("vLLM loaded %s in %.1fs (speculative_config %s)", model_path, self.load_seconds,
                  self.speculative_config)
 

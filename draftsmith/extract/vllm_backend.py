@@ -20,13 +20,13 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from draftsmith.engines.loads import target_load
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
@@ -97,13 +97,13 @@ class VllmBackend(CaptureBackend):
         # torch.set_num_threads with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
         self.spool = spool_folder()
-        started = time.monotonic()
         try:
-            self.llm = LLM(**engine_kwargs(kwargs))
+            with target_load(f"vLLM capture engine (TP {kwargs.get('tensor_parallel_size', 1)}, eager)") as load:
+                self.llm = LLM(**engine_kwargs(kwargs))
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)
             raise
-        self.load_seconds = time.monotonic() - started
+        self.load_seconds = load.seconds
         try:
             infos = self.llm.collective_rpc("draftsmith_install", args=(self.layer_ids, self.spool, layers_path, budget))
         except Exception as e:
