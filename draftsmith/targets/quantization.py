@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 CONFIG_KEYS = ("quantization_config", "compression_config")
 # Where checkpoints list what stays unquantized: compressed-tensors, transformers, vLLM, ModelOpt.
 IGNORE_KEYS = ("ignore", "modules_to_not_convert", "llm_int8_skip_modules", "ignored_layers", "exclude_modules")
-# Methods vLLM names whose weight bits are fixed by the method (the config need not state them).
-FIXED_BITS = {"mxfp4": 4, "bitnet": 2}
+# Methods whose bits the method fixes and whose configs need not state them, beyond those
+# read_schemes knows by name.
+FIXED_BITS = {"bitnet": 2}
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def find_quantization(raw: dict, text_key: str | None) -> tuple[str, dict] | Non
 def read_schemes(method: str, q: dict) -> list[Scheme] | None:
     """The weight schemes ``q`` declares, or None where its bits cannot be read (an unknown method
     that does not state them: reported as such, never guessed)."""
-    if method == "compressed-tensors":
+    if method in ("compressed-tensors", "compressed_tensors"):
         return _compressed_tensors(q)
     if method == "fp8":
         block = q.get("weight_block_size")
@@ -89,7 +90,7 @@ def read_schemes(method: str, q: dict) -> list[Scheme] | None:
         return [Scheme(8, "channel", scale_bytes=4)] if q.get("load_in_8bit") else None
     if method == "mxfp4":
         return [Scheme(4, "group", group=32, scale_bytes=1)]  # one e8m0 scale per 32 values
-    if method == "modelopt":
+    if method.startswith("modelopt"):
         algo = str(q.get("quant_algo", "")).upper()
         if algo == "NVFP4":
             return [Scheme(4, "group", group=16, scale_bytes=1)]
