@@ -5,6 +5,10 @@ takes as a parameter the hash of its script and of every draftsmith module the s
 directly or through other draftsmith modules (lazy imports inside functions included). The same
 closure keys the caches inside a stage (training checkpoints, extraction shards, regeneration
 chunks): a resume is only ever a resume of the same code.
+
+What is hashed is each file's token stream, not its bytes: comments, blank lines and spacing
+within a line change nothing, so a comment edit reruns nothing; code, docstrings (string tokens)
+and indentation (which is Python's structure) change the fingerprint.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import io
+import tokenize
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -109,14 +115,35 @@ def script_closure(script: str | Path) -> list[Path]:
     return _closure(_package_modules(_imports(Path(script), None)))
 
 
-def _digest(files: Iterable[Path], extra: Iterable[tuple[str, bytes]] = ()) -> str:
+def code_tokens(file: Path) -> bytes:
+    """What of ``file`` the fingerprint hashes: its tokens without comments and blank lines."""
+    return _code_tokens(file.read_bytes())
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_tokens(data: bytes) -> bytes:
+    # Keyed by the content itself: tokenizing is the cost, and every rule's closure shares most files.
+    try:
+        tokens = list(tokenize.tokenize(io.BytesIO(data).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return data  # a file Python cannot read fails its rule at import; its bytes still key it
+    kept = []
+    for token in tokens:
+        if token.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        # An INDENT's text is the indentation itself: the block structure is in the INDENT/DEDENT
+        # tokens, so re-indenting a file by another width changes nothing either.
+        kept.append(f"{token.type}\0{'' if token.type == tokenize.INDENT else token.string}")
+    return "\0\0".join(kept).encode()
+
+
+def _digest(files: Iterable[Path], script: Path | None = None) -> str:
     digest = hashlib.sha256()
-    for name, data in extra:
+    named = [(script.name, script)] if script else []
+    named += [(str(file.relative_to(PACKAGE_DIR)), file) for file in files]
+    for name, file in named:
+        data = code_tokens(file)
         digest.update(f"{name}\0{len(data)}\0".encode())
-        digest.update(data)
-    for file in files:
-        data = file.read_bytes()
-        digest.update(f"{file.relative_to(PACKAGE_DIR)}\0{len(data)}\0".encode())
         digest.update(data)
     return digest.hexdigest()[:16]
 
@@ -129,7 +156,7 @@ def code_fingerprint(*modules: str) -> str:
 def script_fingerprint(script: str | Path) -> str:
     """A short hash of a workflow script and of every draftsmith module it imports, transitively."""
     script = Path(script)
-    return _digest(script_closure(script), [(script.name, script.read_bytes())])
+    return _digest(script_closure(script), script)
 
 
 def module_name(file: Path) -> str:

@@ -71,6 +71,13 @@ def render(rows: dict[str, list[str]]) -> str:
         "`evaluate_draft` and the plots) for the `draftsmith.online` modules, listed here with no rule",
         "since the demo trains offline, and for every module those three rules rerun for.",
         "",
+        "A fingerprint hashes each file's Python tokens, not its bytes. It ignores comments, blank",
+        "lines and spacing within a line (`x=1` or `x = 1`), and the width of an indentation: editing",
+        "only those reruns nothing. It does not ignore docstrings (they are string tokens), string",
+        "contents, names, a moved or renamed module, or a change of indentation structure (a line",
+        "moved in or out of a block): each of those reruns the rules below. Snakemake itself also",
+        "reruns a rule whose `workflow_scripts/<rule>.py` is newer than its outputs, comments or not.",
+        "",
         "| module | rules that rerun |",
         "| --- | --- |",
     ]

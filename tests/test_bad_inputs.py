@@ -472,6 +472,29 @@ def _(tmp, env):
     _inspect(tmp, folder, dtype="bfloat16", hf_stages={"regenerate_responses": 1})
 
 
+@case("model-too-large-for-host-memory", TargetError, "into this machine's memory", "target.json")
+def _(tmp, env):
+    from unittest import mock
+
+    # device: cpu with extraction on the hf backend; the tiny target's 2 MB (float32) on a 1 MB machine
+    with mock.patch.dict(os.environ), mock.patch("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**6):
+        os.environ.pop("SLURM_JOB_ID", None)
+        _inspect(tmp, env["model"], hf_stages={"extract_hidden_states": 0})
+
+
+@case("device-cuda-without-a-gpu", ConfigError, "device: cuda, but torch sees no CUDA GPU", "target.json")
+def _(tmp, env):
+    from unittest import mock
+
+    from draftsmith.targets.inspect import hf_stages
+
+    config = {"device": "cuda", "regenerate": {"enabled": False, "backend": "hf"}, "eval": {"backend": "hf"},
+              "extraction": {"backend": "hf", "tensor_parallel_size": 1, "device_map": None}}
+    with mock.patch.dict(os.environ), mock.patch.object(torch.cuda, "is_available", lambda: False):
+        os.environ.pop("SLURM_JOB_ID", None)
+        _inspect(tmp, env["model"], hf_stages=hf_stages(config, gpu=True))
+
+
 @case("gpus-more-than-the-machine", PlacementError, "the job needs 8 GPUs; this machine has 2")
 def _(tmp, env):
     saved = {k: os.environ.pop(k, None) for k in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", DEVICES_ENV)}
@@ -524,6 +547,25 @@ def _(tmp, env):
     rows = [{"id": "a", "input_ids": [1, 2, 3]}]
     extract_part(tiny.write_jsonl(tmp / "train.jsonl", rows), env["target"], 0,
                  ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs", tmp / "hs" / "part-0.json")
+
+
+@case("extraction-part-held-by-another-process", ExtractionError, "is writing extraction part 0", "hs/part-0.json")
+def _(tmp, env):
+    import sys
+
+    # an orphaned job (its snakemake killed -9) still writing part 0 when the rerun starts it again
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from draftsmith.extract.shard_writer import part_lock\n"
+                               f"with part_lock({str(tmp / 'hs')!r}, 0):\n print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+        extract_part(train, env["target"], 0, ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs",
+                     tmp / "hs" / "part-0.json")
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("name", list(CASES))

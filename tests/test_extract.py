@@ -332,6 +332,32 @@ def test_killed_at_any_moment_a_rerun_finishes_byte_identical(train, target, tmp
     assert _tree(root) == _tree(reference)
 
 
+def test_a_part_has_one_writer_and_its_lock_dies_with_it(train, target, tmp_path):
+    """An orphaned job and its rerun on one part: the second writer stops at once, naming the
+    first; once the first is killed (-9, no clean-up), a new writer takes the part and finishes."""
+    target_json, _ = target
+    settings = dict(SMALL, shard_tokens=60, batch_tokens=64)
+    root = tmp_path / "hs"
+    first = _start(train, target_json, root, settings)
+    _go(first)
+    lock = root / "part-0.lock"
+    deadline = time.monotonic() + 90
+    while not (lock.is_file() and lock.read_text().startswith(f"{first.pid}@")):
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()[-2000:]
+        time.sleep(0.01)
+    try:
+        with pytest.raises(ExtractionError) as e:
+            extract_part(train, target_json, 0, ExtractionSettings(**settings), root, root / "part-0.json")
+        assert f"another process (pid {first.pid} on" in e.value.what and "extraction part 0" in e.value.what
+        assert str(lock) in e.value.where and f"kill {first.pid}" in e.value.fix
+        assert first.poll() is None  # the first writer goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    extract_part(train, target_json, 0, ExtractionSettings(**settings), root, root / "part-0.json")
+    assert (root / "part-0.json").is_file() and lock.read_text() == ""  # held while writing only
+
+
 # --- stops ------------------------------------------------------------------------------------
 
 

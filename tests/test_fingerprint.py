@@ -50,8 +50,26 @@ def test_a_script_is_fingerprinted_with_the_modules_it_imports(tmp_path):
     assert {"__init__.py", "data.py", "conversations.py", "logs.py", "errors.py", "io.py"} <= closure
     assert "regenerate.py" not in closure and not any(n.startswith("train/") for n in closure)
     before = script_fingerprint(script)
-    script.write_text(script.read_text() + "# a comment\n")
+    script.write_text(script.read_text() + "setup_logging(None)\n")
     assert script_fingerprint(script) != before
+
+
+def test_comments_and_blank_lines_change_no_fingerprint(toy_package):
+    """A comment edit reruns nothing; code, a docstring and a block's structure rerun what uses them."""
+    package = toy_package
+    b = package / "b.py"
+    b.write_text('def f(x):\n    """Double x."""\n    return x * 2\n')
+    before = code_fingerprint("draftsmith.a")
+    b.write_text('# why f doubles\n\ndef f(x):  # a note\n    """Double x."""\n\n    return x*2  # spacing too\n')
+    assert code_fingerprint("draftsmith.a") == before
+    b.write_text('def f(x):\n  """Double x."""\n  return x * 2\n')  # another indentation width
+    assert code_fingerprint("draftsmith.a") == before
+    for edited in ('def f(x):\n    """Double x, twice."""\n    return x * 2\n',
+                   'def f(x):\n    """Double x."""\n    return x * 3\n',
+                   'def f(x):\n    """Double x."""\n    return x * 2\nX = "# not a comment"\n',
+                   'def f(x):\n    """Double x."""\nreturn x * 2\n'):  # out of the function: not valid code
+        b.write_text(edited)
+        assert code_fingerprint("draftsmith.a") != before, edited
 
 
 def test_reading_conversations_does_not_pull_in_tokenising():

@@ -185,13 +185,15 @@ def test_hf_paths_refuse_a_target_that_fits_no_single_device(monkeypatch):
         check_fits_devices(kimi, {"evaluate_draft": 1})
 
 
-def test_the_hf_stages_follow_the_backends():
+def test_the_hf_stages_follow_the_backends(monkeypatch):
     from draftsmith.targets.inspect import hf_stages
 
-    config = {"regenerate": {"enabled": True, "backend": "hf"},
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = {"device": "cuda", "regenerate": {"enabled": True, "backend": "hf"},
               "extraction": {"backend": "hf", "tensor_parallel_size": 2, "device_map": "auto"},
               "eval": {"backend": "hf"}}
     assert hf_stages(config, gpu=True) == {"regenerate_responses": 1, "extract_hidden_states": 2, "evaluate_draft": 1}
-    assert hf_stages(config, gpu=False) == {}
+    # on the CPU each holds the target in host memory
+    assert hf_stages(config, gpu=False) == {"regenerate_responses": 0, "extract_hidden_states": 0, "evaluate_draft": 0}
     config["regenerate"]["backend"] = config["extraction"]["backend"] = config["eval"]["backend"] = "vllm"
     assert hf_stages(config, gpu=True) == {}

@@ -39,14 +39,18 @@ def test_caching_follows_inputs_params_and_code(workflow):
                         configfile=config)
     assert planned_rules(changed) == {"build_vocab_mapping"}
 
-    # Editing the code of one stage reruns that stage and its dependents, nothing upstream.
+    # A comment edit reruns nothing; editing the code of one stage reruns that stage and its
+    # dependents, nothing upstream.
     with (workdir / "draftsmith" / "data.py").open("a") as f:
-        f.write("\n# an edit\n")
+        f.write("\n# a comment\n")
+    assert planned_rules(snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)) == set()
+    with (workdir / "draftsmith" / "data.py").open("a") as f:
+        f.write("\n_EDIT = 1\n")
     edited = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
     assert planned_rules(edited) == {"prepare_dataset", "build_vocab_mapping"}
 
     with (workdir / "draftsmith" / "vocab.py").open("a") as f:
-        f.write("\n# an edit\n")
+        f.write("\n_EDIT = 1\n")
     snakemake(workdir, *PREFLIGHT_TARGETS, configfile=config)
     assert planned_rules(snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)) == set()
 

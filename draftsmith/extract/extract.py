@@ -36,7 +36,7 @@ from draftsmith.extract.hidden_states import (
     shard_dir_name,
 )
 from draftsmith.extract.settings import ExtractionSettings
-from draftsmith.extract.shard_writer import PartStore
+from draftsmith.extract.shard_writer import PartStore, part_lock
 from draftsmith.io import read_json, read_jsonl
 from draftsmith.settings import PROGRESS_INTERVAL_S
 from draftsmith.targets.identity import weights_identity
@@ -225,7 +225,14 @@ class _Progress:
 
 def extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, settings: ExtractionSettings,
                  store_root: str | Path, manifest_path: str | Path) -> dict:
-    """Extract one part's shards (resuming any already complete) and write its manifest."""
+    """Extract one part's shards (resuming any already complete) and write its manifest, as the
+    part's only writer: a second writer of the same part stops at once (``part_lock``)."""
+    with part_lock(store_root, part):
+        return _extract_part(train_jsonl, target_json, part, settings, store_root, manifest_path)
+
+
+def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, settings: ExtractionSettings,
+                  store_root: str | Path, manifest_path: str | Path) -> dict:
     from draftsmith.targets.inspect import read_target_json
 
     target_info = read_target_json(target_json)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftsmith.errors import TargetError
+from draftsmith.errors import ConfigError, TargetError
 from draftsmith.io import atomic_write_json
+from draftsmith.placement import DEVICES_ENV
+from draftsmith.targets.quantization import describe_quantization
 
 if TYPE_CHECKING:
     from torch import nn
@@ -266,6 +269,9 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
             raise TargetError(f"{layers_path} holds {len(layers)} modules, the config says {num_layers} layers",
                               where="target.layers_path")
     aux = check_layer_ids(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids, num_layers)
+    raw = json.loads((model_path / "config.json").read_text(encoding="utf-8"))  # load_config has checked it
+    text_key = None if text_config is config else _text_key(raw, text_config.model_type)
+    quantization = describe_quantization(model, raw, text_key, layers_path.rpartition(".")[0] + ".")
     tokenizer = inspect_tokenizer(model_path, text_config.vocab_size, trust_remote_code)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -288,6 +294,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
         "captured_layer_ids": [*aux, num_layers],
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "torch_dtype": torch_dtype.replace("torch.", ""),
+        "quantization": quantization,
         "trust_remote_code": trust_remote_code,
         **tokenizer,
         "text_config": text_config.to_dict(),
@@ -297,10 +304,31 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     return info
 
 
+def _text_key(raw: dict, text_model_type: str) -> str | None:
+    """The key of a wrapper's config.json that holds its text model's config (text_config, ...)."""
+    return next((k for k, v in raw.items() if isinstance(v, dict) and v.get("model_type") == text_model_type), None)
+
+
 def weight_bytes(info: dict, dtype: str = "auto") -> int:
-    """Bytes of the target's weights as the HF path loads them on a GPU: its parameter count (from
-    the config, on the meta device) times the size of ``dtype`` (``auto`` = bfloat16 on a GPU)."""
-    return int(info["num_parameters"]) * DTYPE_BYTES["bfloat16" if dtype == "auto" else dtype]
+    """Bytes of the target's weights as the HF path loads them on a GPU: the quantized parameters as
+    stored (target.json's ``quantization``, scales included), every other parameter (from the config,
+    on the meta device) in ``dtype`` (``auto`` = bfloat16 on a GPU). A quantization whose bits are
+    unknown counts as unquantized."""
+    quantization = info.get("quantization") or {}
+    stored, quantized = quantization.get("quantized_bytes"), quantization.get("quantized_parameters")
+    plain = int(info["num_parameters"]) - (quantized if stored is not None else 0)
+    return (stored or 0) + plain * DTYPE_BYTES["bfloat16" if dtype == "auto" else dtype]
+
+
+def quantization_summary(info: dict) -> str:
+    """The quantization in words, for logs and messages ("unquantized" for none)."""
+    q = info.get("quantization")
+    if not q:
+        return "unquantized"
+    if q["bits"] is None:
+        return f"quantized with {q['method']} (bits unknown to Draftsmith: sized as unquantized)"
+    return (f"{q['method']} {q['scheme']} ({q['config_key']}): {q['quantized_parameters'] / 1e9:,.1f}B "
+            f"parameters quantized, the rest ({', '.join(q['unquantized'][:4])}{', ...' * (len(q['unquantized']) > 4)}) not")
 
 
 def device_memory_bytes() -> int | None:
@@ -318,11 +346,12 @@ def device_memory_bytes() -> int | None:
 
 
 def hf_stages(config: dict, *, gpu: bool) -> dict[str, int]:
-    """The workflow's stages that load the whole target with transformers on GPUs (``gpu``: the
-    run's device is a GPU), and the devices each spreads it over (``{rule: devices}``), from the
-    validated config."""
-    if not gpu:
-        return {}  # on the CPU the target is held in host memory
+    """The workflow's stages that load the whole target with transformers, and what each holds it
+    in (``{rule: GPUs}``; 0: host memory, where ``gpu`` is false: the run's device is the CPU),
+    from the validated config. A run on GPUs is first checked to have one (``check_gpu_present``):
+    the workflow's preflight reads the config here, before any job that needs a GPU."""
+    if gpu:
+        check_gpu_present(config["device"])
     stages = {}
     if config["regenerate"]["enabled"] and config["regenerate"]["backend"] == "hf":
         stages["regenerate_responses"] = 1
@@ -331,29 +360,92 @@ def hf_stages(config: dict, *, gpu: bool) -> dict[str, int]:
         stages["extract_hidden_states"] = extraction["tensor_parallel_size"] if extraction["device_map"] else 1
     if config["eval"]["backend"] == "hf":
         stages["evaluate_draft"] = 1
-    return stages
+    return stages if gpu else dict.fromkeys(stages, 0)
+
+
+def check_gpu_present(device: str) -> None:
+    """Refuse ``device: cuda`` where torch sees no GPU: every stage that runs the target or trains
+    would stop, the first after the data stages. Under SLURM the GPU jobs run on other nodes than
+    this preflight job, so nothing is refused there."""
+    import torch
+
+    if device != "cuda" or os.environ.get("SLURM_JOB_ID") or torch.cuda.is_available():
+        return
+    raise ConfigError(
+        "device: cuda, but torch sees no CUDA GPU on this machine (torch.cuda.is_available() is false), "
+        "so the stages that run the target or train would stop", where="config key device",
+        fix="set device: cpu (or auto: the GPU where there is one), or run where torch can use a GPU (an NVIDIA "
+            f"driver, nvidia-smi listing the GPUs, a CUDA build of torch); {DEVICES_ENV} only names GPU ids for "
+            "placement, it makes none usable")
+
+
+def _weights_phrase(info: dict, dtype: str) -> str:
+    need, params = weight_bytes(info, dtype), info["num_parameters"] / 1e9
+    q = info.get("quantization")
+    if not q:
+        return f"{need / 1e9:,.0f} GB in {dtype} ({params:,.1f}B parameters from its config)"
+    return (f"{need / 1e9:,.0f} GB ({params:,.1f}B parameters from its config: {q['quantized_parameters'] / 1e9:,.1f}B "
+            f"of them as {q['method']} stores them, {q['scheme']}, the rest in {dtype})")
 
 
 def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "auto",
                        device_bytes: int | None = None) -> None:
-    """Refuse a target whose weights alone exceed the devices an HF stage loads it on ({rule:
-    devices}); activations and KV cache need more still, so a pass is no promise, a refusal is sure."""
-    if not hf_stages:
+    """Refuse a target whose weights alone exceed what an HF stage loads it on ({rule: GPUs}, 0 =
+    host memory); activations and KV cache need more still, so a pass is no promise, a refusal is
+    sure. A quantized target whose bits are unknown is never refused (its size would be a guess)."""
+    quantization = info.get("quantization")
+    if not hf_stages or (quantization and quantization["quantized_bytes"] is None):
         return
+    host = [rule for rule, n in hf_stages.items() if n == 0]
+    if host:
+        check_fits_host(info, host, dtype=dtype)
+    on_gpus = {rule: n for rule, n in hf_stages.items() if n > 0}
     need = weight_bytes(info, dtype)
-    seen = device_bytes or device_memory_bytes()
+    seen = device_bytes or (device_memory_bytes() if on_gpus else None)
     capacity = seen or LARGEST_DEVICE_BYTES
-    too_big = {rule: n for rule, n in hf_stages.items() if need > n * capacity}
+    too_big = {rule: n for rule, n in on_gpus.items() if need > n * capacity}
     if not too_big:
         return
     devices = f"{capacity / 1e9:.0f} GB per GPU ({'this machine' if seen else 'the largest GPU made'})"
     raise TargetError(
-        f"the target's weights take {need / 1e9:,.0f} GB in {'bfloat16' if dtype == 'auto' else dtype} "
-        f"({info['num_parameters'] / 1e9:,.1f}B parameters from its config); "
+        f"the target's weights take {_weights_phrase(info, 'bfloat16' if dtype == 'auto' else dtype)}; "
         + "; ".join(f"{rule} loads it with transformers on {n} GPU{'s' * (n > 1)}" for rule, n in too_big.items())
         + f", {devices}",
         where=", ".join(HF_STAGE_KEYS[r] for r in too_big),
         fix="; ".join(HF_STAGE_FIXES[r] for r in too_big))
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory, or the limit of the cgroup this process runs in where lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def check_fits_host(info: dict, rules: list[str], *, dtype: str = "auto") -> None:
+    """Refuse a run on the CPU whose HF stages (``rules``) cannot hold the target's weights in this
+    machine's memory. Under SLURM those jobs run on other nodes, with the memory they ask for."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return
+    # auto is float32 on the CPU, as engines.hf_model.model_dtype_name has it (which imports this
+    # module, so it cannot be imported here)
+    cpu_dtype = "float32" if dtype == "auto" else dtype
+    need, have = weight_bytes(info, cpu_dtype), host_memory_bytes()
+    if need <= have:
+        return
+    raise TargetError(
+        f"the target's weights take {_weights_phrase(info, cpu_dtype)}; with device: cpu, {', '.join(rules)} "
+        f"load{'s' * (len(rules) == 1)} it with transformers into this machine's memory, {have / 1e9:,.0f} GB",
+        where="config keys device (cpu), " + ", ".join(HF_STAGE_KEYS[r] for r in rules),
+        fix="run on GPUs (device: cuda) with " + ", ".join(f"{HF_STAGE_KEYS[r]}: vllm" for r in rules)
+            + f", or on a machine with more than {need / 1e9:,.0f} GB of memory"
+            + ("; target.dtype: bfloat16 halves the float32 that auto means on the CPU" if cpu_dtype == "float32" else ""))
 
 
 def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: str = "auto",
@@ -363,10 +455,11 @@ def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: st
     info["weight_bytes"] = weight_bytes(info, dtype)
     check_fits_devices(info, dict(hf_stages or {}), dtype=dtype)
     atomic_write_json(out_path, info)
-    log.info("target %s: %s, %d layers at %s, hidden %d, vocab %d, aux layers %s (+ final %d), %.1fB parameters",
-             info["model_path"], info["architecture"], info["num_hidden_layers"], info["layers_path"],
-             info["hidden_size"], info["vocab_size"], info["aux_layer_ids"], info["final_layer_id"],
-             info["num_parameters"] / 1e9)
+    log.info("target %s: %s, %d layers at %s, hidden %d, vocab %d, aux layers %s (+ final %d), %.1fB parameters, "
+             "%s; weights %.1f GB on a GPU", info["model_path"], info["architecture"], info["num_hidden_layers"],
+             info["layers_path"], info["hidden_size"], info["vocab_size"], info["aux_layer_ids"],
+             info["final_layer_id"], info["num_parameters"] / 1e9, quantization_summary(info),
+             info["weight_bytes"] / 1e9)
     return info
 
 
