@@ -4,6 +4,8 @@ import copy
 import os
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
+
 from draftsmith.config import uses_gpu
 from draftsmith.fingerprint import script_fingerprint
 from draftsmith.targets.identity import weights_fingerprint
@@ -162,11 +164,21 @@ def job_threads(gpus):
     share is of all the GPUs the run was given (--resources gpu=N): with fewer, jobs that could run
     side by side on their own GPUs would wait for cores instead. On the CPU the math is the job:
     all cores."""
+    cores = total_cores()
     if not gpus:
-        return workflow.cores
+        return cores
     machine_gpus = max(gpus, run_gpus())
-    per_gpu = max(1, min(4, (workflow.cores - 1) // machine_gpus))
-    return max(1, min(workflow.cores - 1, per_gpu * gpus))
+    per_gpu = max(1, min(4, (cores - 1) // machine_gpus))
+    return max(1, min(cores - 1, per_gpu * gpus))
+
+
+def total_cores():
+    """--cores. Commands that run no job (--unlock, --report, --cleanup-metadata) may leave it out,
+    and Snakemake then raises on reading it; no thread count matters to them."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
 
 
 def run_gpus():

@@ -1,6 +1,7 @@
 """Every snakemake command the documentation shows parses as written: its configfile is a config
-file and each target is a rule or a file (`--configfile` takes several values, so a target written
-after it would be read as a second config file)."""
+file, each target is a rule or a file (`--configfile` takes several values, so a target written
+after it would be read as a second config file), and a command that runs jobs says how many cores
+it may use (Snakemake 9 stops such a command at once without them)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def test_each_documented_command_parses_as_meant(where, command):
     for configfile in args.configfile or []:
         assert str(configfile).endswith((".yaml", ".yml")), \
             f"{where}: {command!r} reads {configfile} as a config file (put targets before --configfile)"
+    runs_no_job = (args.dryrun or args.unlock or args.report or args.lint is not None or args.dag is not None
+                   or args.rulegraph is not None)
+    assert runs_no_job or args.cores is not None or args.profile, \
+        f"{where}: {command!r} needs --cores (or a --profile that sets it): Snakemake 9 refuses to run without"
     rules = known_rules()
     for target in args.targets or []:
         assert target in rules or "/" in target or "." in target, f"{where}: {command!r}: unknown target {target}"
