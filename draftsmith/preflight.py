@@ -118,9 +118,10 @@ def check_engines(architecture: str, engines: Mapping[str, str]) -> dict:
 
 def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path: str | Path, *,
                 format: str = "auto", max_seq_len: int = 2048, draft_vocab_size: int = 32000,
-                engines: Mapping[str, str] | None = None) -> dict:
+                engines: Mapping[str, str] | None = None, sizes: Mapping | None = None) -> dict:
     """Run every weight-free check against the target folder ``model_path`` and write what was
-    checked to ``out_path``."""
+    checked to ``out_path``. ``sizes``: the config keys draftsmith.fits reads (its checks are
+    skipped without them)."""
     from draftsmith.chat import load_tokenizer, require_chat_template
 
     raw = read_config(model_path)
@@ -128,6 +129,11 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
     check_vocab(text.get("vocab_size"), draft_vocab_size)
     architecture = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
     report = {"engines": check_engines(architecture, engines or {})}
+    if sizes is not None:
+        from draftsmith.fits import check_context, check_train_fits, trainer_memory
+
+        report["context"] = check_context(text, sizes)
+        report["train_memory"] = check_train_fits(text, sizes, trainer_memory(sizes["device"]))
     if not sources:
         raise DataError("no data sources given", where="config key data.sources",
                         fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")

@@ -67,6 +67,18 @@ rule check_setup:
         max_seq_len=config["data"]["max_seq_len"],
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         engines=target_engines(),
+        # what draftsmith.fits checks: a batch that cannot fit the trainer, generation past the context
+        sizes=stage_config(
+            "device",
+            "data.max_seq_len",
+            "vocab.draft_vocab_size",
+            "draft.num_layers",
+            "train.batch_tokens",
+            "train.ttt_steps",
+            "eval.max_new_tokens",
+            "regenerate.enabled",
+            "regenerate.max_new_tokens",
+        ),
         engine=engine_version(),
         code=script_code("check_setup"),
     script:

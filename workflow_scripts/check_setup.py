@@ -14,4 +14,5 @@ check_setup(
     max_seq_len=snakemake.params.max_seq_len,
     draft_vocab_size=snakemake.params.draft_vocab_size,
     engines=snakemake.params.engines,
+    sizes=snakemake.params.sizes,
 )
