@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class DraftsmithError(Exception):
     """An error the user can act on.
@@ -53,3 +56,26 @@ class TrainingError(DraftsmithError):
 
 class EvaluationError(DraftsmithError):
     """Evaluating the draft failed, e.g. speculative output differs from greedy output."""
+
+
+# What torch's allocators say when they cannot allocate: torch.OutOfMemoryError ("CUDA out of
+# memory") and the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory").
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _OUT_OF_MEMORY))
+
+
+@contextmanager
+def out_of_memory_as(error: type[DraftsmithError], what: str, *, where: str, fix: str) -> Iterator[None]:
+    """Re-raise an allocator's out-of-memory error inside the block as ``error`` naming the setting
+    to change; anything else passes through."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise error(f"{what} ran out of memory: {first}", where=where, fix=fix) from e

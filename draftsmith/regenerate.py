@@ -39,7 +39,7 @@ from draftsmith.engines.hf_model import (
     stop_ids_from_files,
     stop_token_ids,
 )
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, TargetError, out_of_memory_as
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, read_jsonl, sha256_file
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
@@ -173,7 +173,9 @@ class Regenerator:
                 # One seed per batch, derived from the chunk's and the round's, so a resumed run
                 # draws what an uninterrupted run would have drawn.
                 torch.manual_seed(_derived_seed(seed, b))
-            with torch.no_grad():
+            with torch.no_grad(), out_of_memory_as(
+                    TargetError, "generating answers", where=f"a batch of {len(batch)} prompts of up to {width} tokens",
+                    fix="lower regenerate.batch_size (or regenerate.max_new_tokens), or use regenerate.backend: vllm"):
                 generated = self.model.generate(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                     max_new_tokens=s.max_new_tokens, do_sample=not s.greedy, **sampling,

@@ -32,6 +32,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
 
     target = read_target_json(target_json)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
+    _warn_past_context(target, prompts, settings, heldout_jsonl)
     sources = sources or {}
     if settings.backend == "hf":
         _hf_loop_holds(target, settings)  # stops a target the HF loop cannot hold
@@ -49,6 +50,17 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
+
+
+def _warn_past_context(target: dict, prompts: list, settings: EvalSettings, where: str | Path) -> None:
+    """Say how many prompts plus eval.max_new_tokens run past the target's context (preflight
+    refuses only what overflows on every prompt: how many do depends on the prompts)."""
+    context = (target.get("text_config") or {}).get("max_position_embeddings")
+    over = sum(len(p.ids) + settings.max_new_tokens > context for p in prompts) if context else 0
+    if over:
+        log.warning("%d of %d prompts in %s plus eval.max_new_tokens=%d run past the target's context of %d "
+                    "positions: the HF loop decodes past it, vLLM refuses them; lower eval.max_new_tokens or "
+                    "data.max_seq_len", over, len(prompts), where, settings.max_new_tokens, context)
 
 
 def _hf_loop_holds(target: dict, settings: EvalSettings) -> bool:

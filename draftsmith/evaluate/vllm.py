@@ -90,7 +90,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
         if longest + settings.max_new_tokens > limit:
             raise EvaluationError(f"a held-out prompt of {longest} tokens plus eval.max_new_tokens "
                                   f"({settings.max_new_tokens}) exceeds the target's {limit} positions",
-                                  where="eval.max_new_tokens", fix="lower eval.max_new_tokens or data.max_length")
+                                  where="eval.max_new_tokens", fix="lower eval.max_new_tokens or data.max_seq_len")
         max_model_len = limit
     common = dict(dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                   trust_remote_code=bool(target.get("trust_remote_code", False)), **engine_kwargs)

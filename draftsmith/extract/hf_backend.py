@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from draftsmith.engines.hf_model import load_hf_model
-from draftsmith.errors import ExtractionError
+from draftsmith.errors import ExtractionError, out_of_memory_as
 from draftsmith.extract.backends import CaptureBackend
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,12 @@ class HfBackend(CaptureBackend):
             attention_mask = attention_mask.pin_memory().to(self.input_device, non_blocking=True)
         self._captured = {}
         try:
-            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with out_of_memory_as(ExtractionError, "the target's forward pass",
+                                  where=f"a batch of {len(batch)} sequences, {input_ids.numel()} padded tokens",
+                                  fix="lower extraction.batch_tokens (a sample longer than it is a batch of its "
+                                      "own: lower data.max_seq_len then), or spread the target over more GPUs "
+                                      "(extraction.device_map: auto) or use extraction.backend: vllm"):
+                self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
         finally:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
-from draftsmith.errors import TrainingError
+from draftsmith.errors import TrainingError, out_of_memory_as
 from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, StateSource, Step, plan_run, step_group
@@ -41,6 +41,15 @@ from draftsmith.train.objective import TTTObjective
 from draftsmith.train.settings import TrainSettings
 
 log = logging.getLogger(__name__)
+
+# What to change when a step runs out of memory: the batch, and on the CPU the dense attention
+# whose scores grow with its square (draftsmith.fits estimates both at preflight).
+_OOM_FIX = {
+    "sdpa": "lower train.batch_tokens (the dense attention's memory grows with its square; keep it >= "
+            "data.max_seq_len, lowering that too if needed), or train on a GPU (device: cuda: flex attention)",
+    "flex": "lower train.batch_tokens (keep it >= data.max_seq_len, lowering that too if needed), or lower "
+            "vocab.draft_vocab_size (each TTT step keeps its logits)",
+}
 
 
 def train_draft(index_path: str | Path | None, mapping_path: str | Path, target_json: str | Path,
@@ -158,10 +167,14 @@ def _loop(run: _Run, feed: BatchFeed, verifier: ShardVerifier | None, run_log: R
         weights = weights.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else weights
         micro = feed.ready(upcoming)
         # the exact (whole-vocabulary) acceptance statistics only on the steps that log them
-        step_loss, stats, grad_norm = train_step(run.model, run.optimizer, run.trainable, micro,
-                                                 settings.grad_accum_steps, weights,
-                                                 max_grad_norm=settings.max_grad_norm, autocast=autocast,
-                                                 world=ddp.world, exact=log_now)
+        with out_of_memory_as(TrainingError, f"training step {done} of {total}",
+                              where=f"micro-batches of up to train.batch_tokens={settings.batch_tokens} positions "
+                                    f"on {device} ({run.attention} attention, ttt_steps {settings.ttt_steps})",
+                              fix=_OOM_FIX[run.attention]):
+            step_loss, stats, grad_norm = train_step(run.model, run.optimizer, run.trainable, micro,
+                                                     settings.grad_accum_steps, weights,
+                                                     max_grad_norm=settings.max_grad_norm, autocast=autocast,
+                                                     world=ddp.world, exact=log_now)
         del micro
         if run.source is not None:  # before the next fetch: it may wait for room this frees
             run.source.step_done(done)
