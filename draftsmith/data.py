@@ -394,6 +394,9 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
             source = {"file": row.file, "line": row.line}
             try:
                 if row_id in heldout_ids:
+                    # Rendered whole too: a row the template cannot render is bad wherever the split
+                    # puts it, or which rows count as bad would hang on the held-out draw.
+                    renderer.tokenize(row.messages, row.tools)
                     prompt = renderer.prompt_ids(row.messages, row.tools)
                     if len(prompt) >= settings.max_seq_len:
                         raise _TooLong()

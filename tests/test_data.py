@@ -127,10 +127,10 @@ def test_template_that_rewrites_turns_without_markers_is_an_error(tmp_path):
     with pytest.raises(ChatTemplateError, match="rewrites earlier turns") as e:
         tokenize_conversation(tokenizer, conversation(0, turns=2))
     assert "generation" in e.value.fix
-    # In a run, such rows count as template_error (the held-out row needs its prompt only) and the
-    # run fails saying why and how to fix the template.
+    # In a run, such rows count as template_error (the held-out row too: it is rendered whole) and
+    # the run fails saying why and how to fix the template.
     tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(4))
-    with pytest.raises(DataError, match="template_error=3") as e:
+    with pytest.raises(DataError, match="template_error=4") as e:
         prepare_dataset([tmp_path / "d.jsonl"], tmp_path / "tok", tmp_path / "out", DataSettings())
     assert "rewrites earlier turns" in e.value.where and "{% generation %}" in e.value.fix
 
@@ -492,8 +492,24 @@ def test_a_template_that_drops_tool_calls_makes_the_row_bad(tmp_path, chatml_tok
     source = tiny.write_jsonl(tmp_path / "agentic.jsonl", [tool_conversation(i) for i in range(4)]
                               + message_rows(8))
     stats, train, _ = run(tmp_path, [source], chatml_tokenizer, max_bad_fraction=0.5)
-    assert stats["rows_dropped"]["template_error"] >= 3
+    assert stats["rows_dropped"]["template_error"] == 4
     assert "does not render the assistant's tool calls" in stats["first_bad_rows"][0]["detail"]
+
+
+def test_rows_the_template_cannot_render_are_bad_rows_wherever_they_are(tmp_path, chatml_tokenizer):
+    """Clean rows first (preflight sees only those), tool-call rows after: every one is counted,
+    held out or not, named with file:line, and held to data.max_bad_fraction."""
+    rows = message_rows(12) + [tool_conversation(i) for i in range(4)]
+    source = tiny.write_jsonl(tmp_path / "mixed.jsonl", rows)
+    for seed in range(4):  # held-out draws that do and do not pick a tool row
+        stats, train, held = run(tmp_path, [source], chatml_tokenizer, name=f"s{seed}", seed=seed,
+                                 heldout_fraction=0.3, max_bad_fraction=0.5)
+        assert stats["rows_dropped"]["template_error"] == 4
+        assert [(r["file"], r["line"]) for r in stats["first_bad_rows"]] == [(str(source), n) for n in range(13, 17)]
+        assert not any(r["id"].startswith("tool") for r in train + held)
+    with pytest.raises(DataError) as info:
+        run(tmp_path, [source], chatml_tokenizer, name="strict", max_bad_fraction=0.2)
+    assert "template_error=4" in info.value.what and f"{source}:13" in info.value.where
 
 
 def test_tool_rows_in_sharegpt_and_parquet_shapes(tmp_path):
