@@ -495,6 +495,64 @@ def _(tmp, env):
         _inspect(tmp, env["model"], hf_stages=hf_stages(config, gpu=True))
 
 
+def _sizes(**changes) -> dict:
+    """check_setup's ``sizes`` (the rule's param): the demo's settings on the CPU, with ``changes``
+    as {"section.key": value}."""
+    sizes = {"device": "cpu", "data": {"max_seq_len": 64}, "vocab": {"draft_vocab_size": 100},
+             "draft": {"num_layers": 1}, "train": {"batch_tokens": 1024, "ttt_steps": 3},
+             "eval": {"max_new_tokens": 48}, "regenerate": {"enabled": False, "max_new_tokens": 48}}
+    for key, value in changes.items():
+        section, name = key.split(".")
+        sizes[section][name] = value
+    return sizes
+
+
+def _check_setup(tmp: Path, env: dict, sizes: dict) -> None:
+    from unittest import mock
+
+    from draftsmith.preflight import check_setup
+
+    source = tiny.write_jsonl(tmp / "good.jsonl", [_chat(i) for i in range(4)])
+    with mock.patch.dict(os.environ):
+        os.environ.pop("SLURM_JOB_ID", None)
+        check_setup(env["model"], [source], tmp / "preflight.json", max_seq_len=64, draft_vocab_size=100,
+                    sizes=sizes)
+
+
+@case("train-batch-too-large-for-memory", ConfigError, "more than the CPU's memory", "preflight.json")
+def _(tmp, env):
+    # the dense TTT attention of a million-token batch: ~100 TB on the CPU's sdpa path
+    _check_setup(tmp, env, _sizes(**{"train.batch_tokens": 1_000_000, "data.max_seq_len": 1_000_000}))
+
+
+@case("eval-max-new-tokens-past-context", ConfigError, "cannot follow any prompt within the target's context",
+      "preflight.json")
+def _(tmp, env):
+    _check_setup(tmp, env, _sizes(**{"eval.max_new_tokens": 3000}))  # the tiny target has 512 positions
+
+
+@case("regenerate-max-new-tokens-past-context", ConfigError, "regenerate.max_new_tokens: 600 new tokens",
+      "preflight.json")
+def _(tmp, env):
+    _check_setup(tmp, env, _sizes(**{"regenerate.enabled": True, "regenerate.max_new_tokens": 600,
+                                     "data.max_seq_len": 1024}))
+
+
+@case("extraction-out-of-memory", ExtractionError, "lower extraction.batch_tokens", "hs/part-0.json")
+def _(tmp, env):
+    from unittest import mock
+
+    from transformers import LlamaForCausalLM
+
+    # what the CPU allocator raises when a forward cannot get its memory
+    oom = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 17384949904 bytes. Error code 12 (Cannot allocate memory)")
+    train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    with mock.patch.object(LlamaForCausalLM, "forward", side_effect=oom):
+        extract_part(train, env["target"], 0, ExtractionSettings(device="cpu", min_free_bytes=0, backend="hf"),
+                     tmp / "hs", tmp / "hs" / "part-0.json")
+
+
 @case("gpus-more-than-the-machine", PlacementError, "the job needs 8 GPUs; this machine has 2")
 def _(tmp, env):
     saved = {k: os.environ.pop(k, None) for k in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", DEVICES_ENV)}

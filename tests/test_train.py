@@ -678,3 +678,20 @@ def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
         assert Path(path).exists(), path
     assert read_json(results / "train" / "summary.json")["steps"] == 3
     assert (results / "train" / "state" / "checkpoints" / "latest.json").exists()
+
+
+def test_a_step_out_of_memory_names_the_batch_and_the_setting_to_lower(inputs, tmp_path, monkeypatch):
+    """The CPU allocator's RuntimeError in a step becomes a TrainingError: the step, the batch
+    tokens and train.batch_tokens in its fix, the allocator's words kept."""
+    import draftsmith.train.loop as loop
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 17384949904 bytes")
+
+    monkeypatch.setattr(loop, "train_step", out_of_memory)
+    with pytest.raises(TrainingError) as info:
+        train(inputs, tmp_path, dataclasses.replace(SETTINGS, device="cpu"))
+    e = info.value
+    assert "training step 1 of" in e.what and "17384949904 bytes" in e.what
+    assert "train.batch_tokens=96" in e.where and "sdpa attention" in e.where
+    assert "lower train.batch_tokens" in e.fix
