@@ -194,3 +194,49 @@ def test_online_mode_runs_one_engine_on_one_node(schema):
     assert "train.nodes: 2 with train.mode: online" in message
     config["train"]["nodes"], config["extraction"]["parts"] = 1, 1
     check_semantics(config)
+
+
+SIZE_KEYS = ("device", "data.max_seq_len", "vocab.draft_vocab_size", "draft.num_layers", "train.batch_tokens",
+             "train.ttt_steps", "eval.max_new_tokens", "regenerate.enabled", "regenerate.max_new_tokens",
+             "extraction.batch_tokens", "regenerate.batch_size")
+BAD_SIZES = (0, -1, 1, 2, 3000, 10**6, 10**12, 2**63, 1.5, float("nan"), "cuda", "x", None, True, [], {})
+
+
+def test_fuzz_bad_sizes_end_in_a_draftsmith_error_through_the_config_check_and_preflight(schema, tmp_path,
+                                                                                         monkeypatch):
+    """Random bad values for the numeric and enum keys draftsmith.fits reads: the config check, then
+    (where it passes) preflight's fit checks against a 512-position target on a 1 TB CPU, refuse with
+    a DraftsmithError or pass, never another exception."""
+    import random
+
+    from snakemake.utils import validate
+
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.fits import check_context, check_train_fits
+
+    monkeypatch.chdir(tmp_path)
+    base = _defaults(schema)
+    base["data"]["sources"] = []
+    text = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+            "vocab_size": 384, "max_position_embeddings": 512}
+    rng = random.Random(28)
+    outcomes = {"refused": 0, "passed": 0}
+    for _ in range(300):
+        config = copy.deepcopy(base)
+        for key in rng.sample(SIZE_KEYS, rng.randint(1, 3)):
+            section, _, name = key.partition(".")
+            if name:
+                config[section][name] = rng.choice(BAD_SIZES)
+            else:
+                config[section] = rng.choice(BAD_SIZES)
+        try:
+            check_config(config, SCHEMA, ["fuzz.yaml"])
+            validate(config, str(SCHEMA))
+            check_semantics(config, ["fuzz.yaml"])
+            check_context(text, config)
+            check_train_fits(text, config, ("sdpa", 10**12))
+        except DraftsmithError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["passed"] += 1
+    assert outcomes["refused"] > 100 and outcomes["passed"] > 0, outcomes
