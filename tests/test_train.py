@@ -372,8 +372,9 @@ def test_shuffled_packing_mixes_the_lengths_of_a_group_in_each_batch():
 
 
 @pytest.mark.gpu
-def test_loss_decreases_and_outputs_are_written(inputs, tmp_path):
-    settings = dataclasses.replace(SETTINGS, epochs=4)
+@pytest.mark.parametrize("packing", ["best_fit", "shuffled"])
+def test_loss_decreases_and_outputs_are_written(inputs, tmp_path, packing):
+    settings = dataclasses.replace(SETTINGS, epochs=4, packing=packing)
     summary = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "draft",
                            tmp_path / "work", settings, metrics_out=tmp_path / "metrics.jsonl",
                            summary_out=tmp_path / "summary.json")
