@@ -46,7 +46,7 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation is part of t
 )
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, fsync_dir, share_mode, storage_error
-from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, config_value, from_schema
+from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, data_format, from_schema
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,29 @@ class DataSettings(StageSettings):
 
     @classmethod
     def from_config(cls, config: Mapping) -> DataSettings:
-        settings = super().from_config(config)
         # regenerate_responses writes its conversations as messages rows, whatever format the sources had
-        return replace(settings, format="auto") if config_value(config, "regenerate.enabled") else settings
+        return replace(super().from_config(config), format=data_format(config))
+
+
+@dataclass(frozen=True)
+class EvalPromptsSettings(StageSettings):
+    """What prepare_eval_prompts reads of the config: how many prompts of an eval.sources set it
+    keeps, and the data section's length limit and bad-row tolerance, applied as prepare_dataset
+    applies them to the held-out prompts."""
+
+    max_prompts: int = from_schema("eval.max_prompts")
+    max_seq_len: int = from_schema("data.max_seq_len")
+    max_bad_fraction: float = from_schema("data.max_bad_fraction")
+
+    SECTION = "data"
+    NOT_SETTINGS = {"sources": "prepare_dataset's sources; an eval.sources set is the rule's input",
+                    "format": "an evaluation set is read by its prompt fields (load_prompts), in any format",
+                    "heldout_fraction": "prepare_dataset's held-out split (DataSettings)",
+                    "max_heldout": "prepare_dataset's held-out split (DataSettings)",
+                    "max_samples": "prepare_dataset's training sample (DataSettings)"}
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,16 +465,17 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
 # Evaluation prompt sets (eval.sources)
 
 
-def prepare_eval_prompts(source: str | Path, tokenizer_dir: str | Path, out_path: str | Path, *,
-                         max_prompts: int, max_seq_len: int, max_bad_fraction: float) -> dict:
+def prepare_eval_prompts(source: str | Path, tokenizer_dir: str | Path, out_path: str | Path,
+                         settings: EvalPromptsSettings) -> dict:
     """Write ``out_path`` in heldout.jsonl's format (id, messages, prompt_ids, source) from the
-    first ``max_prompts`` usable prompts of the evaluation set ``source``, rendered with the chat
+    first ``settings.max_prompts`` usable prompts of the evaluation set ``source``, rendered with the chat
     template of ``tokenizer_dir``, and ``<out_path stem>.stats.json``; return the stats.
 
     Rows are read and dropped as prepare_dataset reads them (``data.max_bad_fraction`` applies).
     """
     out_path = Path(out_path)
-    tally = _Tally(max_bad_fraction)
+    max_prompts, max_seq_len = settings.max_prompts, settings.max_seq_len
+    tally = _Tally(settings.max_bad_fraction)
     tally.fixes["unknown_format"] = ("rows need 'messages', 'conversations' or a prompt in one of the fields "
                                      + ", ".join(PROMPT_FIELDS))
     tokenizer = load_tokenizer(tokenizer_dir)

@@ -1,18 +1,22 @@
 """Settings that cannot fit, refused at preflight (check_setup) before any job: a training batch
 whose memory exceeds the trainer's device, and generation that runs past the target's context.
 
-Both read the target's text config (config.json, no weights) and the config keys the rule passes
-(``sizes``: device, data.max_seq_len, vocab.draft_vocab_size, train.batch_tokens,
-train.ttt_steps, draft.num_layers, eval.max_new_tokens, regenerate.enabled and max_new_tokens).
+Both read the target's text config (config.json, no weights) and check_setup's settings
+(``draftsmith.preflight.PreflightSettings``: device, data.max_seq_len, vocab.draft_vocab_size,
+train.batch_tokens, train.ttt_steps, draft.num_layers, eval.max_new_tokens, regenerate.enabled
+and max_new_tokens).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from draftsmith.errors import ConfigError
+
+if TYPE_CHECKING:
+    from draftsmith.preflight import PreflightSettings
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +44,14 @@ def train_step_bytes(batch_tokens: int, ttt_steps: int, heads: int, num_layers: 
     return logits + scores + (k + 2) * t * t
 
 
-def _draft_heads(text: dict, sizes: Mapping) -> int:
+def _draft_heads(text: dict, settings: PreflightSettings) -> int:
     """The draft's attention heads, as train_draft shapes it after the target."""
     from draftsmith.draft.config import Eagle3DraftConfig
 
     target = {"hidden_size": text["hidden_size"], "vocab_size": text.get("vocab_size") or 1,
               "aux_layer_ids": [0], "text_config": text}
-    config = Eagle3DraftConfig.from_target(target, draft_vocab_size=sizes["vocab"]["draft_vocab_size"],
-                                           num_layers=sizes["draft"]["num_layers"])
+    config = Eagle3DraftConfig.from_target(target, draft_vocab_size=settings.draft_vocab_size,
+                                           num_layers=settings.num_layers)
     return config.num_attention_heads
 
 
@@ -69,36 +73,36 @@ def trainer_memory(device: str) -> tuple[str, int] | None:
     return "sdpa", host_memory_bytes()
 
 
-def check_train_fits(text: dict, sizes: Mapping, memory: tuple[str, int] | None) -> dict | None:
+def check_train_fits(text: dict, settings: PreflightSettings, memory: tuple[str, int] | None) -> dict | None:
     """Refuse a train.batch_tokens whose step (``train_step_bytes``) exceeds the trainer's memory."""
     if memory is None:
         return None
     attention, have = memory
-    train, heads = sizes["train"], _draft_heads(text, sizes)
+    heads = _draft_heads(text, settings)
     dtype_bytes = 4 if attention == "sdpa" else 2  # float32 on the CPU, bfloat16 autocast on a GPU
-    need = train_step_bytes(train["batch_tokens"], train["ttt_steps"], heads, sizes["draft"]["num_layers"],
-                            sizes["vocab"]["draft_vocab_size"], attention, dtype_bytes)
+    need = train_step_bytes(settings.batch_tokens, settings.ttt_steps, heads, settings.num_layers,
+                            settings.draft_vocab_size, attention, dtype_bytes)
     report = {"attention": attention, "estimated_bytes": need, "device_bytes": have}
     if need <= have:
         return report
     where = "the CPU's memory (cgroup limit included)" if attention == "sdpa" else "one GPU's memory"
-    fits = train["batch_tokens"]
-    while fits > 2 and train_step_bytes(fits, train["ttt_steps"], heads, sizes["draft"]["num_layers"],
-                                        sizes["vocab"]["draft_vocab_size"], attention, dtype_bytes) > have:
+    fits = settings.batch_tokens
+    while fits > 2 and train_step_bytes(fits, settings.ttt_steps, heads, settings.num_layers,
+                                        settings.draft_vocab_size, attention, dtype_bytes) > have:
         fits //= 2
     path = ("dense attention: the CPU's sdpa path holds heads x T x (j+1)T float32 scores per TTT step j"
             if attention == "sdpa" else "the draft's and the teacher's logits of every TTT step")
     raise ConfigError(
-        f"one training step of train.batch_tokens={train['batch_tokens']} (ttt_steps {train['ttt_steps']}, "
-        f"{heads} draft heads, draft vocabulary {sizes['vocab']['draft_vocab_size']}) needs about "
+        f"one training step of train.batch_tokens={settings.batch_tokens} (ttt_steps {settings.ttt_steps}, "
+        f"{heads} draft heads, draft vocabulary {settings.draft_vocab_size}) needs about "
         f"{need / 1e9:,.1f} GB ({path}), more than {where}, {have / 1e9:,.1f} GB",
-        where=f"config keys train.batch_tokens, device ({sizes['device']})",
+        where=f"config keys train.batch_tokens, device ({settings.device})",
         fix=f"lower train.batch_tokens to {fits} or less (and data.max_seq_len with it)"
             + ("; or train on a GPU (device: cuda), whose flex attention never builds the dense scores"
                if attention == "sdpa" else ""))
 
 
-def check_context(text: dict, sizes: Mapping) -> dict:
+def check_context(text: dict, settings: PreflightSettings) -> dict:
     """Refuse generation that cannot fit the target's context, warn where only long prompts overflow.
 
     Every prompt is at least one token, so ``max_new_tokens`` >= the context overflows on every
@@ -109,10 +113,10 @@ def check_context(text: dict, sizes: Mapping) -> dict:
     context = text.get("max_position_embeddings")
     if not context:
         return {"context": None}
-    keys = [("eval.max_new_tokens", sizes["eval"]["max_new_tokens"])]
-    if sizes["regenerate"]["enabled"]:
-        keys.append(("regenerate.max_new_tokens", sizes["regenerate"]["max_new_tokens"]))
-    longest = sizes["data"]["max_seq_len"] - 1
+    keys = [("eval.max_new_tokens", settings.eval_max_new_tokens)]
+    if settings.regenerate_enabled:
+        keys.append(("regenerate.max_new_tokens", settings.regenerate_max_new_tokens))
+    longest = settings.max_seq_len - 1
     for key, new in keys:
         if new >= context:
             raise ConfigError(f"{key}: {new} new tokens cannot follow any prompt within the target's context of "

@@ -14,15 +14,66 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from draftsmith.conversations import BadRow, Conversation, load_conversations, max_line_bytes
 from draftsmith.errors import ConfigError, DataError, TargetError
 from draftsmith.io import atomic_write_json, read_json
+from draftsmith.settings import StageSettings, check_settings, data_format, from_schema
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS_READ = 256  # rows read per source: enough to see its format, cheap for any size
+
+
+@dataclass(frozen=True)
+class PreflightSettings(StageSettings):
+    """What check_setup checks the setup against: how the sources will be read (``format``, auto
+    with regeneration on, as ``DataSettings``), the draft vocabulary, the backend each stage runs
+    the target with (``engines``), and the sizes draftsmith.fits checks (a training batch that
+    cannot fit the trainer's memory, generation past the target's context); defaults and ranges
+    from the schema."""
+
+    format: str = from_schema("data.format")
+    max_seq_len: int = from_schema("data.max_seq_len")
+    draft_vocab_size: int = from_schema("vocab.draft_vocab_size")
+    device: str = from_schema("device")
+    num_layers: int = from_schema("draft.num_layers")
+    batch_tokens: int = from_schema("train.batch_tokens")
+    ttt_steps: int = from_schema("train.ttt_steps")
+    eval_max_new_tokens: int = from_schema("eval.max_new_tokens")
+    regenerate_enabled: bool = from_schema("regenerate.enabled")
+    regenerate_max_new_tokens: int = from_schema("regenerate.max_new_tokens")
+    extraction_backend: str = from_schema("extraction.backend")
+    eval_backend: str = from_schema("eval.backend")
+    regenerate_backend: str = from_schema("regenerate.backend")
+    # Python-only: False skips draftsmith.fits, whose checks need the target's shape (tests' targets
+    # without one); the workflow always checks
+    check_fits: bool = True
+
+    SECTION = "data"
+    NOT_SETTINGS = {"sources": "the rule's inputs (check_setup's sources argument)",
+                    "heldout_fraction": "prepare_dataset's held-out split (DataSettings)",
+                    "max_heldout": "prepare_dataset's held-out split (DataSettings)",
+                    "max_bad_fraction": "prepare_dataset's (DataSettings); preflight reads a source's first rows",
+                    "max_samples": "prepare_dataset's training sample (DataSettings)"}
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> PreflightSettings:
+        # the sources are read as the stage after preflight reads them: regeneration reads any format
+        return replace(super().from_config(config), format=data_format(config))
+
+    @property
+    def engines(self) -> dict[str, str]:
+        """Which backend each stage that runs the target uses (check_engines refuses a vLLM that cannot)."""
+        engines = {"extraction": self.extraction_backend, "eval": self.eval_backend}
+        if self.regenerate_enabled:
+            engines["regenerate"] = self.regenerate_backend
+        return engines
 
 
 def check_source(source: str | Path, format: str, max_seq_len: int,
@@ -116,37 +167,35 @@ def check_engines(architecture: str, engines: Mapping[str, str]) -> dict:
     return {"vllm": {"stages": users, **vllm}}
 
 
-def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path: str | Path, *,
-                format: str = "auto", max_seq_len: int = 2048, draft_vocab_size: int = 32000,
-                engines: Mapping[str, str] | None = None, sizes: Mapping | None = None) -> dict:
+def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path: str | Path,
+                settings: PreflightSettings) -> dict:
     """Run every weight-free check against the target folder ``model_path`` and write what was
-    checked to ``out_path``. ``sizes``: the config keys draftsmith.fits reads (its checks are
-    skipped without them)."""
+    checked to ``out_path``."""
     from draftsmith.chat import load_tokenizer, require_chat_template
 
     raw = read_config(model_path)
     text = text_config(raw)
-    check_vocab(text.get("vocab_size"), draft_vocab_size)
+    check_vocab(text.get("vocab_size"), settings.draft_vocab_size)
     architecture = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
-    report = {"engines": check_engines(architecture, engines or {})}
-    if sizes is not None:
+    report = {"engines": check_engines(architecture, settings.engines)}
+    if settings.check_fits:
         from draftsmith.fits import check_context, check_train_fits, trainer_memory
 
-        report["context"] = check_context(text, sizes)
-        report["train_memory"] = check_train_fits(text, sizes, trainer_memory(sizes["device"]))
+        report["context"] = check_context(text, settings)
+        report["train_memory"] = check_train_fits(text, settings, trainer_memory(settings.device))
     if not sources:
         raise DataError("no data sources given", where="config key data.sources",
                         fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")
     tokenizer = load_tokenizer(model_path)
     checked = []
     for source in sources:
-        row, counts = check_source(source, format, max_seq_len)
+        row, counts = check_source(source, settings.format, settings.max_seq_len)
         if row.is_chat:
             require_chat_template(tokenizer, model_path)
-        checked.append({"source": str(source), **counts, "sample": check_sample(tokenizer, row, max_seq_len)})
+        checked.append({"source": str(source), **counts, "sample": check_sample(tokenizer, row, settings.max_seq_len)})
         log.info("%s: readable; %s renders to %d tokens, %d with loss", source, row.where,
                  checked[-1]["sample"]["tokens"], checked[-1]["sample"]["loss_tokens"])
-    report.update(sources=checked, draft_vocab_size=draft_vocab_size, target_vocab_size=text.get("vocab_size"))
+    report.update(sources=checked, draft_vocab_size=settings.draft_vocab_size, target_vocab_size=text.get("vocab_size"))
     atomic_write_json(out_path, report)
     log.info("preflight passed: %d data source(s), vocab, engines (vLLM for %s)", len(checked),
              ", ".join(report["engines"]["vllm"]["stages"]) or "no stage")

@@ -1,8 +1,8 @@
 """Settings from one source: ``config/schema.yaml`` holds every config key's type, range and default.
 
-The settings dataclasses of the stages (``DataSettings``, ``RegenerateSettings``,
-``ExtractionSettings``, ``TrainSettings``, ``OnlineSettings``, ``EvalSettings``, ``PayoffSettings``)
-are ``StageSettings`` and declare each field that is a config key as ``from_schema("section.key")``
+The settings dataclasses of the stages (``PreflightSettings``, ``DataSettings``,
+``EvalPromptsSettings``, ``RegenerateSettings``, ``ExtractionSettings``, ``TrainSettings``,
+``OnlineSettings``, ``EvalSettings``, ``PayoffSettings``) are ``StageSettings`` and declare each field that is a config key as ``from_schema("section.key")``
 (a key of another section too: ``device``, ``target.dtype``, ``seed``): its default is read from the
 schema, and ``check_settings`` checks its value against the same schema, so Python callers
 (``bench/``, tests) and the workflow get the same defaults and the same checks. Every stage's
@@ -106,6 +106,14 @@ def config_value(config: Mapping, key: str) -> Any:
             return schema_default(key)
         node = node[part]
     return tuple(node) if isinstance(node, list) else node
+
+
+def data_format(config: Mapping) -> str:
+    """The format the raw data sources' reader and prepare_dataset read in: data.format, or auto
+    when regeneration is on (regenerate_responses reads the sources in any known format and writes
+    messages rows for prepare_dataset). The one place this rule lives: ``PreflightSettings`` and
+    ``DataSettings`` both take their ``format`` from it."""
+    return "auto" if config_value(config, "regenerate.enabled") else config_value(config, "data.format")
 
 
 class StageSettings:

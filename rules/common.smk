@@ -8,6 +8,7 @@ from snakemake.exceptions import WorkflowError
 
 from draftsmith.config import uses_gpu
 from draftsmith.fingerprint import script_fingerprint
+from draftsmith.preflight import PreflightSettings
 from draftsmith.targets.identity import weights_fingerprint
 from draftsmith.targets.vllm_support import installed_vllm_version
 
@@ -62,7 +63,7 @@ def engine_version():
     """The installed vLLM, when a stage runs the target through it: target.json says what that vLLM
     can capture, so an upgrade reruns preflight and what follows. A workflow that never uses vLLM
     does not rerun when it changes."""
-    if "vllm" not in target_engines().values():
+    if "vllm" not in PreflightSettings.from_config(config).engines.values():
         return None
     return installed_vllm_version()
 
@@ -98,22 +99,6 @@ def conversations_for_training():
     if config["regenerate"]["enabled"]:
         return [f"{RESULTS}/data/regenerated.jsonl"]
     return dataset_sources()
-
-
-def preflight_format():
-    """How the stage after preflight reads the raw sources: regeneration reads any known format."""
-    return "auto" if config["regenerate"]["enabled"] else config["data"]["format"]
-
-
-def target_engines():
-    """Which engine each stage runs the target with (preflight refuses a vLLM that cannot)."""
-    engines = {
-        "extraction": config["extraction"]["backend"],
-        "eval": config["eval"]["backend"],
-    }
-    if config["regenerate"]["enabled"]:
-        engines["regenerate"] = config["regenerate"].get("backend", "hf")
-    return engines
 
 
 def target_gpus():

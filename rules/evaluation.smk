@@ -85,9 +85,7 @@ rule prepare_eval_prompts:
         "../envs/trainer.yaml"
     threads: 1
     params:
-        max_prompts=config["eval"]["max_prompts"],
-        max_seq_len=config["data"]["max_seq_len"],
-        max_bad_fraction=config["data"]["max_bad_fraction"],
+        config=stage_config("eval.max_prompts", "data.max_seq_len", "data.max_bad_fraction"),
         code=script_code("prepare_eval_prompts"),
     script:
         "../workflow_scripts/prepare_eval_prompts.py"

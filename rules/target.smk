@@ -63,21 +63,22 @@ rule check_setup:
         "../envs/vllm.yaml"
     threads: 1
     params:
-        format=preflight_format(),
-        max_seq_len=config["data"]["max_seq_len"],
-        draft_vocab_size=config["vocab"]["draft_vocab_size"],
-        engines=target_engines(),
-        # what draftsmith.fits checks: a batch that cannot fit the trainer, generation past the context
-        sizes=stage_config(
-            "device",
+        # how the sources are read, the draft vocabulary, each stage's backend, and the sizes
+        # draftsmith.fits checks (a batch that cannot fit the trainer, generation past the context)
+        config=stage_config(
+            "data.format",
             "data.max_seq_len",
+            "regenerate.enabled",
             "vocab.draft_vocab_size",
+            "device",
             "draft.num_layers",
             "train.batch_tokens",
             "train.ttt_steps",
             "eval.max_new_tokens",
-            "regenerate.enabled",
             "regenerate.max_new_tokens",
+            "extraction.backend",
+            "eval.backend",
+            "regenerate.backend",
         ),
         engine=engine_version(),
         code=script_code("check_setup"),

@@ -222,11 +222,11 @@ def _prepare(tmp: Path, env: dict, sources, **settings) -> None:
 @case("eval-source-without-prompts", DataError, "no usable prompt in the evaluation set", "out/set.jsonl",
       "out/set.stats.json")
 def _(tmp, env):
-    from draftsmith.data import prepare_eval_prompts
+    from draftsmith.data import EvalPromptsSettings, prepare_eval_prompts
 
     rows = [{"answer": str(i), "solution": "x"} for i in range(4)]  # no prompt field anywhere
     prepare_eval_prompts(tiny.write_jsonl(tmp / "set_in.jsonl", rows), env["model"], tmp / "out" / "set.jsonl",
-                         max_prompts=8, max_seq_len=64, max_bad_fraction=1.0)
+                         EvalPromptsSettings(max_prompts=8, max_seq_len=64, max_bad_fraction=1.0))
 
 
 @case("data-empty-file", DataError, "holds no rows", *DATA_OUTPUTS)
@@ -495,19 +495,20 @@ def _(tmp, env):
         _inspect(tmp, env["model"], hf_stages=hf_stages(config, gpu=True))
 
 
-def _sizes(**changes) -> dict:
-    """check_setup's ``sizes`` (the rule's param): the demo's settings on the CPU, with ``changes``
-    as {"section.key": value}."""
-    sizes = {"device": "cpu", "data": {"max_seq_len": 64}, "vocab": {"draft_vocab_size": 100},
-             "draft": {"num_layers": 1}, "train": {"batch_tokens": 1024, "ttt_steps": 3},
-             "eval": {"max_new_tokens": 48}, "regenerate": {"enabled": False, "max_new_tokens": 48}}
+def _settings(**changes):
+    """check_setup's settings: the demo's on the CPU, with ``changes`` as {"section.key": value}."""
+    from draftsmith.preflight import PreflightSettings
+
+    config = {"device": "cpu", "data": {"max_seq_len": 64}, "vocab": {"draft_vocab_size": 100},
+              "draft": {"num_layers": 1}, "train": {"batch_tokens": 1024, "ttt_steps": 3},
+              "eval": {"max_new_tokens": 48}, "regenerate": {"enabled": False, "max_new_tokens": 48}}
     for key, value in changes.items():
         section, name = key.split(".")
-        sizes[section][name] = value
-    return sizes
+        config[section][name] = value
+    return PreflightSettings.from_config(config)
 
 
-def _check_setup(tmp: Path, env: dict, sizes: dict) -> None:
+def _check_setup(tmp: Path, env: dict, settings) -> None:
     from unittest import mock
 
     from draftsmith.preflight import check_setup
@@ -515,26 +516,25 @@ def _check_setup(tmp: Path, env: dict, sizes: dict) -> None:
     source = tiny.write_jsonl(tmp / "good.jsonl", [_chat(i) for i in range(4)])
     with mock.patch.dict(os.environ):
         os.environ.pop("SLURM_JOB_ID", None)
-        check_setup(env["model"], [source], tmp / "preflight.json", max_seq_len=64, draft_vocab_size=100,
-                    sizes=sizes)
+        check_setup(env["model"], [source], tmp / "preflight.json", settings)
 
 
 @case("train-batch-too-large-for-memory", ConfigError, "more than the CPU's memory", "preflight.json")
 def _(tmp, env):
     # the dense TTT attention of a million-token batch: ~100 TB on the CPU's sdpa path
-    _check_setup(tmp, env, _sizes(**{"train.batch_tokens": 1_000_000, "data.max_seq_len": 1_000_000}))
+    _check_setup(tmp, env, _settings(**{"train.batch_tokens": 1_000_000, "data.max_seq_len": 1_000_000}))
 
 
 @case("eval-max-new-tokens-past-context", ConfigError, "cannot follow any prompt within the target's context",
       "preflight.json")
 def _(tmp, env):
-    _check_setup(tmp, env, _sizes(**{"eval.max_new_tokens": 3000}))  # the tiny target has 512 positions
+    _check_setup(tmp, env, _settings(**{"eval.max_new_tokens": 3000}))  # the tiny target has 512 positions
 
 
 @case("regenerate-max-new-tokens-past-context", ConfigError, "regenerate.max_new_tokens: 600 new tokens",
       "preflight.json")
 def _(tmp, env):
-    _check_setup(tmp, env, _sizes(**{"regenerate.enabled": True, "regenerate.max_new_tokens": 600,
+    _check_setup(tmp, env, _settings(**{"regenerate.enabled": True, "regenerate.max_new_tokens": 600,
                                      "data.max_seq_len": 1024}))
 
 

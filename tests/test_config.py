@@ -213,6 +213,7 @@ def test_fuzz_bad_sizes_end_in_a_draftsmith_error_through_the_config_check_and_p
 
     from draftsmith.errors import DraftsmithError
     from draftsmith.fits import check_context, check_train_fits
+    from draftsmith.preflight import PreflightSettings
 
     monkeypatch.chdir(tmp_path)
     base = _defaults(schema)
@@ -233,8 +234,9 @@ def test_fuzz_bad_sizes_end_in_a_draftsmith_error_through_the_config_check_and_p
             check_config(config, SCHEMA, ["fuzz.yaml"])
             validate(config, str(SCHEMA))
             check_semantics(config, ["fuzz.yaml"])
-            check_context(text, config)
-            check_train_fits(text, config, ("sdpa", 10**12))
+            settings = PreflightSettings.from_config(config)
+            check_context(text, settings)
+            check_train_fits(text, settings, ("sdpa", 10**12))
         except DraftsmithError:
             outcomes["refused"] += 1
             continue

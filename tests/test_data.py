@@ -704,7 +704,7 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
 
 def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
     from draftsmith.chat import ChatRenderer, load_tokenizer
-    from draftsmith.data import prepare_eval_prompts
+    from draftsmith.data import EvalPromptsSettings, prepare_eval_prompts
     from draftsmith.evaluate import read_prompts
 
     model = tiny.build_llama(tmp_path / "model")
@@ -712,7 +712,8 @@ def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
                               [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
                               + ["{broken"])
     out = tmp_path / "eval_sources" / "gsm8k.jsonl"
-    stats = prepare_eval_prompts(source, model, out, max_prompts=4, max_seq_len=64, max_bad_fraction=0.5)
+    stats = prepare_eval_prompts(source, model, out, EvalPromptsSettings(max_prompts=4, max_seq_len=64,
+                                                                          max_bad_fraction=0.5))
     assert stats["prompts"] == 4 and stats["rows_read"] == 4  # stops once max_prompts are kept
     renderer = ChatRenderer(load_tokenizer(model))
     prompts = read_prompts(out)
@@ -723,11 +724,11 @@ def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
     # the same bad-row handling as prepare_dataset: too many bad rows stop it, naming the first
     bad = tiny.write_jsonl(tmp_path / "bad.jsonl", ["{broken", "{broken", {"question": "ok?"}])
     with pytest.raises(DataError, match="invalid_json=2") as error:
-        prepare_eval_prompts(bad, model, tmp_path / "bad_out.jsonl", max_prompts=4, max_seq_len=64,
-                             max_bad_fraction=0.2)
+        prepare_eval_prompts(bad, model, tmp_path / "bad_out.jsonl",
+                             EvalPromptsSettings(max_prompts=4, max_seq_len=64, max_bad_fraction=0.2))
     assert f"{bad}:1" in str(error.value) and not (tmp_path / "bad_out.jsonl").exists()
     long = tiny.write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 200}])
     with pytest.raises(DataError, match="no usable prompt") as error:
-        prepare_eval_prompts(long, model, tmp_path / "long_out.jsonl", max_prompts=4, max_seq_len=64,
-                             max_bad_fraction=1.0)
+        prepare_eval_prompts(long, model, tmp_path / "long_out.jsonl",
+                             EvalPromptsSettings(max_prompts=4, max_seq_len=64, max_bad_fraction=1.0))
     assert "data.max_seq_len" in str(error.value)

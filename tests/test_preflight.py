@@ -9,7 +9,7 @@ import pytest
 
 import tiny
 from draftsmith.errors import ConfigError, DataError, TargetError
-from draftsmith.preflight import check_setup
+from draftsmith.preflight import PreflightSettings, check_setup
 from workflow_helpers import dag_edges, planned_rules, snakemake, tiny_workflow, write_config
 
 CHATS = [{"messages": [{"role": "user", "content": f"Hello {i}"},
@@ -25,10 +25,15 @@ def target(chatml_tokenizer, tmp_path):
     return folder
 
 
+def _settings(**fields) -> PreflightSettings:
+    """check_setup's settings at the schema's defaults, with ``fields``; the fit checks need a
+    target's shape, which these targets (a config and a tokenizer) leave out."""
+    return PreflightSettings(check_fits=False, **fields)
+
+
 def test_a_good_setup_passes_and_says_what_it_checked(target, tmp_path):
     source = tiny.write_jsonl(tmp_path / "chats.jsonl", [{"broken": True}, *CHATS])
-    report = check_setup(target, [source], tmp_path / "preflight.json", draft_vocab_size=64,
-                         engines={"extraction": "hf"})
+    report = check_setup(target, [source], tmp_path / "preflight.json", _settings(draft_vocab_size=64, extraction_backend="hf"))
     (checked,) = report["sources"]
     assert checked["rows_read"] == 2 and checked["bad_rows"] == {"unknown_format": 1}
     assert 0 < checked["sample"]["loss_tokens"] < checked["sample"]["tokens"]
@@ -38,26 +43,25 @@ def test_a_good_setup_passes_and_says_what_it_checked(target, tmp_path):
 def test_a_source_without_usable_rows_is_named(target, tmp_path):
     source = tiny.write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}] * 3)
     with pytest.raises(DataError) as error:
-        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64)
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
     assert "bad.jsonl" in str(error.value) and "unknown_format" in str(error.value)
     with pytest.raises(DataError, match="does not exist"):
-        check_setup(target, [tmp_path / "missing.jsonl"], tmp_path / "p.json", draft_vocab_size=64)
+        check_setup(target, [tmp_path / "missing.jsonl"], tmp_path / "p.json", _settings(draft_vocab_size=64))
 
 
 def test_a_draft_vocab_larger_than_the_target_is_refused(target, tmp_path):
     source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
     with pytest.raises(ConfigError, match="vocab.draft_vocab_size 32000 is larger"):
-        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=32000)
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=32000))
 
 
 def test_an_untested_vllm_is_refused_for_the_stages_that_use_it(target, tmp_path, monkeypatch):
     source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
     monkeypatch.setattr("draftsmith.targets.vllm_support.installed_vllm_version", lambda: "0.10.1")
     with pytest.raises(TargetError) as error:
-        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64,
-                    engines={"extraction": "vllm", "eval": "hf"})
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, extraction_backend="vllm", eval_backend="hf"))
     assert "outside the supported releases" in str(error.value) and "extraction.backend" in str(error.value)
-    check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64, engines={"extraction": "hf"})
+    check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, extraction_backend="hf"))
 
 
 @pytest.mark.slow
@@ -142,16 +146,16 @@ def test_compressed_and_agentic_sources_are_checked_at_preflight(chatml_tools_to
         folder = shutil.copytree(tokenizer, tmp_path / name)
         (folder / "config.json").write_text(json.dumps(config))
         if name == "tools":
-            report = check_setup(folder, [source], tmp_path / "p.json", draft_vocab_size=64)
+            report = check_setup(folder, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
             assert report["sources"][0]["sample"]["loss_tokens"] > 0
         else:  # a template that drops tool calls is caught before any job that costs
             with pytest.raises(DataError, match="does not render the assistant's tool calls"):
-                check_setup(folder, [source], tmp_path / "p.json", draft_vocab_size=64)
+                check_setup(folder, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
 
 
 def test_a_damaged_target_config_is_named_not_a_traceback(target, tmp_path):
     (target / "config.json").write_text('{"model_type": "llama",')
     source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
     with pytest.raises(TargetError, match="config.json is not valid JSON") as error:
-        check_setup(target, [source], tmp_path / "p.json", draft_vocab_size=64)
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
     assert error.value.fix

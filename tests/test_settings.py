@@ -14,18 +14,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.data import DataSettings
+from draftsmith.data import DataSettings, EvalPromptsSettings
 from draftsmith.errors import ConfigError
 from draftsmith.evaluate import EvalSettings
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.online import OnlineSettings
 from draftsmith.payoff import PayoffSettings
+from draftsmith.preflight import PreflightSettings
 from draftsmith.regenerate import RegenerateSettings
 from draftsmith.settings import key_schema
 from draftsmith.train import TrainSettings, launch_from_config
 
-SETTINGS = [DataSettings, RegenerateSettings, ExtractionSettings, TrainSettings, OnlineSettings, EvalSettings,
-            PayoffSettings]
+SETTINGS = [PreflightSettings, DataSettings, EvalPromptsSettings, RegenerateSettings, ExtractionSettings,
+            TrainSettings, OnlineSettings, EvalSettings, PayoffSettings]
 
 JSON_TYPES = {int: {"integer"}, float: {"number"}, bool: {"boolean"}, str: {"string"}, type(None): {"null"},
               tuple: {"array"}, list: {"array"}}
@@ -77,6 +78,9 @@ def test_every_config_key_of_a_section_is_a_setting_or_said_why_not(cls):
 @pytest.mark.parametrize("make, key", [
     (lambda: DataSettings(heldout_fraction=0.0), "data.heldout_fraction"),
     (lambda: DataSettings(format="csv"), "data.format"),
+    (lambda: PreflightSettings(eval_backend="sglang"), "eval.backend"),
+    (lambda: PreflightSettings.from_config({"data": {"max_len": 4}}), "data.max_len"),
+    (lambda: EvalPromptsSettings(max_bad_fraction=2.0), "data.max_bad_fraction"),
     (lambda: RegenerateSettings(top_p=0), "regenerate.top_p"),
     (lambda: ExtractionSettings(dtype="int4"), "extraction.dtype"),
     (lambda: ExtractionSettings(model_dtype="int8"), "target.dtype"),
@@ -103,7 +107,9 @@ def test_a_bad_setting_is_a_config_error_naming_its_key(make, key):
 ROOT = Path(__file__).resolve().parents[1]
 # the settings each rule's workflow script builds with X.from_config(snakemake.params.config)
 RULE_SETTINGS = {
+    "check_setup": [PreflightSettings],
     "prepare_dataset": [DataSettings],
+    "prepare_eval_prompts": [EvalPromptsSettings],
     "regenerate_responses": [RegenerateSettings],
     "extract_hidden_states": [ExtractionSettings],
     "train_draft": [TrainSettings],
@@ -150,6 +156,14 @@ def test_from_config_reads_each_field_from_its_key_and_the_schema_default_where_
     assert DataSettings.from_config({"data": {"format": "conversations"}, "seed": 5}) == DataSettings(format="conversations", seed=5)
     # regenerated conversations are messages rows, whatever the sources were
     assert DataSettings.from_config({"data": {"format": "conversations"}, "regenerate": {"enabled": True}}).format == "auto"
+    # preflight reads the sources as the stage after it will: regeneration reads any format
+    for enabled, fmt in ((False, "conversations"), (True, "auto")):
+        preflight = PreflightSettings.from_config({"data": {"format": "conversations"},
+                                                   "regenerate": {"enabled": enabled, "backend": "vllm"}})
+        assert preflight.format == fmt
+    assert preflight.engines == {"extraction": "hf", "eval": "hf", "regenerate": "vllm"}
+    assert PreflightSettings.from_config({"regenerate": {"backend": "vllm"}, "eval": {"backend": "vllm"}}).engines == \
+        {"extraction": "hf", "eval": "vllm"}
     payoff = PayoffSettings.from_config({"extraction": {"tensor_parallel_size": 4}, "target": {"dtype": "float32"}})
     assert payoff.tensor_parallel_size == 4 and payoff.weight_bytes == 4
 
