@@ -191,13 +191,6 @@ def eval_source_prompts():
     return [f"{RESULTS}/data/eval_sources/{name}.jsonl" for name in eval_sources()]
 
 
-def preflight_verdict():
-    """check_setup's report, an input of every job that loads the target: a failing preflight
-    starts no engine. ancient: a preflight rerun that passes (new preflight code, a new chat
-    template) is no reason to load the target again; the job's own inputs and params decide that."""
-    return ancient(f"{RESULTS}/preflight.json")
-
-
 def final_outputs():
     return [
         f"{RESULTS}/preflight.json",

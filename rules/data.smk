@@ -19,7 +19,6 @@ rule regenerate_responses:
     input:
         sources=dataset_sources(),
         target=rules.inspect_target.output.target,
-        preflight=preflight_verdict(),
     output:
         data=f"{RESULTS}/data/regenerated.jsonl",
     log:

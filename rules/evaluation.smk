@@ -7,7 +7,6 @@ rule evaluate_draft:
     input:
         draft=f"{RESULTS}/draft/config.json",
         target=rules.inspect_target.output.target,
-        preflight=preflight_verdict(),
         heldout=rules.prepare_dataset.output.heldout,
         sources=eval_source_prompts(),
     output:

@@ -6,7 +6,6 @@ rule extract_hidden_states:
     input:
         train=rules.prepare_dataset.output.train,
         target=rules.inspect_target.output.target,
-        preflight=preflight_verdict(),
     output:
         manifest=f"{RESULTS}/hidden_states/part-{{part}}.json",
     log:

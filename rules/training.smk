@@ -11,7 +11,6 @@ if config["train"]["mode"] == "online":
             train=rules.prepare_dataset.output.train,
             mapping=rules.build_vocab_mapping.output.mapping,
             target=rules.inspect_target.output.target,
-            preflight=preflight_verdict(),
         output:
             config=f"{RESULTS}/draft/config.json",
             weights=f"{RESULTS}/draft/model.safetensors",

@@ -10,7 +10,7 @@ import pytest
 import tiny
 from draftsmith.errors import ConfigError, DataError, TargetError
 from draftsmith.preflight import PreflightSettings, check_setup
-from workflow_helpers import dag_edges, planned_rules, snakemake, tiny_workflow, write_config
+from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
 
 CHATS = [{"messages": [{"role": "user", "content": f"Hello {i}"},
                        {"role": "assistant", "content": f"Fine, thanks {i}."}]} for i in range(4)]
@@ -74,31 +74,6 @@ def test_preflight_with_regeneration_on_needs_no_weights_and_no_regenerated_data
     (tmp_path / "model" / "model.safetensors").unlink()  # preflight never reads the weights
     snakemake(workdir, "preflight", configfile=configfile)
     assert (workdir / "results/t/preflight.json").exists()
-    assert not (workdir / "results/t/data/regenerated.jsonl").exists()
-
-
-@pytest.mark.slow
-def test_no_job_that_loads_the_target_starts_before_the_preflight_passes(tmp_path):
-    """Every job that loads the target reads check_setup's report: in the plan, offline and online,
-    and in a run whose preflight fails (with --keep-going, so nothing else stops them)."""
-    workdir, config = tiny_workflow(tmp_path)
-    config.update(regenerate={"enabled": True, "max_new_tokens": 8}, vocab={"draft_vocab_size": 64})
-    configfile = write_config(workdir, config)
-
-    def after_preflight(configfile):
-        edges = dag_edges(snakemake(workdir, "--dag", configfile=configfile))
-        return {reader for rule, reader in edges if rule == "check_setup"}
-
-    assert after_preflight(configfile) >= {"regenerate_responses", "extract_hidden_states", "evaluate_draft"}
-    online = write_config(workdir, {**config, "train": {"mode": "online"}}, name="online.yaml")
-    assert "train_draft_online" in after_preflight(online)
-
-    bad = tiny.write_jsonl(tmp_path / "bad.jsonl", [{"unknown": i} for i in range(40)])
-    configfile = write_config(workdir, {**config, "data": {**config["data"], "sources": [str(bad)]}}, name="bad.yaml")
-    run = snakemake(workdir, "--keep-going", configfile=configfile, check=False)
-    assert run.returncode != 0
-    assert "Error in rule check_setup" in run.stdout + run.stderr
-    assert not (workdir / "logs/t/regenerate_responses.log").exists()  # never started
     assert not (workdir / "results/t/data/regenerated.jsonl").exists()
 
 

@@ -87,9 +87,3 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, dict]:
             "resources": {k: int(v) if v.isdigit() else v for k, v in pairs},
         }
     return jobs
-
-
-def dag_edges(result: subprocess.CompletedProcess) -> set[tuple[str, str]]:
-    """(rule, rule that reads its output) pairs of the graph ``snakemake --dag`` prints (dot)."""
-    names = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)', result.stdout, flags=re.M))
-    return {(names[a], names[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", result.stdout, flags=re.M)}
