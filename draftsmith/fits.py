@@ -11,14 +11,26 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from draftsmith.errors import ConfigError
 
-if TYPE_CHECKING:
-    from draftsmith.preflight import PreflightSettings
-
 log = logging.getLogger(__name__)
+
+
+class FitSettings(Protocol):
+    """What these checks read of check_setup's settings (``PreflightSettings`` has them all; named
+    here so that preflight, which calls this module, is not imported back)."""
+
+    device: str
+    max_seq_len: int
+    draft_vocab_size: int
+    num_layers: int
+    batch_tokens: int
+    ttt_steps: int
+    eval_max_new_tokens: int
+    regenerate_enabled: bool
+    regenerate_max_new_tokens: int
 
 def train_step_bytes(batch_tokens: int, ttt_steps: int, heads: int, num_layers: int, draft_vocab: int,
                      attention: str, dtype_bytes: int) -> int:
@@ -44,7 +56,7 @@ def train_step_bytes(batch_tokens: int, ttt_steps: int, heads: int, num_layers: 
     return logits + scores + (k + 2) * t * t
 
 
-def _draft_heads(text: dict, settings: PreflightSettings) -> int:
+def _draft_heads(text: dict, settings: FitSettings) -> int:
     """The draft's attention heads, as train_draft shapes it after the target."""
     from draftsmith.draft.config import Eagle3DraftConfig
 
@@ -73,7 +85,7 @@ def trainer_memory(device: str) -> tuple[str, int] | None:
     return "sdpa", host_memory_bytes()
 
 
-def check_train_fits(text: dict, settings: PreflightSettings, memory: tuple[str, int] | None) -> dict | None:
+def check_train_fits(text: dict, settings: FitSettings, memory: tuple[str, int] | None) -> dict | None:
     """Refuse a train.batch_tokens whose step (``train_step_bytes``) exceeds the trainer's memory."""
     if memory is None:
         return None
@@ -102,7 +114,7 @@ def check_train_fits(text: dict, settings: PreflightSettings, memory: tuple[str,
                if attention == "sdpa" else ""))
 
 
-def check_context(text: dict, settings: PreflightSettings) -> dict:
+def check_context(text: dict, settings: FitSettings) -> dict:
     """Refuse generation that cannot fit the target's context, warn where only long prompts overflow.
 
     Every prompt is at least one token, so ``max_new_tokens`` >= the context overflows on every
