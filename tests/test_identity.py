@@ -27,6 +27,23 @@ def test_same_size_weights_written_again_change_the_fingerprint(tmp_path):
     assert weights_fingerprint(folder) != before
 
 
+def test_weights_edited_in_place_with_their_old_mtime_put_back_change_it(tmp_path):
+    """Same size, same header, same modification time to the nanosecond: only the bytes differ."""
+    folder = _folder(tmp_path, 1.0)
+    weights = folder / "model.safetensors"
+    stat = weights.stat()
+    before = weights_fingerprint(folder)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor, in place
+    with open(weights, "r+b") as f:
+        f.write(data)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == stat.st_mtime_ns and weights.stat().st_size == stat.st_size
+    assert weights_fingerprint(folder) != before
+    again = weights_fingerprint(folder)
+    assert weights_fingerprint(folder) == again  # reading (hashing, loading) moves nothing
+
+
 def test_a_changed_header_or_small_file_changes_it_even_with_the_same_mtime(tmp_path):
     folder = _folder(tmp_path, 1.0)
     stat = (folder / "model.safetensors").stat()
