@@ -223,5 +223,5 @@ def test_cache_keys_are_those_of_the_settings_before_they_carried_the_device(mon
     without = {k: v for k, v in settings.math_dict().items() if k != "packing"}
     assert hashlib.sha256(json.dumps({"math": without, "micro_batches_per_step": 2}, sort_keys=True,
                                      default=str).encode()).hexdigest()[:16] == "09e7d61d4de89e9d"
-    assert key["settings"] == "0f0c20651495d5f5"
+    assert key["settings"] == "44e58294b1b11c42"  # train.packing's default became shuffled: the demo retrains
     assert launch_from_config(config) == {"devices": 1, "nodes": 1, "rdzv_port": 29400}

@@ -20,7 +20,7 @@ from draftsmith.extract.extract import part_fingerprint, plan_part
 from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, part_dir_name, shard_dir_name
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.settings import StageSettings, check_settings, from_schema
-from draftsmith.train.batches import ShardMeta, Step, tokens_meta
+from draftsmith.train.batches import PREFETCH_AHEAD_STEPS, ShardMeta, Step, tokens_meta
 
 PART = 0  # online runs one engine: the window holds one part's shards
 
@@ -102,26 +102,38 @@ class OnlinePlan:
 
     def units(self, steps: list[Step]) -> list[Unit]:
         """The shards' stays in the window, in the order the engine makes them (the order of their
-        first read). Every micro-batch of a step counts, the last step's fillers included."""
+        first read). Every micro-batch of a step counts, the last step's fillers included. A stay
+        runs from a shard's first read to its last within one mixed group of an epoch (the feed
+        keeps the group's shards open) and across gaps the feed can read over (it builds batches up
+        to ``PREFETCH_AHEAD_STEPS`` steps ahead): a copy made again inside either would never be read."""
         units: list[Unit] = []
         latest: dict[int, int] = {}  # shard -> its latest unit
+        groups: dict[int, set[tuple[int, int]]] = {}  # unit -> the (epoch, group)s that read it
         for s, step in enumerate(steps):
-            for shard in sorted({shard for pack in step.packs for shard in pack.shards}):
+            reads: dict[int, set[tuple[int, int]]] = {}
+            for pack in step.packs:
+                for shard in pack.shards:
+                    reads.setdefault(shard, set()).add((step.epoch, pack.group))
+            for shard in sorted(reads):
                 k = latest.get(shard)
-                if k is not None and (units[k].cached or units[k].last >= s - 1):
+                if k is not None and (units[k].cached or units[k].last >= s - 1 - PREFETCH_AHEAD_STEPS
+                                      or groups[k] & reads[shard]):
                     units[k] = replace(units[k], last=s)
+                    groups[k] |= reads[shard]
                 else:
                     latest[shard] = len(units)
+                    groups[len(units)] = set(reads[shard])
                     units.append(Unit(shard, s, s, shard in self.cached))
         return units
 
     def window_needed(self, units: list[Unit], num_steps: int) -> int:
-        """Tokens the window must hold: the most that any step needs on disk at once (its own
-        shards and the uncached shards still in use around it)."""
+        """Tokens the window must hold: the most that are on disk at once. A stay is on disk from
+        when the feed may first want it (``PREFETCH_AHEAD_STEPS`` before its first step, while
+        earlier stays are still in use) until its last step is done."""
         change = np.zeros(num_steps + 1, dtype=np.int64)
         for u in units:
             if not u.cached:
-                change[u.first] += self.tokens(u.shard)
+                change[max(0, u.first - PREFETCH_AHEAD_STEPS)] += self.tokens(u.shard)
                 change[u.last + 1] -= self.tokens(u.shard)
         return int(np.cumsum(change).max(initial=0))
 

@@ -239,10 +239,16 @@ def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRo
     return batch
 
 
+PREFETCH_DEPTH = 2  # micro-batches queued ahead of the step that computes
+# Steps ahead of the computing one whose shards the feed may read: the queued micro-batches and the
+# one being built (the online window keeps room for them, draftsmith.online.plan).
+PREFETCH_AHEAD_STEPS = PREFETCH_DEPTH + 1
+
+
 class Prefetcher:
     """Builds this rank's micro-batches on a background thread: ``make(*job)`` for each job, in order."""
 
-    def __init__(self, jobs: list[tuple[Any, ...]], make, depth: int = 2) -> None:
+    def __init__(self, jobs: list[tuple[Any, ...]], make, depth: int = PREFETCH_DEPTH) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(jobs, make), daemon=True)
