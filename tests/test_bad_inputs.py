@@ -26,6 +26,7 @@ from draftsmith.data import DataSettings, prepare_dataset
 from draftsmith.errors import ConfigError, DataError, DraftsmithError, ExtractionError, StorageError, TargetError
 from draftsmith.extract.extract import extract_part
 from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.gate import PreflightGateError, gate_for_run, mark_planned, record_verdict, wait_for_preflight
 from draftsmith.placement import DEVICES_ENV, PlacementError, claim_devices
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.vocab import build_vocab_mapping
@@ -624,6 +625,16 @@ def _(tmp, env):
     finally:
         holder.kill()
         holder.wait()
+
+
+@case("preflight-failed-before-a-load", PreflightGateError, "check_setup failed, so this job did not load the target")
+def _(tmp, env):
+    # check_setup failed beside a job that loads the target (--keep-going, or started beside it)
+    with contextlib.chdir(tmp):
+        gate = gate_for_run("t")
+        mark_planned(gate, True)
+        record_verdict(gate, DataError("no usable rows", where="bad.jsonl"))
+        wait_for_preflight(gate)
 
 
 @pytest.mark.parametrize("name", list(CASES))

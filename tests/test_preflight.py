@@ -9,6 +9,7 @@ import pytest
 
 import tiny
 from draftsmith.errors import ConfigError, DataError, TargetError
+from draftsmith.gate import PreflightGateError, mark_planned, record_verdict, wait_for_preflight
 from draftsmith.preflight import PreflightSettings, check_setup
 from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
 
@@ -75,6 +76,58 @@ def test_preflight_with_regeneration_on_needs_no_weights_and_no_regenerated_data
     snakemake(workdir, "preflight", configfile=configfile)
     assert (workdir / "results/t/preflight.json").exists()
     assert not (workdir / "results/t/data/regenerated.jsonl").exists()
+
+
+def test_the_gate_holds_a_load_until_check_setup_passes_and_stops_it_when_check_setup_fails(tmp_path):
+    gate = tmp_path / "results" / "t" / "preflight.gate.json"
+    wait_for_preflight(gate)  # no check_setup in this run's plan: no gate, no wait
+    mark_planned(gate, True)
+    waits = []
+
+    def check_setup_passes_while_we_wait(seconds):
+        waits.append(seconds)
+        if len(waits) == 3:
+            record_verdict(gate, None)
+
+    wait_for_preflight(gate, poll_seconds=0.5, sleep=check_setup_passes_while_we_wait)
+    assert waits == [0.5, 0.5, 0.5] and not gate.exists()
+
+    mark_planned(gate, True)
+    record_verdict(gate, DataError("no usable rows", where="bad.jsonl:1"))
+    with pytest.raises(PreflightGateError) as error:
+        wait_for_preflight(gate, sleep=lambda s: pytest.fail("a failed verdict must not wait"))
+    assert "DataError: no usable rows" in str(error.value) and "bad.jsonl:1" in str(error.value)
+
+    mark_planned(gate, False)  # the next plan has check_setup current: the old verdict goes
+    assert not gate.exists()
+    mark_planned(gate, True)
+    now = iter(range(0, 10_000, 100))
+    with pytest.raises(PreflightGateError, match="no verdict in 3600 s"):
+        wait_for_preflight(gate, sleep=lambda s: None, clock=lambda: next(now))
+
+
+@pytest.mark.slow
+def test_no_job_that_loads_the_target_starts_a_load_after_the_preflight_failed(tmp_path):
+    """A preflight that fails beside a job that loads the target (regeneration here; extraction,
+    evaluation and online training wait at the same gate), with --keep-going so Snakemake itself
+    stops nothing: the job waits for the verdict and ends without loading the target."""
+    workdir, config = tiny_workflow(tmp_path)
+    config.update(regenerate={"enabled": True, "max_new_tokens": 8}, vocab={"draft_vocab_size": 64})
+    bad = tiny.write_jsonl(tmp_path / "bad.jsonl", [{"unknown": i} for i in range(40)])
+    configfile = write_config(workdir, {**config, "data": {**config["data"], "sources": [str(bad)]}})
+    run = snakemake(workdir, "--keep-going", configfile=configfile, check=False)
+    assert run.returncode != 0
+    assert "Error in rule check_setup" in run.stdout + run.stderr
+    regeneration = (workdir / "logs/t/regenerate_responses.log").read_text()
+    assert "check_setup failed, so this job did not load the target" in regeneration
+    assert "no usable rows" in regeneration or "unknown_format" in regeneration  # the preflight's own words
+    assert "target load" not in regeneration
+    assert not (workdir / "results/t/data/regenerated.jsonl").exists()
+
+    good = write_config(workdir, config, name="good.yaml")  # fixed: the gate opens, the run goes through
+    snakemake(workdir, "preflight", "results/t/data/regenerated.jsonl", configfile=good)
+    assert not (workdir / "results/t/preflight.gate.json").exists()
+    assert "target load 1" in (workdir / "logs/t/regenerate_responses.log").read_text()
 
 
 @pytest.mark.slow

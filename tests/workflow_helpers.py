@@ -18,6 +18,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW_PARTS = ["Snakefile", "rules", "workflow_scripts", "config", "report", "envs", "draftsmith"]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+# the console script beside this Python, or the module where the package alone was installed (pip --target)
+SNAKEMAKE_COMMAND = [SNAKEMAKE] if Path(SNAKEMAKE).exists() else [sys.executable, "-m", "snakemake"]
 
 
 def copy_workflow(dest: Path) -> Path:
@@ -39,8 +41,9 @@ def write_config(workdir: Path, config: dict, name: str = "test.yaml") -> Path:
 
 def snakemake(workdir: Path, *args: str, configfile: Path | None = None, check: bool = True,
               timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(workdir), "PYTHONUNBUFFERED": "1"}
-    cmd = [SNAKEMAKE, "--cores", "2", "--resources", "gpu=0"]
+    path = os.pathsep.join(p for p in (str(workdir), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    cmd = [*SNAKEMAKE_COMMAND, "--cores", "2", "--resources", "gpu=0"]
     if configfile is not None:
         cmd.append(f"--configfile={configfile}")  # "=": the option takes several values
     result = subprocess.run([*cmd, *args], cwd=workdir, env=env, capture_output=True, text=True,

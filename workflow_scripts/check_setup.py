@@ -1,14 +1,22 @@
-"""Snakemake entry: the weight-free preflight checks of the data sources, vocab and engines."""
+"""Snakemake entry: the weight-free preflight checks of the data sources, vocab and engines; its
+verdict opens or shuts the gate that jobs loading the target wait at (draftsmith/gate.py)."""
 
 from pathlib import Path
 
+from draftsmith.gate import gate_for_run, record_verdict
 from draftsmith.logs import setup_logging
 from draftsmith.preflight import PreflightSettings, check_setup
 
 setup_logging(snakemake.log[0])
-check_setup(
-    Path(snakemake.input.config).parent,
-    list(snakemake.input.sources),
-    snakemake.output.report,
-    PreflightSettings.from_config(snakemake.params.config),
-)
+gate = gate_for_run(snakemake.config["run"])
+try:
+    check_setup(
+        Path(snakemake.input.config).parent,
+        list(snakemake.input.sources),
+        snakemake.output.report,
+        PreflightSettings.from_config(snakemake.params.config),
+    )
+except BaseException as error:
+    record_verdict(gate, error)
+    raise
+record_verdict(gate, None)

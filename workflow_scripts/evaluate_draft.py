@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from draftsmith.evaluate import EvalSettings, evaluate_draft
+from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
 
@@ -10,6 +11,7 @@ from draftsmith.placement import engine_env, engine_placement
 # __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
 if __name__ == "__main__":
     setup_logging(snakemake.log[0])
+    wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
         evaluate_draft(
             Path(snakemake.input.draft).parent,

@@ -1,5 +1,6 @@
 """Snakemake entry: replace the training conversations' assistant turns with the target's answers."""
 
+from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
 from draftsmith.regenerate import RegenerateSettings, regenerate_responses
@@ -9,6 +10,7 @@ from draftsmith.targets.inspect import read_target_json
 # __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
 if __name__ == "__main__":
     setup_logging(snakemake.log[0])
+    wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     target = read_target_json(snakemake.input.target)
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
         regenerate_responses(

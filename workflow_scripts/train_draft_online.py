@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from draftsmith.extract.settings import ExtractionSettings
+from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.online import OnlineSettings, run_online_training, split_devices
 from draftsmith.placement import engine_env, engine_placement
@@ -12,6 +13,7 @@ from draftsmith.train import TrainSettings, launch_from_config
 # __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
 if __name__ == "__main__":
     setup_logging(snakemake.log[0])
+    wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     params = snakemake.params
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)) as claim:
         engine_devices, trainer_devices = split_devices(claim.devices, params.engine_gpus)
