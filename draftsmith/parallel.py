@@ -19,7 +19,10 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
+
+from draftsmith.errors import DraftsmithError
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -66,9 +69,15 @@ def _run(item):
 
 def _in_order(pool: ProcessPoolExecutor, workers: int, items: Iterable) -> Iterator:
     pending: collections.deque = collections.deque()
-    for item in items:
-        if len(pending) == IN_FLIGHT_PER_WORKER * workers:
+    try:
+        for item in items:
+            if len(pending) == IN_FLIGHT_PER_WORKER * workers:
+                yield pending.popleft().result()
+            pending.append(pool.submit(_run, item))
+        while pending:
             yield pending.popleft().result()
-        pending.append(pool.submit(_run, item))
-    while pending:
-        yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise DraftsmithError(
+            f"a worker process of this stage ended without a word (one of {workers}): killed by a signal, "
+            "most often the out-of-memory killer", where="the job's worker processes (dmesg names an OOM kill)",
+            fix="give the job more memory, or fewer workers (snakemake --cores, or the rule's threads)") from None

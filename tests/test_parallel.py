@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, DraftsmithError
 from draftsmith.parallel import IN_FLIGHT_PER_WORKER, ordered_map
 
 
@@ -56,3 +56,16 @@ def test_an_error_in_a_task_reaches_the_caller_with_where_and_fix(workers):
     with ordered_map(fails_at_five, workers) as run, pytest.raises(DataError) as info:
         list(run(range(20)))
     assert (info.value.what, info.value.where, info.value.fix) == ("item 5 is bad", "item 5", "drop it")
+
+
+def _die(item):
+    if item == 3:
+        os._exit(9)  # as the out-of-memory killer leaves a worker: no exception, no message
+    return item
+
+
+def test_a_worker_killed_mid_stage_is_named_not_a_broken_pool():
+    with pytest.raises(DraftsmithError, match="a worker process of this stage ended") as error:
+        with ordered_map(_die, 2) as mapped:
+            list(mapped(range(8)))
+    assert "fewer workers" in error.value.fix
