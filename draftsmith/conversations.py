@@ -97,6 +97,9 @@ class BadRow:
 
 
 Row = Conversation | BadRow
+# A row as read, before parsing: (file, line, raw), raw a jsonl line's bytes, a json, parquet or
+# datasets row, or a BadRow (read_rows, to_row).
+RawRow = tuple[str, int, Any]
 
 
 def row_where(file: str, line: int) -> str:
@@ -154,11 +157,38 @@ def load_conversations(sources: Sequence[str | Path], format: str = "auto",
     A missing or unreadable source, or one without any row, raises ``DataError``; a jsonl line
     over ``max_line`` bytes is a bad row, skipped without being loaded.
     """
+    check_format(format)
+    for raw in read_rows(sources, max_line):
+        yield to_row(raw, format)
+
+
+def check_format(format: str) -> None:
+    """Raise ``DataError`` unless ``format`` is one of ``FORMATS``."""
     if format not in FORMATS:
         raise DataError(f"unknown data format {format!r}", where="config key data.format",
                         fix="use one of " + ", ".join(FORMATS))
-    for source, line, raw in _rows(sources, max_line, "data.sources"):
-        yield raw if isinstance(raw, BadRow) else _normalize(raw, source, line, format)
+
+
+def read_rows(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES,
+              key: str = "data.sources") -> Iterator[RawRow]:
+    """Every row of ``sources`` in order as read, before it is parsed and normalized (``to_row``,
+    which may run in another process): ``(file, line, raw)``, raw being a jsonl line's bytes, a
+    json, parquet or datasets row, or a ``BadRow``. A source without rows raises ``DataError``."""
+    for source in sources:
+        rows = 0
+        for line, raw in _read_source(Path(source), max_line):
+            rows += 1
+            yield str(source), line, raw
+        if rows == 0:
+            raise DataError(f"data source {source} holds no rows", where=str(source),
+                            fix=f"fill it or remove it from {key}")
+
+
+def to_row(raw_row: RawRow, format: str = "auto") -> Row:
+    """A row of ``read_rows`` parsed and normalized to a ``Conversation`` or a ``BadRow``."""
+    file, line, raw = raw_row
+    raw = _parse(file, line, raw)
+    return raw if isinstance(raw, BadRow) else _normalize(raw, file, line, format)
 
 
 def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[Row]:
@@ -195,15 +225,9 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
 
 
 def _rows(sources: Sequence[str | Path], max_line: int, key: str) -> Iterator[tuple[str, int, Any]]:
-    """(source, line, raw row or BadRow) for every row of ``sources``; a source without rows raises."""
-    for source in sources:
-        rows = 0
-        for line, raw in _read_source(Path(source), max_line):
-            rows += 1
-            yield str(source), line, raw
-        if rows == 0:
-            raise DataError(f"data source {source} holds no rows", where=str(source),
-                            fix=f"fill it or remove it from {key}")
+    """(source, line, parsed row or BadRow) for every row of ``sources``; a source without rows raises."""
+    for file, line, raw in read_rows(sources, max_line, key):
+        yield file, line, _parse(file, line, raw)
 
 
 def _read_source(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
@@ -252,18 +276,23 @@ def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tupl
                 yield lineno, BadRow(file, lineno, "line_too_long",
                                      f"{size:,} bytes, over the {max_line:,}-byte limit")
                 continue
-            if not raw.strip():
-                continue
-            try:
-                # utf-8-sig on line 1: editors on Windows start files with a byte-order mark.
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, BadRow(file, lineno, "not_utf8", f"byte {e.start}: {e.reason}")
-                continue
-            try:
-                yield lineno, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield lineno, BadRow(file, lineno, "invalid_json", f"{e.msg} (column {e.colno})")
+            if raw.strip():
+                yield lineno, raw  # parsed by _parse, in whichever process normalizes the row
+
+
+def _parse(file: str, line: int, raw: Any) -> Any:
+    """A jsonl line (bytes) parsed, or a ``BadRow`` saying why it cannot be; any other row as it is."""
+    if not isinstance(raw, bytes):
+        return raw
+    try:
+        # utf-8-sig on line 1: editors on Windows start files with a byte-order mark.
+        text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        return BadRow(file, line, "not_utf8", f"byte {e.start}: {e.reason}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRow(file, line, "invalid_json", f"{e.msg} (column {e.colno})")
 
 
 def _read_json(path: Path) -> Iterator[tuple[int, Any]]:

@@ -1,11 +1,13 @@
 """Stage prepare_dataset: read conversations, apply the target's chat template, mask the
 assistant's tokens, and split off held-out prompts.
 
-Data flows top-down through this module: sources are read row by row by
-``draftsmith.conversations.load_conversations`` (each row normalized to OpenAI-style messages or
-plain text, or reported as a bad row with its reason), ids are collected and split (``split_heldout``), and a second pass tokenizes the
-rows that are kept (``tokenize_conversation``) and streams them to ``train.jsonl`` and
-``heldout.jsonl``.
+Data flows top-down through this module: sources are read row by row
+(``draftsmith.conversations``: each row normalized to OpenAI-style messages or plain text, or
+reported as a bad row with its reason), ids are collected and split (``split_heldout``), and a
+second pass tokenizes the rows that are kept (``ChatRenderer``) and streams them to ``train.jsonl``
+and ``heldout.jsonl``. Both passes hand chunks of rows to worker processes (``draftsmith.parallel``)
+and take the results back in row order: the main process alone counts, names bad rows and writes,
+so the output is the same for any number of workers.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import os
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm import tqdm
 
@@ -33,19 +37,24 @@ from draftsmith.chat import (
     load_tokenizer,
     require_chat_template,
 )
-from draftsmith.conversations import (  # noqa: F401 - Conversation is part of this stage's API too
+from draftsmith.conversations import (  # noqa: F401 - Conversation and load_conversations are part of this stage's API too
     PROMPT_FIELDS,
     READ_REASONS,
     BadRow,
     Conversation,
+    RawRow,
     Row,
+    check_format,
     load_conversations,
     load_prompts,
     max_line_bytes,
+    read_rows,
     row_where,
+    to_row,
 )
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, fsync_dir, share_mode, storage_error
+from draftsmith.parallel import ordered_map
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, data_format, from_schema
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,13 @@ REASON_FIXES = {
 
 MAX_LOGGED_BAD_ROWS = 10
 
+# Rows a worker takes at a time: at 700 tokens a row, 0.7 s of one core's rendering and tokenizing
+# (bench/data_stages.py), so handing them over costs little beside it; and at most CHUNK_BYTES of
+# jsonl, so long rows do not make a chunk large.
+CHUNK_ROWS = 256
+CHUNK_BYTES = 8 << 20
+
+CHANGED_FIX = "do not modify the data sources while the workflow runs"
 
 
 @dataclass(frozen=True)
@@ -174,8 +190,11 @@ class _Tally:
     first_bad: list[dict] = field(default_factory=list)
     fixes: dict[str, str] = field(default_factory=dict)  # reason -> how to fix, from the first such error
 
-    def bad(self, row: BadRow) -> None:
+    def bad(self, row: BadRow, fix: str | None = None) -> None:
+        """Count a bad row (``fix``: how to fix the rows of its reason, if the reason alone does not say)."""
         self.dropped[row.reason] += 1
+        if fix:
+            self.fixes.setdefault(row.reason, fix)
         if len(self.first_bad) < MAX_LOGGED_BAD_ROWS:
             self.first_bad.append({"file": row.file, "line": row.line, "reason": row.reason,
                                    "detail": row.detail})
@@ -183,14 +202,8 @@ class _Tally:
             if len(self.first_bad) == MAX_LOGGED_BAD_ROWS:
                 log.warning("further bad rows are counted in stats.json, not logged")
 
-    def render_failed(self, row, error: ChatTemplateError | TokenizerFailure) -> None:
-        """A row the chat template or the tokenizer could not render: counted, with the fix."""
-        reason = "template_error" if isinstance(error, ChatTemplateError) else "tokenizer_error"
-        self.bad(BadRow(row.file, row.line, reason, error.what))
-        if error.fix:
-            self.fixes.setdefault(reason, error.fix)
-
     def check(self) -> None:
+        """Raise ``DataError`` when more than ``max_bad_fraction`` of the rows read are bad."""
         bad = sum(self.dropped.values())
         if self.read == 0 or bad / self.read <= self.max_bad_fraction:
             return
@@ -208,8 +221,18 @@ class _Tally:
             fix=fix)
 
 
+def _render_failure(row: Conversation, error: ChatTemplateError | TokenizerFailure) -> BadRow:
+    """A row the chat template or the tokenizer could not render, as a bad row."""
+    reason = "template_error" if isinstance(error, ChatTemplateError) else "tokenizer_error"
+    return BadRow(row.file, row.line, reason, error.what)
+
+
 class _TooLong(Exception):
     """Internal: nothing trainable survives truncation to max_seq_len."""
+
+
+def _json_line(row: dict) -> str:
+    return json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
 class _PendingFile:
@@ -227,8 +250,11 @@ class _PendingFile:
         self.file = os.fdopen(fd, "w", encoding="utf-8")
 
     def write_row(self, row: dict) -> None:
+        self.write_line(_json_line(row))
+
+    def write_line(self, line: str) -> None:
         try:
-            self.file.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+            self.file.write(line)
         except OSError as e:
             raise storage_error(self.path, e) from e
 
@@ -262,9 +288,24 @@ def _unique_id(row_id: str, seen: set[str]) -> str:
     return f"{row_id}#{n}"
 
 
-def _progress(rows: Iterable[Row], desc: str, total: int | None = None) -> Iterable[Row]:
+def _progress(rows: Iterable, desc: str, total: int | None = None) -> Iterable:
     return tqdm(rows, desc=desc, total=total, unit=" rows", file=sys.stderr,
                 mininterval=PROGRESS_INTERVAL_S)
+
+
+def _chunks(rows: Iterable, raw_of=lambda row: row) -> Iterator[list]:
+    """``rows`` in lists of CHUNK_ROWS, or fewer when their jsonl lines (``raw_of`` a row: its
+    ``RawRow``) reach CHUNK_BYTES."""
+    chunk, size = [], 0
+    for row in rows:
+        chunk.append(row)
+        raw = raw_of(row)[2]
+        size += len(raw) if isinstance(raw, bytes) else 0
+        if len(chunk) == CHUNK_ROWS or size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def _nothing_to_train(names: str, tally: _Tally, counts: Counter, heldout: int,
@@ -293,9 +334,10 @@ def _nothing_to_train(names: str, tally: _Tally, counts: Counter, heldout: int,
 
 
 def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path,
-                    settings: DataSettings) -> dict:
+                    settings: DataSettings, workers: int = 1) -> dict:
     """Write ``out_dir``/train.jsonl, heldout.jsonl and stats.json from ``sources`` rendered with the
-    chat template of the tokenizer in ``tokenizer_dir``; return the stats."""
+    chat template of the tokenizer in ``tokenizer_dir``; return the stats. ``workers`` processes
+    read and tokenize the rows; the files are the same for any number of them."""
     if not sources:
         raise DataError("no data sources given", where="config key data.sources",
                         fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")
@@ -303,7 +345,9 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     names = ", ".join(map(str, sources))
     tally = _Tally(settings.max_bad_fraction)
     max_line = max_line_bytes(settings.max_seq_len)
-    ids, chat_ids, prompt_keys, duplicates = _read_ids(sources, settings, max_line, tally, names)
+    check_format(settings.format)
+    log.info("reading and tokenizing %s with %d worker process%s", names, workers, "es" if workers > 1 else "")
+    ids, bad_rows, chat_ids, prompt_keys, duplicates = _read_ids(sources, settings, max_line, tally, names, workers)
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if chat_ids:
@@ -321,8 +365,8 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     leaked = {i for i, key in prompt_keys.items() if key in heldout_prompts and i not in heldout_ids}
     del chat_ids, prompt_keys
     sampled = _sample_train((i for i in ids if i not in heldout_ids and i not in leaked), settings)
-    counts = _write_rows(sources, out_dir, settings, max_line, tally, names, ids, heldout_ids, leaked, sampled,
-                         renderer, tokenizer)
+    counts = _write_rows(sources, out_dir, settings, max_line, tally, names, ids, bad_rows, heldout_ids, leaked,
+                         sampled, renderer, workers)
 
     stats = {
         "rows_read": tally.read,
@@ -351,31 +395,64 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     return stats
 
 
+class _Read(NamedTuple):
+    """What pass 1 keeps of a usable row: its own id, where it is, and its prompt key (None: a text row)."""
+
+    id: str
+    file: str
+    line: int
+    prompt_key: bytes | None
+
+
+@dataclass(frozen=True)
+class _ReadChunk:
+    """Pass 1's work on a chunk of rows, in a worker: each row parsed and normalized, reduced to
+    what the split needs of it."""
+
+    format: str
+
+    def __call__(self, chunk: list[RawRow]) -> list[_Read | BadRow]:
+        out: list[_Read | BadRow] = []
+        for raw in chunk:
+            row = to_row(raw, self.format)
+            if isinstance(row, BadRow):
+                out.append(row)
+            else:
+                key = _prompt_key(row.messages, row.tools) if row.is_chat else None
+                out.append(_Read(row.id, row.file, row.line, key))
+        return out
+
+
 def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: int, tally: _Tally,
-              names: str) -> tuple[list[str], list[str], dict[str, bytes], int]:
+              names: str, workers: int) -> tuple[list[str], set[int], list[str], dict[str, bytes], int]:
     """Pass 1: read and normalize every row; return the kept ids (made unique, in row order), the
-    ids of the chat rows, each chat row's prompt key, and how many ids were repeated."""
+    indexes of the bad rows among all rows read, the ids of the chat rows, each chat row's prompt
+    key, and how many ids were repeated."""
     ids: list[str] = []
+    bad_rows: set[int] = set()
     chat_ids: list[str] = []
     prompt_keys: dict[str, bytes] = {}
     seen: set[str] = set()
     duplicates = 0
-    for row in _progress(load_conversations(sources, settings.format, max_line), "reading rows"):
-        tally.read += 1
-        if isinstance(row, BadRow):
-            tally.bad(row)
-            continue
-        row_id = _unique_id(row.id, seen)
-        if row_id != row.id:
-            if not duplicates:
-                log.warning("row %s repeats the id %r; it is kept as %r (stats.json counts such rows under "
-                            "duplicate_ids)", row.where, row.id, row_id)
-            duplicates += 1
-        seen.add(row_id)
-        ids.append(row_id)
-        if row.is_chat:
-            chat_ids.append(row_id)
-            prompt_keys[row_id] = _prompt_key(row.messages, row.tools)
+    with ordered_map(_ReadChunk(settings.format), workers) as run:
+        read = itertools.chain.from_iterable(run(_chunks(read_rows(sources, max_line))))
+        for row in _progress(read, "reading rows"):
+            tally.read += 1
+            if isinstance(row, BadRow):
+                bad_rows.add(tally.read - 1)
+                tally.bad(row)
+                continue
+            row_id = _unique_id(row.id, seen)
+            if row_id != row.id:
+                if not duplicates:
+                    log.warning("row %s repeats the id %r; it is kept as %r (stats.json counts such rows under "
+                                "duplicate_ids)", row_where(row.file, row.line), row.id, row_id)
+                duplicates += 1
+            seen.add(row_id)
+            ids.append(row_id)
+            if row.prompt_key is not None:
+                chat_ids.append(row_id)
+                prompt_keys[row_id] = row.prompt_key
     del seen
     tally.check()  # fail before tokenizing anything
     if not ids:
@@ -386,73 +463,124 @@ def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: i
                               if tally.first_bad else names,
                         fix=REASON_FIXES.get(top, "check data.format and the rows' fields (see the bad rows in "
                                                   "the log)"))
-    return ids, chat_ids, prompt_keys, duplicates
+    return ids, bad_rows, chat_ids, prompt_keys, duplicates
+
+
+class _Made(NamedTuple):
+    """What pass 2 made of a row, for the main process to write and count in row order."""
+
+    kind: str  # "train", "heldout" or "bad"
+    line: str = ""  # the row's line of train.jsonl or heldout.jsonl
+    tokens: int = 0  # train: the row's tokens; heldout: its prompt's
+    loss_tokens: int = 0
+    truncated: bool = False
+    bad: BadRow | None = None
+    fix: str | None = None  # how to fix a row the template or the tokenizer could not render
+
+
+@dataclass(frozen=True)
+class _RenderChunk:
+    """Pass 2's work on a chunk of (row, the id pass 1 gave it, "train", "heldout" or "check"), in
+    a worker: each row checked against pass 1's read of it and, unless only checked, rendered,
+    tokenized and serialized."""
+
+    renderer: ChatRenderer
+    format: str
+    max_seq_len: int
+
+    def __call__(self, chunk: list[tuple[RawRow, str, str]]) -> list[_Made | None]:
+        return [self._make(*planned) for planned in chunk]
+
+    def _make(self, raw: RawRow, row_id: str, use: str) -> _Made | None:
+        row = to_row(raw, self.format)
+        if isinstance(row, BadRow) or not (row_id == row.id or row_id.startswith(row.id + "#")):
+            where = row_where(row.file, row.line)
+            raise DataError(f"{where} changed while it was being read", where=where, fix=CHANGED_FIX)
+        if use == "check":
+            return None
+        source = {"file": row.file, "line": row.line}
+        try:
+            if use == "heldout":
+                # Rendered whole too: a row the template cannot render is bad wherever the split
+                # puts it, or which rows count as bad would hang on the held-out draw.
+                self.renderer.tokenize(row.messages, row.tools)
+                prompt = self.renderer.prompt_ids(row.messages, row.tools)
+                if len(prompt) >= self.max_seq_len:
+                    raise _TooLong()
+                return _Made("heldout", _json_line({"id": row_id, "messages": row.messages, "prompt_ids": prompt,
+                                                    **({"tools": row.tools} if row.tools else {}),
+                                                    "source": source}), tokens=len(prompt))
+            if row.is_chat:
+                input_ids, loss_mask = self.renderer.tokenize(row.messages, row.tools)
+                if not any(loss_mask):
+                    raise ChatTemplateError("no assistant token found in the rendered conversation")
+            else:  # with BOS etc., as text is fed
+                input_ids = list(encode_text(self.renderer.tokenizer, row.text)["input_ids"])
+                loss_mask = [1] * len(input_ids)
+            truncated = len(input_ids) > self.max_seq_len
+            if truncated:
+                input_ids = input_ids[: self.max_seq_len]
+                loss_mask = loss_mask[: self.max_seq_len]
+                if not any(loss_mask):
+                    raise _TooLong()
+        except (ChatTemplateError, TokenizerFailure) as e:
+            return _Made("bad", bad=_render_failure(row, e), fix=e.fix)
+        except _TooLong:
+            return _Made("bad", bad=BadRow(row.file, row.line, "too_long_prompt",
+                                           f"the first answer starts after data.max_seq_len={self.max_seq_len} tokens"))
+        return _Made("train", _json_line({"id": row_id, "input_ids": input_ids, "loss_mask": loss_mask,
+                                          "source": source}),
+                     tokens=len(input_ids), loss_tokens=sum(loss_mask), truncated=truncated)
 
 
 def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSettings, max_line: int, tally: _Tally,
-                names: str, ids: list[str], heldout_ids: set[str], leaked: set[str], sampled: set[str] | None,
-                renderer: ChatRenderer, tokenizer) -> Counter:
+                names: str, ids: list[str], bad_rows: set[int], heldout_ids: set[str], leaked: set[str],
+                sampled: set[str] | None, renderer: ChatRenderer, workers: int) -> Counter:
     """Pass 2: tokenize the rows kept and stream them to train.jsonl and heldout.jsonl (renamed into
     place only when complete); return the counts for stats.json."""
     counts = Counter()
-    with _PendingFile(out_dir / "train.jsonl") as train, _PendingFile(out_dir / "heldout.jsonl") as held:
-        kept = iter(ids)
-        for row in _progress(load_conversations(sources, settings.format, max_line), "tokenizing rows",
-                             tally.read):
-            if isinstance(row, BadRow):
+    kept = iter(ids)
+
+    def planned() -> Iterator[tuple[RawRow, str, str]]:
+        """The rows pass 1 did not find bad, read again, with their ids and what to make of them."""
+        for index, raw in enumerate(read_rows(sources, max_line)):
+            if index in bad_rows:
                 continue
             row_id = next(kept, None)
-            if row_id is None or not (row_id == row.id or row_id.startswith(row.id + "#")):
-                raise DataError(f"{row.where} changed while it was being read", where=row.where,
-                                fix="do not modify the data sources while the workflow runs")
+            if row_id is None:
+                where = row_where(raw[0], raw[1])
+                raise DataError(f"{where} changed while it was being read", where=where, fix=CHANGED_FIX)
             if row_id in leaked:
                 counts["same_prompt_as_heldout"] += 1
-                continue
-            if row_id not in heldout_ids and sampled is not None and row_id not in sampled:
+                yield raw, row_id, "check"
+            elif row_id not in heldout_ids and sampled is not None and row_id not in sampled:
                 counts["over_max_samples"] += 1
+                yield raw, row_id, "check"
+            else:
+                yield raw, row_id, "heldout" if row_id in heldout_ids else "train"
+
+    task = _RenderChunk(renderer, settings.format, settings.max_seq_len)
+    # The workers first: forked before the output files are open, they hold none of them.
+    with (ordered_map(task, workers) as run, _PendingFile(out_dir / "train.jsonl") as train,
+          _PendingFile(out_dir / "heldout.jsonl") as held):
+        made = itertools.chain.from_iterable(run(_chunks(planned(), raw_of=lambda planned: planned[0])))
+        for row in _progress(made, "tokenizing rows", len(ids)):
+            if row is None:
                 continue
-            source = {"file": row.file, "line": row.line}
-            try:
-                if row_id in heldout_ids:
-                    # Rendered whole too: a row the template cannot render is bad wherever the split
-                    # puts it, or which rows count as bad would hang on the held-out draw.
-                    renderer.tokenize(row.messages, row.tools)
-                    prompt = renderer.prompt_ids(row.messages, row.tools)
-                    if len(prompt) >= settings.max_seq_len:
-                        raise _TooLong()
-                    held.write_row({"id": row_id, "messages": row.messages, "prompt_ids": prompt,
-                                    **({"tools": row.tools} if row.tools else {}), "source": source})
-                    counts["heldout_rows"] += 1
-                    counts["heldout_prompt_tokens"] += len(prompt)
-                    continue
-                if row.is_chat:
-                    input_ids, loss_mask = renderer.tokenize(row.messages, row.tools)
-                    if not any(loss_mask):
-                        raise ChatTemplateError("no assistant token found in the rendered conversation")
-                else:
-                    input_ids = list(encode_text(tokenizer, row.text)["input_ids"])  # with BOS etc., as text is fed
-                    loss_mask = [1] * len(input_ids)
-                if len(input_ids) > settings.max_seq_len:
-                    input_ids = input_ids[: settings.max_seq_len]
-                    loss_mask = loss_mask[: settings.max_seq_len]
-                    if not any(loss_mask):
-                        raise _TooLong()
-                    counts["truncated_rows"] += 1
-            except (ChatTemplateError, TokenizerFailure) as e:
-                tally.render_failed(row, e)
-                continue
-            except _TooLong:
-                tally.bad(BadRow(row.file, row.line, "too_long_prompt",
-                                 f"the first answer starts after data.max_seq_len={settings.max_seq_len} tokens"))
-                continue
-            train.write_row({"id": row_id, "input_ids": input_ids, "loss_mask": loss_mask,
-                             "source": source})
-            counts["train_rows"] += 1
-            counts["tokens"] += len(input_ids)
-            counts["loss_tokens"] += sum(loss_mask)
+            if row.kind == "bad":
+                tally.bad(row.bad, row.fix)
+            elif row.kind == "heldout":
+                held.write_line(row.line)
+                counts["heldout_rows"] += 1
+                counts["heldout_prompt_tokens"] += row.tokens
+            else:
+                train.write_line(row.line)
+                counts["train_rows"] += 1
+                counts["tokens"] += row.tokens
+                counts["loss_tokens"] += row.loss_tokens
+                counts["truncated_rows"] += row.truncated
         if next(kept, None) is not None:
-            raise DataError(f"{names} yielded fewer rows on the second read", where=names,
-                            fix="do not modify the data sources while the workflow runs")
+            raise DataError(f"{names} yielded fewer rows on the second read", where=names, fix=CHANGED_FIX)
         tally.check()
         if counts["train_rows"] == 0:
             raise _nothing_to_train(names, tally, counts, len(heldout_ids), settings)
@@ -494,7 +622,7 @@ def prepare_eval_prompts(source: str | Path, tokenizer_dir: str | Path, out_path
             try:
                 prompt = renderer.prompt_ids(row.messages, row.tools)
             except (ChatTemplateError, TokenizerFailure) as e:
-                tally.render_failed(row, e)
+                tally.bad(_render_failure(row, e), e.fix)
                 continue
             if len(prompt) >= max_seq_len:  # as held-out prompts: the target must have room to answer
                 tally.bad(BadRow(row.file, row.line, "too_long_prompt",

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +100,33 @@ def read_jsonl(path: str | Path, *, error: type[DraftsmithError] | None,
     not JSON raises ``error`` naming the file and line, with ``fix``; with ``error=None`` it is
     passed over instead (a log's last line, torn by a kill)."""
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+        yield from parse_jsonl_lines(path, 1, f, error=error, fix=fix)
+
+
+def read_jsonl_chunks(path: str | Path, chunk_bytes: int) -> Iterator[tuple[int, list[bytes]]]:
+    """The lines of a JSON-lines file, unparsed, in chunks of about ``chunk_bytes``, each with the
+    number of its first line: for ``parse_jsonl_lines`` in whichever process takes the chunk."""
+    with open(path, "rb") as f:
+        first = 1
+        while lines := f.readlines(chunk_bytes):
+            yield first, lines
+            first += len(lines)
+
+
+def parse_jsonl_lines(path: str | Path, first_line: int, lines: Iterable[str | bytes], *,
+                      error: type[DraftsmithError] | None, fix: str | None = None) -> Iterator[tuple[int, Any]]:
+    """``read_jsonl`` of ``lines``, the lines of ``path`` from line ``first_line`` on."""
+    for lineno, line in enumerate(lines, start=first_line):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if error is None:
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                if error is None:
-                    continue
-                raise error(f"line {lineno} is not valid JSON: {e.msg} (column {e.colno})",
-                            where=f"{path}:{lineno}", fix=fix) from e
-            yield lineno, row
+            raise error(f"line {lineno} is not valid JSON: {e.msg} (column {e.colno})",
+                        where=f"{path}:{lineno}", fix=fix) from e
+        yield lineno, row
 
 
 def sha256_file(path: str | Path, chunk_size: int = 1 << 22) -> str:

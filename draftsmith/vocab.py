@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from draftsmith.errors import ConfigError, DataError
-from draftsmith.io import atomic_write_bytes, atomic_write_json, read_jsonl
+from draftsmith.io import atomic_write_bytes, atomic_write_json, parse_jsonl_lines, read_jsonl_chunks
+from draftsmith.parallel import ordered_map
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +23,33 @@ MIN_COVERAGE = 0.5
 WARN_COVERAGE = 0.9
 
 
-def count_loss_tokens(train_jsonl: str | Path, vocab_size: int) -> np.ndarray:
-    """How often each target token appears where the loss mask is on (tokens the draft must predict)."""
+# Bytes of train.jsonl a worker counts at a time: enough lines that adding up a chunk's counts (one
+# array of the vocabulary's size) costs little beside parsing them.
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class _CountChunk:
+    """The loss-masked token counts of a chunk of train.jsonl's lines, in a worker."""
+
+    path: str
+    vocab_size: int
+
+    def __call__(self, chunk: tuple[int, list[bytes]]) -> np.ndarray:
+        masked = [np.zeros(0, dtype=np.int64)]
+        for _, row in parse_jsonl_lines(self.path, *chunk, error=DataError, fix="rerun the prepare_dataset rule"):
+            masked.append(np.asarray(row["input_ids"], dtype=np.int64)[np.asarray(row["loss_mask"], dtype=bool)])
+        # One count over the chunk: a count per row would cost the vocabulary's size for every row.
+        return np.bincount(np.concatenate(masked), minlength=self.vocab_size)[: self.vocab_size]
+
+
+def count_loss_tokens(train_jsonl: str | Path, vocab_size: int, workers: int = 1) -> np.ndarray:
+    """How often each target token appears where the loss mask is on (tokens the draft must
+    predict), counted by ``workers`` processes."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for _, row in read_jsonl(train_jsonl, error=DataError, fix="rerun the prepare_dataset rule"):
-        ids = np.asarray(row["input_ids"], dtype=np.int64)
-        mask = np.asarray(row["loss_mask"], dtype=bool)
-        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    with ordered_map(_CountChunk(str(train_jsonl), vocab_size), workers) as run:
+        for part in run(read_jsonl_chunks(train_jsonl, CHUNK_BYTES)):
+            counts += part
     return counts
 
 
@@ -58,13 +80,14 @@ def size_for_coverage(counts: np.ndarray, coverage: float) -> int:
 
 
 def build_vocab_mapping(train_jsonl: str | Path, target_vocab_size: int, draft_vocab_size: int,
-                        mapping_path: str | Path, stats_path: str | Path) -> dict:
-    """Write ``mapping.safetensors`` (d2t, t2d) and ``stats.json`` (coverage of loss-masked tokens)."""
+                        mapping_path: str | Path, stats_path: str | Path, workers: int = 1) -> dict:
+    """Write ``mapping.safetensors`` (d2t, t2d) and ``stats.json`` (coverage of loss-masked tokens),
+    the tokens counted by ``workers`` processes."""
     if draft_vocab_size > target_vocab_size:
         raise ConfigError(
             f"draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary ({target_vocab_size})",
             where="vocab.draft_vocab_size", fix=f"use at most {target_vocab_size}")
-    counts = count_loss_tokens(train_jsonl, target_vocab_size)
+    counts = count_loss_tokens(train_jsonl, target_vocab_size, workers)
     draft_ids = select_draft_tokens(counts, draft_vocab_size)
     total = int(counts.sum())
     covered = int(counts[draft_ids].sum())

@@ -164,6 +164,14 @@ def job_threads(gpus):
     return max(1, min(cores - 1, per_gpu * gpus))
 
 
+def threads_beside_gpu_jobs():
+    """CPU threads of a CPU stage that runs beside the jobs on GPUs (build_vocab_mapping beside
+    extraction): the cores those jobs leave when every GPU of the run is busy (job_threads), so it
+    need not wait for them; all cores on the CPU, where it runs alone."""
+    gpus = max(run_gpus(), target_gpus()) if target_gpus() else 0
+    return max(1, total_cores() - job_threads(gpus)) if gpus else total_cores()
+
+
 def total_cores():
     """--cores. Commands that run no job (--unlock, --report, --cleanup-metadata) may leave it out,
     and Snakemake then raises on reading it; no thread count matters to them."""

@@ -57,7 +57,7 @@ rule prepare_dataset:
         f"{BENCH}/prepare_dataset.tsv"
     conda:
         "../envs/trainer.yaml"
-    threads: 1
+    threads: total_cores()
     params:
         config=stage_config("data", "seed", "regenerate.enabled", leave_out=["data.sources"]),
         code=script_code("prepare_dataset"),
@@ -80,7 +80,7 @@ rule build_vocab_mapping:
         f"{LOGS}/build_vocab_mapping.log",
     conda:
         "../envs/trainer.yaml"
-    threads: 1
+    threads: threads_beside_gpu_jobs()
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
         code=script_code("build_vocab_mapping"),

@@ -604,6 +604,93 @@ def test_dataset_files_are_written_with_the_mode_of_other_outputs(tmp_path, chat
     assert len(set(modes.values())) == 1 and modes["train.jsonl"] & 0o044, modes
 
 
+# --- worker processes ------------------------------------------------------------------------
+
+
+def mixed_sources(folder: Path) -> list[Path]:
+    """Rows of every kind in two sources: bad rows of each reading kind early, rows that repeat
+    ids, text rows, rows that share a held-out prompt, and, late in the second source, bad rows
+    that reading finds (invalid JSON) and that only rendering finds (tool calls the plain ChatML
+    template drops, a prompt longer than max_seq_len)."""
+    early = folder / "early.jsonl"
+    write_bad_rows(early)
+    rows = message_rows(150) + [{"id": f"row{i}", "messages": conversation(200 + i)} for i in range(10)]
+    rows += [{"text": f"{QUESTIONS[i % 3]} {ANSWERS[i % 3]} {i}"} for i in range(20)]
+    rows += [{"id": f"same{i}", "messages": [{"role": "user", "content": QUESTIONS[0]},
+                                             {"role": "assistant", "content": f"Answer {i}."}]} for i in range(10)]
+    lines = [json.dumps(r) for r in rows]
+    lines += ['{"messages": [', json.dumps(tool_conversation(0)), json.dumps({"messages": [
+        {"role": "user", "content": " ".join(QUESTIONS * 8)}, {"role": "assistant", "content": "ok"}]}),
+        json.dumps({"messages": conversation(999)})]
+    late = folder / "late.jsonl"
+    late.write_text("\n".join(lines) + "\n")
+    return [early, late]
+
+
+def test_the_output_is_the_same_for_any_number_of_workers(tmp_path, chatml_tokenizer, monkeypatch, caplog):
+    """Files, stats and the bad rows logged are the same whatever the number of workers, with
+    chunks small enough that each worker takes several."""
+    import draftsmith.data
+
+    monkeypatch.setattr(draftsmith.data, "CHUNK_ROWS", 16)
+    sources = mixed_sources(tmp_path)
+    outputs, logged = {}, {}
+    for workers in (1, 2, 3):
+        caplog.clear()
+        out = tmp_path / f"workers{workers}"
+        stats = prepare_dataset(sources, chatml_tokenizer, out, DataSettings(
+            max_seq_len=64, max_bad_fraction=0.5, heldout_fraction=0.05, max_samples=150), workers=workers)
+        outputs[workers] = {name: (out / name).read_bytes() for name in ("train.jsonl", "heldout.jsonl", "stats.json")}
+        logged[workers] = [r.getMessage() for r in caplog.records if r.name == "draftsmith.data"]
+    assert outputs[2] == outputs[1] and outputs[3] == outputs[1]
+    assert logged[2] == logged[1] and logged[3] == logged[1]
+    # Rows of each fate took part, so the comparison covers them all.
+    assert stats["duplicate_ids"] == 10 and stats["rows_dropped"]["invalid_json"] == 2  # one early, one late
+    assert stats["rows_over_max_samples"] and stats["rows_same_prompt_as_heldout"] and stats["truncated_rows"]
+    assert stats["heldout_rows"] and stats["rows_dropped"]["template_error"] and len(stats["first_bad_rows"]) == 10
+
+
+@pytest.mark.parametrize("late", ["invalid_json", "template_error"])
+def test_too_many_bad_rows_late_fail_the_same_for_any_number_of_workers(late, tmp_path, chatml_tokenizer,
+                                                                        monkeypatch):
+    """Bad rows only at the end of the data, found by reading (invalid JSON) or only by rendering
+    (tool calls the template drops): the same error, naming the first of them, and no output."""
+    import draftsmith.data
+
+    monkeypatch.setattr(draftsmith.data, "CHUNK_ROWS", 8)
+    bad = ['{"messages": ['] * 12 if late == "invalid_json" else [json.dumps(tool_conversation(i)) for i in range(12)]
+    source = tmp_path / "late.jsonl"
+    source.write_text("\n".join([json.dumps(r) for r in message_rows(40)] + bad) + "\n")
+    errors = []
+    for workers in (1, 2):
+        with pytest.raises(DataError) as info:
+            prepare_dataset([source], chatml_tokenizer, tmp_path / f"w{workers}", DataSettings(), workers=workers)
+        errors.append(str(info.value))
+        assert not (tmp_path / f"w{workers}" / "train.jsonl").exists()
+    assert errors[0] == errors[1]
+    assert f"{late}=12" in errors[0] and f"first bad row {source}:41 ({late}" in errors[0]
+
+
+def test_a_source_changed_between_the_two_reads_is_an_error_for_any_number_of_workers(tmp_path, chatml_tokenizer,
+                                                                                     monkeypatch):
+    import draftsmith.data
+
+    source = tiny.write_jsonl(tmp_path / "d.jsonl", message_rows(40))
+    real = draftsmith.data.read_rows
+    reads = []
+
+    def edited_on_the_second_read(sources, max_line):
+        reads.append(1)
+        for file, line, raw in real(sources, max_line):
+            yield file, line, raw.replace(b'"row30"', b'"edited"') if len(reads) % 2 == 0 else raw
+
+    monkeypatch.setattr(draftsmith.data, "read_rows", edited_on_the_second_read)
+    for workers in (1, 2):
+        with pytest.raises(DataError, match="changed while it was being read") as info:
+            prepare_dataset([source], chatml_tokenizer, tmp_path / f"w{workers}", DataSettings(), workers=workers)
+        assert info.value.where == f"{source}:31" and "do not modify" in info.value.fix
+
+
 # --- fuzz: any row shape is a row or a bad row, never a crash ---------------------------------
 
 

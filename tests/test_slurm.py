@@ -36,17 +36,20 @@ TARGETS = ["results/t/target.json", "results/t/vocab/mapping.safetensors",
 
 # What the test profile asks for, scaled to the test node (2 CPUs, ~24 GB), and what sacct must show.
 ACCOUNT, PARTITION = "draftsmith", "debug"
+CORES = 2
 CPU_JOB = {"mem_mb": 1500, "runtime": 10}
 GPU_JOB = {"mem_mb": 3000, "runtime": 15, "cpus_per_gpu": 1}
 # GPUs booked for the GPU rules (device: cpu makes them declare gpu=0; a GPU run declares these).
 GPUS = {"extract_hidden_states": 2, "train_draft": 2, "evaluate_draft": 1}
+# CPU rules whose worker processes take the profile's cores (device: cpu: no GPU job beside them).
+DATA_RULES = {"prepare_dataset", "build_vocab_mapping"}
 
 
 def expected(rule: str) -> tuple[int, int, int, int]:
     """(CPUs, mem_mb, GPUs, time limit in minutes) that sacct must show for the rule's job."""
     if rule in GPUS:
         return GPUS[rule] * GPU_JOB["cpus_per_gpu"], GPU_JOB["mem_mb"], GPUS[rule], GPU_JOB["runtime"]
-    return 1, CPU_JOB["mem_mb"], 0, CPU_JOB["runtime"]
+    return CORES if rule in DATA_RULES else 1, CPU_JOB["mem_mb"], 0, CPU_JOB["runtime"]
 
 
 PREFLIGHT_RULES = {"inspect_target", "prepare_dataset", "build_vocab_mapping", "extract_hidden_states"}
@@ -130,7 +133,7 @@ def _test_profile(dest: Path) -> Path:
     the test node; every other setting (executor, the GPU-job settings, ...) is the profile's own."""
     profile = yaml.safe_load(SLURM_PROFILE.read_text())
     assert profile["executor"] == "slurm"
-    profile["cores"] = 2
+    profile["cores"] = CORES
     profile["default-resources"].update(slurm_partition=PARTITION, slurm_account=ACCOUNT, **CPU_JOB)
     gpu_rules = profile["set-resources"]
     assert {"extract_hidden_states", "train_draft"} <= set(gpu_rules)

@@ -2,11 +2,12 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DataError
 from draftsmith.vocab import build_vocab_mapping
 
 
@@ -45,3 +46,34 @@ def test_draft_vocab_larger_than_target_vocab_is_an_error(tmp_path):
         build_vocab_mapping(train, 10, 11, tmp_path / "m.safetensors", tmp_path / "s.json")
     assert "at most 10" in str(info.value)
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_the_count_is_the_same_for_any_number_of_workers(tmp_path, monkeypatch):
+    import tiny
+    from draftsmith import vocab
+
+    monkeypatch.setattr(vocab, "CHUNK_BYTES", 2048)  # several chunks for each worker
+    train = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.random_train_rows(300, seed=1))
+    expected = np.zeros(384, dtype=np.int64)
+    for row in tiny.random_train_rows(300, seed=1):
+        for token, on in zip(row["input_ids"], row["loss_mask"]):
+            expected[token] += on
+    outputs = {}
+    for workers in (1, 2, 3):
+        assert (vocab.count_loss_tokens(train, 384, workers) == expected).all()
+        out = tmp_path / f"w{workers}"
+        build_vocab_mapping(train, 384, 256, out / "mapping.safetensors", out / "stats.json", workers=workers)
+        outputs[workers] = [(out / name).read_bytes() for name in ("mapping.safetensors", "stats.json")]
+    assert outputs[2] == outputs[1] and outputs[3] == outputs[1]
+
+
+def test_a_damaged_line_late_in_train_jsonl_is_named_for_any_number_of_workers(tmp_path, monkeypatch):
+    import tiny
+    from draftsmith import vocab
+
+    monkeypatch.setattr(vocab, "CHUNK_BYTES", 2048)
+    train = tiny.write_jsonl(tmp_path / "train.jsonl", tiny.random_train_rows(300) + ['{"input_ids": [1, 2'])
+    for workers in (1, 2):
+        with pytest.raises(DataError) as info:
+            vocab.count_loss_tokens(train, 384, workers)
+        assert info.value.where == f"{train}:301" and info.value.fix == "rerun the prepare_dataset rule"

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
+from workflow_helpers import planned_jobs, planned_rules, snakemake, tiny_workflow, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,9 @@ def test_caching_follows_inputs_params_and_code(workflow):
     plan = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
     assert planned_rules(plan) == {"inspect_target", "prepare_dataset", "build_vocab_mapping"}
     assert "reason: Missing output files" in plan.stdout
+    # On the CPU the data stages take every core of --cores 2.
+    jobs = planned_jobs(plan)
+    assert jobs["prepare_dataset"]["threads"] == jobs["build_vocab_mapping"]["threads"] == 2
 
     snakemake(workdir, *PREFLIGHT_TARGETS, configfile=config)
     assert (workdir / "results/t/target.json").exists()
@@ -33,6 +36,10 @@ def test_caching_follows_inputs_params_and_code(workflow):
     again = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, configfile=config)
     assert planned_rules(again) == set(), again.stdout
     assert "Nothing to be done" in again.stdout + again.stderr
+    # The data stages' outputs are the same for any number of workers, so the cores given are no
+    # part of their cache key: another --cores reruns nothing.
+    assert "with 2 worker processes" in (workdir / "logs/t/prepare_dataset.log").read_text()
+    assert planned_rules(snakemake(workdir, "-n", "--cores", "1", *PREFLIGHT_TARGETS, configfile=config)) == set()
 
     # A parameter of one stage reruns that stage (and its dependents) only.
     changed = snakemake(workdir, "-n", *PREFLIGHT_TARGETS, "--config", "vocab={draft_vocab_size: 32}",

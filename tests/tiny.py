@@ -91,8 +91,10 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(path: str | Path, template: str = CHATML_TEMPLATE, vocab_size: int = 384) -> Path:
-    """Train a byte-level BPE tokenizer with a chat template and save it as a HF folder."""
+def build_tokenizer(path: str | Path, template: str = CHATML_TEMPLATE, vocab_size: int = 384,
+                    corpus: list[str] | None = None) -> Path:
+    """Train a byte-level BPE tokenizer with a chat template (on ``corpus``, a few sentences by
+    default) and save it as a HF folder."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -100,7 +102,7 @@ def build_tokenizer(path: str | Path, template: str = CHATML_TEMPLATE, vocab_siz
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(CORPUS * 4 if corpus is None else corpus, trainer=trainer)
     llama3 = template in (LLAMA3_TEMPLATE, LLAMA3_TOOLS_TEMPLATE)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -11,4 +11,5 @@ build_vocab_mapping(
     snakemake.params.draft_vocab_size,
     snakemake.output.mapping,
     snakemake.output.stats,
+    workers=snakemake.threads,
 )

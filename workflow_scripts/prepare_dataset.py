@@ -12,4 +12,5 @@ prepare_dataset(
     read_target_json(snakemake.input.target)["model_path"],
     Path(snakemake.output.train).parent,
     DataSettings.from_config(snakemake.params.config),
+    workers=snakemake.threads,
 )
