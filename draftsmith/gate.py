@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
@@ -56,6 +57,17 @@ def record_verdict(path: Path, error: BaseException | None) -> None:
         path.unlink(missing_ok=True)
     else:
         atomic_write_json(path, {"state": "failed", "error": f"{type(error).__name__}: {error}"})
+
+
+@contextmanager
+def deciding(path: Path) -> Iterator[None]:
+    """Run ``check_setup`` inside: whatever ends the block, its verdict goes into the gate."""
+    try:
+        yield
+    except BaseException as error:
+        record_verdict(path, error)
+        raise
+    record_verdict(path, None)
 
 
 def wait_for_preflight(path: Path, *, poll_seconds: float = POLL_SECONDS, limit_seconds: float = WAIT_LIMIT_SECONDS,

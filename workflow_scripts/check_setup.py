@@ -3,20 +3,15 @@ verdict opens or shuts the gate that jobs loading the target wait at (draftsmith
 
 from pathlib import Path
 
-from draftsmith.gate import gate_for_run, record_verdict
+from draftsmith.gate import deciding, gate_for_run
 from draftsmith.logs import setup_logging
 from draftsmith.preflight import PreflightSettings, check_setup
 
 setup_logging(snakemake.log[0])
-gate = gate_for_run(snakemake.config["run"])
-try:
+with deciding(gate_for_run(snakemake.config["run"])):
     check_setup(
         Path(snakemake.input.config).parent,
         list(snakemake.input.sources),
         snakemake.output.report,
         PreflightSettings.from_config(snakemake.params.config),
     )
-except BaseException as error:
-    record_verdict(gate, error)
-    raise
-record_verdict(gate, None)
