@@ -337,8 +337,8 @@ def test_a_failed_spool_write_is_reported_beside_the_pass_and_the_writer_lives_o
     assert worker._ds_free.qsize() == 2
     assert "FileNotFoundError" in worker._ds_writer_error
     assert torch.equal(read_pass({**info, "file": str(tmp_path / "pass-1.raw")}, timeout=5), states)
-    worker._ds_queue.put(_Pass(str(tmp_path / "pass-2.raw"), states, None, torch.empty(1)))
     (tmp_path / "pass-2.raw.part").mkdir()  # the partial file cannot be opened: the write fails here
+    worker._ds_queue.put(_Pass(str(tmp_path / "pass-2.raw"), states, None, torch.empty(1)))
     worker._ds_queue.join()
     with pytest.raises(OSError, match="writing captured states"):
         read_pass({**info, "file": str(tmp_path / "pass-2.raw")}, timeout=5)
