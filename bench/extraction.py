@@ -6,7 +6,8 @@ batches (same lengths, same order) three ways:
   forward          model(input_ids, attention_mask): the full model, logits included
   decoder          the inner decoder only (what extraction must compute at least)
   extraction       HfBackend hooks + the shard store + the writer thread (the real write path:
-                   append per batch, checksum, fsync, atomic rename), through ``extract_shards``
+                   append per batch, checksum, fsync, atomic rename), through ``extract_shards``;
+                   with ``--storage fp8`` the backend quantises on the device, as the workflow's does
 
 and prints tokens/s for each and the ratio extraction/forward (goal: at least 0.95).
 
@@ -159,7 +160,7 @@ def time_forward(module, batches: list[list[dict]], device: str) -> float:
 def time_extraction(model, shards, layer_ids, args, out: Path) -> tuple[float, int]:
     num_layers = model.config.num_hidden_layers
     backend = HfBackend(model, layers_path="model.layers", capture_layer_ids=layer_ids,
-                        final_layer_id=num_layers, lm_head_path="lm_head")
+                        final_layer_id=num_layers, lm_head_path="lm_head", fp8=args.storage == "fp8")
     if out.exists():
         shutil.rmtree(out)
     store = PartStore(out, 0, fingerprint="bench", dtype=args.storage, hidden_size=model.config.hidden_size,

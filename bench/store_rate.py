@@ -3,7 +3,8 @@
 ``extract_shards`` (per batch: the NaN/zero check, the layer files appended on their writer
 threads, checksummed while written, writeback started; per shard: fsync, manifest, rename) is fed
 by a backend that returns ready states: views of one tensor in shared memory, as the vLLM backend
-hands over its mapped spool passes. Beside it, on the same bytes, one core's rate of each piece:
+hands over its mapped spool passes (for fp8, values and scales quantised once up front, as the
+capture's device hands them over). Beside it, on the same bytes, one core's rate of each piece:
 SHA-256 and the store's checksum (``draftsmith.io``: XXH3-128) and a plain file write into
 ``--out``. The store's rate is what extraction can reach at most on this machine and file system,
 whatever the engine; ``--prefill`` (tokens/s of the engine's plain prefill) turns it into the
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.extract.backends import CaptureBackend  # noqa: E402
 from draftsmith.extract.capture import extract_shards  # noqa: E402
+from draftsmith.extract.hidden_states import Fp8Rows, quantize_fp8  # noqa: E402
 from draftsmith.extract.shard_writer import PartStore  # noqa: E402
 from draftsmith.io import CHECKSUM, checksum_hasher  # noqa: E402
 
@@ -38,11 +40,12 @@ SAMPLE_TOKENS = 2048
 
 
 class ReadyStates(CaptureBackend):
-    """Returns each batch's states as views of one [layers, batch tokens, hidden] tensor in shared memory."""
+    """Returns each batch's states as views of one [layers, batch tokens, hidden] tensor in shared memory
+    (with ``fp8``, of its ``Fp8Rows``)."""
 
     name = "ready"
 
-    def __init__(self, layer_ids: list[int], batch_tokens: int, hidden: int) -> None:
+    def __init__(self, layer_ids: list[int], batch_tokens: int, hidden: int, fp8: bool = False) -> None:
         self.layer_ids = layer_ids
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         count = len(layer_ids) * batch_tokens * hidden
@@ -53,11 +56,12 @@ class ReadyStates(CaptureBackend):
         for start in range(0, rows.shape[0], len(block)):
             rows[start:start + len(block)] = block[:rows.shape[0] - start]
         self.states = self.states.view(len(layer_ids), batch_tokens, hidden)
+        self.rows = Fp8Rows(*quantize_fp8(self.states)) if fp8 else self.states
 
-    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor | Fp8Rows]]:
         out, row = [], 0
         for ids in batch:
-            out.append({lid: self.states[k, row:row + len(ids)] for k, lid in enumerate(self.layer_ids)})
+            out.append({lid: self.rows[k, row:row + len(ids)] for k, lid in enumerate(self.layer_ids)})
             row += len(ids)
         return out
 
@@ -107,14 +111,15 @@ def main(argv=None) -> dict:
     per_shard = args.shard_tokens // SAMPLE_TOKENS
     shards = [(n, samples[n * per_shard:(n + 1) * per_shard]) for n in range(len(samples) // per_shard)]
     tokens = sum(len(s) for _, s in shards) * SAMPLE_TOKENS
-    backend = ReadyStates(layer_ids, args.batch_tokens, args.hidden)
+    backend = ReadyStates(layer_ids, args.batch_tokens, args.hidden, fp8=args.storage == "fp8")
     try:
         store = PartStore(folder / "store", 0, fingerprint="bench", dtype=args.storage, hidden_size=args.hidden,
                           layer_ids=layer_ids)
         started = time.perf_counter()
         extract_shards(backend, store, shards, batch_tokens=args.batch_tokens)
         seconds = time.perf_counter() - started
-        state_bytes = tokens * args.layers * args.hidden * 2
+        row_bytes = args.hidden + 4 if args.storage == "fp8" else args.hidden * 2  # fp8: values and a scale
+        state_bytes = tokens * args.layers * row_bytes
         result = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                   "captured_gb_per_s": state_bytes / seconds / 1e9,
                   "ceiling_vs_prefill": tokens / seconds / args.prefill,

@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     plain = LLM(**engine_kwargs(dict(model=str(model_dir), enforce_eager=True, enable_prefix_caching=False,
                                      enable_chunked_prefill=False, max_num_batched_tokens=budget,
                                      async_scheduling=False, seed=0, **common)))
-    backend = VllmBackend(str(model_dir), layer_ids, **common)
+    backend = VllmBackend(str(model_dir), layer_ids, fp8=args.storage == "fp8", **common)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def batches(todo: list[tuple[int, list[dict]]]) -> list[list[dict]]:

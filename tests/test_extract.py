@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 import tiny
 from draftsmith.errors import ConfigError, ExtractionError
-from draftsmith.extract import extract
+from draftsmith.extract import extract, shard_writer
 from draftsmith.extract.backends import CaptureBackend
-from draftsmith.extract.capture import plan_batches
+from draftsmith.extract.capture import check_states, plan_batches
 from draftsmith.extract.extract import extract_part, merge, plan_part
 from draftsmith.extract.hf_backend import HfBackend
-from draftsmith.extract.hidden_states import HiddenStateIndex, read_shard
+from draftsmith.extract.hidden_states import Fp8Rows, HiddenStateIndex, layer_file, quantize_fp8, read_shard
 from draftsmith.extract.safetensors_stream import write_safetensors
 from draftsmith.extract.settings import ExtractionSettings
-from draftsmith.extract.shard_writer import quantize_fp8
 from draftsmith.io import bytes_match
 from draftsmith.targets.inspect import write_target_json
 
@@ -154,9 +154,26 @@ def test_parts_merge_into_one_index_covering_every_sample_once(train, target, tm
         merge([tmp_path / "hs" / "part-1.json"] * 2, tmp_path / "hs" / "index2.json")
 
 
-def test_fp8_storage(train, target, tmp_path):
+def test_fp8_is_made_in_the_capture_as_the_store_quantises(train, target, tmp_path, monkeypatch):
+    """With fp8 storage the backend quantises on the target's device and the writer never does; each
+    layer file holds, bit for bit, the store's quantiser applied to the states a float32 extraction
+    of the same samples (same target, same device) stores."""
     target_json, _ = target
-    index = _run(train, target_json, tmp_path / "hs", ExtractionSettings(dtype="fp8", **SMALL))
+    full = _run(train, target_json, tmp_path / "float32", ExtractionSettings(dtype="float32", **SMALL))
+
+    def refuse(states):
+        raise AssertionError("the shard writer quantised captured states")
+
+    monkeypatch.setattr(shard_writer, "quantize_fp8", refuse)
+    index = _run(train, target_json, tmp_path / "fp8", ExtractionSettings(dtype="fp8", **SMALL))
+    assert len(index.shards) == len(full.shards) > 5
+    for shard, reference in zip(index.shards, full.shards, strict=True):
+        states = read_shard(full, reference).states
+        for layer_id in index.layer_ids:
+            stored = load_file(index.root / shard.path / layer_file(layer_id))
+            values, scales = quantize_fp8(states[layer_id])
+            assert torch.equal(stored["hidden_states"].view(torch.uint8), values.view(torch.uint8))
+            assert torch.equal(stored["scales"].view(torch.int32), scales.view(torch.int32))
     data = read_shard(index, index.shards[0])
     assert data.states[8].dtype == torch.bfloat16 and torch.isfinite(data.states[8].float()).all()
 
@@ -379,12 +396,13 @@ def test_not_enough_disk_space_stops_before_the_model_loads(train, target, tmp_p
 
 
 class _Faulty(CaptureBackend):
-    """Random states, except NaN, Inf or zeros for one sample."""
+    """Random states, except NaN, Inf or zeros for one sample; for an fp8 store quantised, as the
+    real backends hand them over."""
 
     name = "faulty"
 
-    def __init__(self, poison, fault):
-        self.poison, self.fault = poison, fault
+    def __init__(self, poison, fault, fp8=False):
+        self.poison, self.fault, self.fp8 = poison, fault, fp8
 
     def capture(self, batch):
         out = []
@@ -396,22 +414,41 @@ class _Faulty(CaptureBackend):
                     states[5][len(ids) - 1, 3] = float(self.fault)
                 if self.fault == "huge":  # finite as captured, infinite once stored as float16
                     states[5][len(ids) - 1, 3] = 1e5
-            out.append(states)
+            out.append({i: Fp8Rows(*quantize_fp8(t)) for i, t in states.items()} if self.fp8 else states)
         return out
 
 
 @pytest.mark.parametrize("fault, storage, words", [
     ("nan", "bfloat16", "NaN or Inf"), ("inf", "bfloat16", "NaN or Inf"), ("zero", "bfloat16", "all zero"),
     ("huge", "float16", "NaN or Inf, or values beyond float16's range"),
+    ("nan", "fp8", "NaN or Inf"), ("inf", "fp8", "NaN or Inf"), ("zero", "fp8", "all zero"),
 ])
 def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, monkeypatch, fault, storage, words):
     target_json, _ = target
     poison = _rows(36)[11]
-    monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], fault))
+    monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], fault, storage == "fp8"))
     with pytest.raises(ExtractionError, match=f"sample 'sample-11': layer 5 states (hold|are) {words}"):
         extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": storage}), tmp_path / "hs",
                      tmp_path / "m.json")
     assert not (tmp_path / "m.json").exists()
+
+
+def test_the_guard_checks_rows_quantised_in_the_capture():
+    """Rows already in fp8 are checked by their scales: the first token holding NaN or Inf is named,
+    all-zero states stop, and states merely tiny (their scales at the floor as well) pass."""
+    def check(states):
+        check_states(["s"], [{5: Fp8Rows(*quantize_fp8(states))}], where="part 0 shard 0", storage="fp8")
+
+    states = torch.randn(6, 64)
+    check(states)
+    check(torch.full((6, 64), 1e-15))
+    for value in (float("nan"), float("inf"), -float("inf")):
+        bad = states.clone()
+        bad[4, 9] = value
+        with pytest.raises(ExtractionError, match="layer 5 states hold NaN or Inf.*first at token 4"):
+            check(bad)
+    with pytest.raises(ExtractionError, match="layer 5 states are all zero"):
+        check(torch.zeros(6, 64))
 
 
 def test_index_loads(train, target, tmp_path):

@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM, LlavaForConditionalGeneration
 
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.hf_backend import HfBackend
+from draftsmith.extract.hidden_states import Fp8Rows, quantize_fp8
 from draftsmith.targets.inspect import inspect_target
 
 # Float32 on CPU; padded rows attend over more (masked) keys, so their sums run in another order.
@@ -149,6 +150,33 @@ def test_wrapped_multimodal_target_gives_its_inner_llamas_states(llava_dir):
         for got, want in zip(wrapped.capture(batch), plain.capture(batch)):
             assert sorted(got) == sorted(want) == [2, 4, 5, 8]
             assert all(torch.equal(got[i], want[i]) for i in want)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_fp8_rows_are_quantised_where_the_target_runs_as_the_store_quantises(llama_dir, llama_info, device):
+    """With fp8 the backend quantises on the target's device and hands over host rows of e4m3 values
+    and scales (on CUDA copied to pinned memory beside the next batch): bit for bit the store's
+    quantiser, on the CPU, of the states the same backend captures in full precision."""
+    model = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).to(device)
+    batches = [_sequences([23, 7, 40, 1], seed=s) for s in range(3)]
+
+    def capture(fp8):
+        with HfBackend(model, layers_path="model.layers", capture_layer_ids=llama_info["captured_layer_ids"],
+                       final_layer_id=8, lm_head_path="lm_head", fp8=fp8) as backend:
+            return list(backend.capture_stream(batches))
+
+    full, quantized = capture(False), capture(True)
+    for batch, full_batch, fp8_batch in zip(batches, full, quantized, strict=True):
+        for seq, want, got in zip(batch, full_batch, fp8_batch, strict=True):
+            assert sorted(got) == sorted(want) == [2, 4, 5, 8]
+            for layer_id, states in want.items():
+                rows = got[layer_id]
+                assert isinstance(rows, Fp8Rows) and rows.shape == (len(seq), 64)
+                assert rows.values.device.type == rows.scales.device.type == "cpu"
+                values, scales = quantize_fp8(states.cpu())
+                assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8)), (seq, layer_id)
+                assert torch.equal(rows.scales.view(torch.int32), scales.view(torch.int32)), (seq, layer_id)
 
 
 def test_model_dtype_is_honoured(llama_dir, llama_info):

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from draftsmith.extract.hidden_states import Fp8Rows, dequantize_fp8, quantize_fp8
 from tiny import build_llama, build_llava
 from tiny_vllm import (
     CAPTURE_DTYPE,
@@ -139,6 +140,33 @@ def test_llama_stream_matches_capture_and_leaves_no_pass_behind(llama):
     stream.close()
     assert os.listdir(backend.spool) == []
     assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards
+
+
+@vllm_test
+def test_llama_fp8_capture_is_the_stores_quantiser_of_its_states(llama):
+    """For an fp8 store the worker quantises each pass on its device, and the spool carries values
+    and scales: each sample's are the store's quantiser of the states a full-precision capture of
+    the same batch gives (bit for bit on the CPU; on CUDA two engines need not pick the same
+    kernels, so there within e4m3's rounding)."""
+    path, layer_ids, full = llama
+    batch = random_batch(384)
+    expected = full.capture(batch)
+    backend = _engine(path, layer_ids, layers_path="model.layers", max_num_seqs=4, fp8=True)
+    try:
+        got = backend.capture(batch)
+        assert os.listdir(backend.spool) == []
+    finally:
+        backend.close()
+    for sample, reference in zip(got, expected, strict=True):
+        for lid in layer_ids:
+            rows = sample[lid]
+            assert isinstance(rows, Fp8Rows) and rows.shape == reference[lid].shape
+            values, scales = quantize_fp8(reference[lid])
+            if ON_CUDA:
+                assert relative_error(dequantize_fp8(rows.values, rows.scales), reference[lid]) < 2 ** -4
+            else:
+                assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
+                assert torch.equal(rows.scales, scales)
 
 
 @vllm_test
@@ -314,6 +342,21 @@ def test_read_pass_waits_for_the_file_and_reports_a_failed_write(tmp_path):
         read_pass({**info, "file": str(tmp_path / "pass-1.raw")}, timeout=30)
     with pytest.raises(TimeoutError, match="pass-2.raw did not appear"):
         read_pass({**info, "file": str(tmp_path / "pass-2.raw")}, timeout=0.05)
+
+
+def test_an_fp8_pass_file_holds_the_scales_then_the_values(tmp_path):
+    """The layout the worker writes and the driver maps: float32 scales [layers, rows] first, then
+    the e4m3 values [layers, rows, hidden]; the driver slices rows of both at once."""
+    from draftsmith.extract.vllm_worker import read_pass
+
+    values, scales = quantize_fp8(torch.randn(2, 3, 5))
+    path = tmp_path / "pass-0.raw"
+    path.write_bytes(scales.numpy().tobytes() + values.view(torch.uint8).numpy().tobytes())
+    got = read_pass({"file": str(path), "layers": 2, "rows": 3, "hidden": 5, "dtype": "float8_e4m3fn"}, timeout=5)
+    assert torch.equal(got.values.view(torch.uint8), values.view(torch.uint8)) and torch.equal(got.scales, scales)
+    sample = got[:, 1:3][1]  # as the backend cuts a prompt's rows, then a layer
+    assert torch.equal(sample.values.view(torch.uint8), values[1, 1:3].view(torch.uint8))
+    assert torch.equal(sample.scales, scales[1, 1:3])
 
 
 def test_a_failed_spool_write_is_reported_beside_the_pass_and_the_writer_lives_on(tmp_path):

@@ -10,7 +10,7 @@ The package, in the order a part's states flow:
 * ``vllm_backend``        capture in vLLM: prefill-only requests at tensor parallelism
 * ``vllm_worker``         the hooks vLLM loads into its workers
 * ``shard_writer``        writing a part's shards: appended batch by batch, visible by rename once complete
-* ``hidden_states``       the store's format: the index, checksums, merging, reading shards and their rows
+* ``hidden_states``       the store's format (fp8's quantiser too): index, checksums, merging, reading shards and rows
 * ``safetensors_stream``  safetensors files written front to back, hashed while written
 
 Nothing is imported here: training and online training read the store (``hidden_states``,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
+from draftsmith.extract.hidden_states import CapturedRows
 
 
 class CaptureBackend(ABC):
@@ -18,8 +18,9 @@ class CaptureBackend(ABC):
     name: str
 
     @abstractmethod
-    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
-        """Hidden states of the captured layers for each sequence of the batch, in batch order."""
+    def capture(self, batch: list[list[int]]) -> list[dict[int, CapturedRows]]:
+        """Hidden states of the captured layers for each sequence of the batch, in batch order: tensors,
+        or ``Fp8Rows`` where the backend quantises for an fp8 store on the target's device."""
 
     def close(self) -> None:
         """Release the model and any worker processes."""

@@ -20,7 +20,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError, ExtractionError, StorageError
 from draftsmith.extract.backends import CaptureBackend
-from draftsmith.extract.hidden_states import STORAGE_DTYPES, ShardInfo
+from draftsmith.extract.hidden_states import STORAGE_DTYPES, CapturedRows, Fp8Rows, ShardInfo, quantize_fp8
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore, ShardWriter
 from draftsmith.io import storage_error
@@ -57,13 +57,17 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
     layer_ids = target_info["captured_layer_ids"]
     trust = bool(target_info.get("trust_remote_code", False))
     device = resolve_device(settings.device)
+    # An fp8 store's rows are quantised where the target runs: half the bytes leave the device,
+    # and this process's CPU does no quantising.
+    fp8 = settings.dtype == "fp8"
     if name == "hf":
         from draftsmith.extract.hf_backend import HfBackend
 
         return HfBackend.load(
             target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
             final_layer_id=target_info["final_layer_id"], lm_head_path=target_info.get("lm_head_path"),
-            dtype=settings.model_dtype, device=device, device_map=settings.device_map, trust_remote_code=trust)
+            dtype=settings.model_dtype, device=device, device_map=settings.device_map, trust_remote_code=trust,
+            fp8=fp8)
     if name == "vllm":
         support = (target_info.get("backends") or {}).get("vllm") or {}
         if support and not support.get("supported"):
@@ -77,13 +81,13 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
             dtype=model_dtype_name(settings.model_dtype, device),
             # vLLM samples one token after each prompt: the context must hold the longest sample plus one.
             max_model_len=settings.max_model_len or longest_sample + 1,
-            trust_remote_code=trust, layers_path=target_info["layers_path"])
+            trust_remote_code=trust, layers_path=target_info["layers_path"], fp8=fp8)
     raise ExtractionError(f"unknown extraction backend {name!r}", where="extraction.backend",
                           fix=f"use one of {', '.join(BACKENDS)}")
 
 
 def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
-                    ) -> Iterator[list[dict[int, torch.Tensor]]]:
+                    ) -> Iterator[list[dict[int, CapturedRows]]]:
     """The backend's results batch by batch; pipelined where the backend can keep one batch in flight."""
     stream = getattr(backend, "capture_stream", None)
     if stream is not None:
@@ -97,34 +101,53 @@ def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
 # Writing
 
 
-def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, torch.Tensor]], where: str,
+def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, CapturedRows]], where: str,
                  storage: str = "bfloat16") -> None:
     """Stop on NaN/Inf anywhere (also values the storage dtype cannot hold), or on a sample whose
-    states at a layer are all zero."""
+    states at a layer are all zero. Rows already in fp8 are checked by their scales: NaN or Inf
+    makes a row's scale non-finite, and only a row within 1e-12 of zero has the quantiser's floor
+    scale (its values then decide)."""
     limit = torch.finfo(STORAGE_DTYPES[storage]).max if storage != "fp8" else math.inf  # fp8: scaled per token
+    floor = quantize_fp8(torch.zeros(1, 1))[1].item()  # the scale of an all-zero row
     for sample_id, layers in zip(sample_ids, states, strict=True):
         for layer_id, rows in sorted(layers.items()):
-            low, high = torch.aminmax(rows)  # NaN propagates; cheap even on CPU
-            if not (torch.isfinite(low) and torch.isfinite(high) and max(-low, high) <= limit):
-                bad = (~torch.isfinite(rows) | (rows.abs() > limit)).any(dim=-1).nonzero()[0].item()
+            bad, zero = _check_fp8(rows, floor) if isinstance(rows, Fp8Rows) else _check_tensor(rows, limit)
+            if bad is not None:
                 raise ExtractionError(
                     f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf, or values beyond "
                     f"{storage}'s range (first at token {bad})",
                     where=where, fix="with extraction.dtype: float16, large states overflow: use bfloat16; "
                                      "otherwise run the target in bfloat16 or float32 (target.dtype) and check "
                                      "that its weights load correctly")
-            if low == 0 and high == 0:
+            if zero:
                 raise ExtractionError(
                     f"sample {sample_id!r}: layer {layer_id} states are all zero", where=where,
                     fix="the capture hook took the wrong tensor or the weights did not load; "
                         "check target.json layers_path and the model folder")
 
 
+def _check_tensor(rows: torch.Tensor, limit: float) -> tuple[int | None, bool]:
+    """The first token holding NaN/Inf or a value beyond ``limit`` (None if none), and whether all are zero."""
+    low, high = torch.aminmax(rows)  # NaN propagates; cheap even on CPU
+    if not (torch.isfinite(low) and torch.isfinite(high) and max(-low, high) <= limit):
+        return (~torch.isfinite(rows) | (rows.abs() > limit)).any(dim=-1).nonzero()[0].item(), False
+    return None, bool(low == 0 and high == 0)
+
+
+def _check_fp8(rows: Fp8Rows, floor: float) -> tuple[int | None, bool]:
+    """``_check_tensor`` for rows already in fp8: a pass over their scales, over the values only
+    when every scale is at the floor."""
+    finite = torch.isfinite(rows.scales)
+    if not finite.all():
+        return (~finite).nonzero()[0].item(), False
+    return None, bool(rows.scales.max() <= floor) and not rows.values.float().any()
+
+
 @dataclass
 class _BatchJob:
     number: int  # the shard it belongs to
     samples: list[dict]  # the batch's samples, consecutive in the shard
-    states: list[dict[int, torch.Tensor]]  # per sample: layer id -> [length, hidden] as captured
+    states: list[dict[int, CapturedRows]]  # per sample: layer id -> [length, hidden] as captured
 
 
 class _StoreThread:
@@ -208,7 +231,7 @@ class _StoreThread:
 
 
 def _check_shapes(backend: str, store: PartStore, shard: int, batch: list[dict],
-                  captured: list[dict[int, torch.Tensor]]) -> None:
+                  captured: list[dict[int, CapturedRows]]) -> None:
     """Stop when the backend returned other samples, layers or shapes than the batch asked for."""
     where, hidden = f"part {store.part} shard {shard}", store.meta["hidden_size"]
     if len(captured) != len(batch):

@@ -7,7 +7,9 @@ large vocabulary would cost time and memory) and, when the final state is not as
 after the last needed one runs either. Only the asked layers are ever kept.
 
 On CUDA, each batch's states are copied to pinned host memory on a side stream while the next
-batch computes (``capture_stream`` keeps one batch in flight).
+batch computes (``capture_stream`` keeps one batch in flight). For an fp8 store (``fp8=True``) the
+states are quantised on the device they were computed on before that copy (``Fp8Rows``): half the
+bytes cross to the host, and the driver's CPU does no quantising.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from draftsmith.engines.hf_model import load_hf_model
 from draftsmith.errors import ExtractionError, out_of_memory_as
 from draftsmith.extract.backends import CaptureBackend
+from draftsmith.extract.hidden_states import CapturedRows, Fp8Rows, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ class _InFlight:
     """One launched batch: its states (on the model's devices, or pinned copies being filled)."""
 
     lengths: list[int]
-    states: dict[int, torch.Tensor]  # layer id -> [batch, padded_len, hidden]
+    states: dict[int, CapturedRows]  # layer id -> [batch, padded_len, hidden]
     events: list  # CUDA events that mark the copies done; empty on CPU
 
 
@@ -45,8 +48,10 @@ class HfBackend(CaptureBackend):
     name = "hf"
 
     def __init__(self, model: nn.Module, *, layers_path: str, capture_layer_ids: Sequence[int],
-                 final_layer_id: int, lm_head_path: str | None = None, pad_token_id: int = 0) -> None:
+                 final_layer_id: int, lm_head_path: str | None = None, pad_token_id: int = 0,
+                 fp8: bool = False) -> None:
         self.model = model.eval()
+        self.fp8 = fp8  # hand back Fp8Rows, quantised on the states' device
         try:
             layers = model.get_submodule(layers_path)
         except AttributeError as e:
@@ -82,15 +87,16 @@ class HfBackend(CaptureBackend):
     @classmethod
     def load(cls, model_path: str | Path, *, layers_path: str, capture_layer_ids: Sequence[int],
              final_layer_id: int, lm_head_path: str | None = None, dtype: str = "auto", device: str = "auto",
-             device_map: str | None = None, trust_remote_code: bool = False) -> HfBackend:
+             device_map: str | None = None, trust_remote_code: bool = False, fp8: bool = False) -> HfBackend:
         """Load the target from its folder and hook the captured layers."""
         model = load_hf_model(model_path, dtype=dtype, device=device, device_map=device_map,
                               trust_remote_code=trust_remote_code)
-        log.info("hf backend: %s loaded (%s, first layer on %s); capturing layers %s",
+        log.info("hf backend: %s loaded (%s, first layer on %s); capturing layers %s%s",
                  type(model).__name__, next(model.parameters()).dtype,
-                 model.get_input_embeddings().weight.device, capture_layer_ids)
+                 model.get_input_embeddings().weight.device, capture_layer_ids,
+                 " as fp8, quantised on the device" if fp8 else "")
         return cls(model, layers_path=layers_path, capture_layer_ids=capture_layer_ids,
-                   final_layer_id=final_layer_id, lm_head_path=lm_head_path)
+                   final_layer_id=final_layer_id, lm_head_path=lm_head_path, fp8=fp8)
 
     def _hook(self, layer_id: int):
         def hook(module, args, kwargs):
@@ -106,10 +112,10 @@ class HfBackend(CaptureBackend):
             return None
         return hook
 
-    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+    def capture(self, batch: list[list[int]]) -> list[dict[int, CapturedRows]]:
         return next(self.capture_stream([batch]))
 
-    def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, torch.Tensor]]]:
+    def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, CapturedRows]]]:
         """``capture`` for a stream of batches, in order; on CUDA the next batch computes while the
         previous one's states travel to host memory."""
         pending = None
@@ -160,33 +166,43 @@ class HfBackend(CaptureBackend):
                     f"layer {layer_id} states have shape {tuple(states.shape)} for a batch of {tuple(input_ids.shape)}"
                     " tokens (the model keeps only some positions before its head?)",
                     where=type(self.model).__name__, fix="use extraction.backend: vllm for this architecture")
+        if self.fp8:  # on each layer's own device (device_map), the whole padded batch at once
+            captured = {layer_id: Fp8Rows(*quantize_fp8(states)) for layer_id, states in captured.items()}
         if not self.cuda:
             return _InFlight(lengths, captured, [])
         return self._copy_to_host(lengths, captured)
 
-    def _copy_to_host(self, lengths: list[int], captured: dict[int, torch.Tensor]) -> _InFlight:
+    def _copy_to_host(self, lengths: list[int], captured: dict[int, CapturedRows]) -> _InFlight:
         """Start the device-to-host copies on a side stream; they overlap the next batch's compute."""
         host, events = {}, []
         for layer_id, states in captured.items():
-            device = states.device
-            if device.type != "cuda":
-                host[layer_id] = states
-                continue
-            stream = self._copy_streams.get(device)
-            if stream is None:
-                stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            buffer = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-            with torch.cuda.stream(stream):
-                buffer.copy_(states, non_blocking=True)
-                states.record_stream(stream)  # the allocator must not reuse it before the copy ran
-                event = torch.cuda.Event()
-                event.record(stream)
-            host[layer_id] = buffer
-            events.append(event)
+            if isinstance(states, Fp8Rows):
+                host[layer_id] = Fp8Rows(self._start_copy(states.values, events),
+                                         self._start_copy(states.scales, events))
+            else:
+                host[layer_id] = self._start_copy(states, events)
         return _InFlight(lengths, host, events)
 
-    def _collect(self, launched: _InFlight) -> list[dict[int, torch.Tensor]]:
+    def _start_copy(self, states: torch.Tensor, events: list) -> torch.Tensor:
+        """A pinned host copy of ``states`` (filled on the device's side stream; the event that marks
+        it done joins ``events``), or ``states`` itself where it is not on a CUDA device."""
+        device = states.device
+        if device.type != "cuda":
+            return states
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        buffer = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            buffer.copy_(states, non_blocking=True)
+            states.record_stream(stream)  # the allocator must not reuse it before the copy ran
+            event = torch.cuda.Event()
+            event.record(stream)
+        events.append(event)
+        return buffer
+
+    def _collect(self, launched: _InFlight) -> list[dict[int, CapturedRows]]:
         for event in launched.events:
             event.synchronize()
         return [{layer_id: states[row, :length] for layer_id, states in launched.states.items()}

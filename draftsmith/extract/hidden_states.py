@@ -12,7 +12,8 @@ Layout under the store root (``results/<run>/hidden_states``)::
 A shard is written (``draftsmith.extract.shard_writer``) into a hidden temporary folder and renamed into
 place once all its files are written, synced and checksummed, so a crash leaves either a whole
 shard or none. The rule outputs are the small manifests: Snakemake deletes a failed job's outputs,
-never the shards. This module holds the format and everything that reads it.
+never the shards. This module holds the format (fp8's too: ``quantize_fp8``, which the captures run
+on the target's device) and everything that reads it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,43 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
     states = num_layers * hidden_size * BYTES_PER_ELEMENT[dtype]
     scales = num_layers * 4 if dtype == "fp8" else 0
     return states + scales + 8 + 1
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """States already in the store's fp8 form (``quantize_fp8``): e4m3 values [..., hidden] and one
+    float32 scale per row [...]. A capture that quantises on its own device hands these over, so
+    the writer stores them as they are."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def __getitem__(self, index) -> Fp8Rows:
+        """The same rows of values and scales; ``index`` addresses the row dimensions, never hidden."""
+        return Fp8Rows(self.values[index], self.scales[index])
+
+
+CapturedRows = torch.Tensor | Fp8Rows  # one layer's rows as a capture hands them over: the states, or already fp8
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The store's fp8: e4m3 values [..., hidden] with one float32 scale per token (row) [...], so
+    outlier tokens do not crush the rest. The arithmetic is the same on every device (IEEE float32
+    division and products, the same rounding to e4m3), so a capture that quantises on the GPU
+    stores the bytes this function makes on the CPU. An all-zero row gets the floor scale
+    1e-12 / FP8_MAX, a row holding NaN or Inf a non-finite one."""
+    amax = states.abs().amax(dim=-1).float().clamp(min=1e-12)
+    # Divided by a tensor on the same device, not by a Python number: CUDA turns division by a
+    # number into a product with its reciprocal, which rounds some scales differently from the CPU.
+    scales = amax / torch.full((), FP8_MAX, device=amax.device)
+    # Few full-size temporaries (one float32 copy, scaled in place): on a CPU the passes over the
+    # batch and their fresh allocations, not the math, cost.
+    values = states.to(torch.float32, copy=True).mul_(scales.reciprocal().unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return values, scales
 
 
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -23,17 +23,19 @@ import torch
 
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.hidden_states import (
-    FP8_MAX,
     INDEX_FORMAT,
     SHARD_MANIFEST,
     STORAGE_DTYPES,
     TOKENS_FILE,
+    CapturedRows,
     DamagedShard,
+    Fp8Rows,
     ShardInfo,
     check_files,
     layer_file,
     load_shard_manifest,
     part_dir_name,
+    quantize_fp8,
     shard_dir_name,
     shard_info_from_manifest,
     shard_manifest_bytes,
@@ -79,17 +81,6 @@ def part_lock(root: str | Path, part: int) -> Iterator[Path]:
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)
-
-
-def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 with one float32 scale per token (row), so outlier tokens do not crush the rest."""
-    scales = states.abs().amax(dim=-1).float().clamp(min=1e-12) / FP8_MAX
-    # Few full-size temporaries (one float32 copy, scaled in place): on a CPU the passes over the
-    # batch and their fresh allocations, not the math, cost.
-    values = states.to(torch.float32, copy=True).mul_(scales.reciprocal()[:, None]).to(torch.float8_e4m3fn)
-    return values, scales
-
-
 
 
 class PartStore:
@@ -212,13 +203,19 @@ class ShardWriter:
         # reach the disk side by side rather than one after the other.
         self.pool = ThreadPoolExecutor(max_workers=min(8, len(self.files)), thread_name_prefix="shard-file")
 
-    def append(self, states: dict[int, torch.Tensor | Sequence[torch.Tensor]]) -> None:
-        """The next rows of every layer: a [n, hidden] tensor, or consecutive row blocks of one (any
-        float dtype: converted to the storage dtype)."""
+    def append(self, states: dict[int, CapturedRows | Sequence[CapturedRows]]) -> None:
+        """The next rows of every layer: a [n, hidden] block, or consecutive row blocks of one. A
+        tensor (any float dtype) is converted to the storage dtype; an fp8 store takes ``Fp8Rows``
+        (quantised where they were captured) as they are."""
         if sorted(states) != self.store.layer_ids:
             raise ExtractionError(f"shard {self.shard} got layers {sorted(states)}, the store expects "
                                   f"{self.store.layer_ids}", where=f"part {self.store.part}")
-        blocks = {i: [t] if isinstance(t, torch.Tensor) else list(t) for i, t in states.items()}
+        blocks = {i: [t] if isinstance(t, (torch.Tensor, Fp8Rows)) else list(t) for i, t in states.items()}
+        if not self.fp8 and any(isinstance(b, Fp8Rows) for layer in blocks.values() for b in layer):
+            self.abort()
+            raise ExtractionError(f"shard {self.shard}: fp8 rows for a {self.store.meta['dtype']} store; the "
+                                  "shard is dropped", where=f"part {self.store.part} shard {self.shard}",
+                                  fix="quantise in the capture only when extraction.dtype is fp8")
         hidden = self.store.meta["hidden_size"]
         counts = {i: sum(b.shape[0] for b in layer) for i, layer in blocks.items()}
         rows = next(iter(counts.values()))
@@ -234,9 +231,10 @@ class ShardWriter:
         def write(layer_id: int) -> None:
             stream = self.files[layer_id]
             if self.fp8:
-                values, scales = quantize_fp8(torch.cat(blocks[layer_id]))
-                self.scales[layer_id].append(scales)
-                stream.write(values)
+                for block in blocks[layer_id]:
+                    rows = block if isinstance(block, Fp8Rows) else Fp8Rows(*quantize_fp8(block))
+                    self.scales[layer_id].append(rows.scales)
+                    stream.write(rows.values)
             else:
                 for block in blocks[layer_id]:
                     stream.write(block.to(storage))

@@ -6,7 +6,9 @@ computed, so its rows would be missing) and so is chunked prefill (each prompt i
 one forward pass, which is how the workers recognise its rows: see
 :mod:`draftsmith.extract.vllm_worker`); the token budget of a pass is at least ``max_model_len``.
 vLLM must run eagerly (``enforce_eager=True``) so the Python hooks run as written. The workers
-spool each pass's states to files in a shared-memory folder; this process maps them.
+spool each pass's states to files in a shared-memory folder; this process maps them. For an fp8
+store (``fp8=True``) the workers quantise the states on their device before they leave it, so the
+spool and this process carry half the bytes and this process does no quantising.
 ``capture_stream`` starts each batch before it maps the previous one's files, so the engine does
 not wait between batches for the last passes to reach the spool.
 
@@ -29,6 +31,7 @@ import torch
 from draftsmith.engines.loads import target_load
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
+from draftsmith.extract.hidden_states import CapturedRows
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
 
 log = logging.getLogger(__name__)
@@ -56,14 +59,15 @@ class _Ran:
 
 
 class VllmBackend(CaptureBackend):
-    """Loads the target once in vLLM; ``capture`` returns per sample {layer id: [len, hidden] CPU tensor}."""
+    """Loads the target once in vLLM; ``capture`` returns per sample {layer id: [len, hidden] CPU
+    tensor, or ``Fp8Rows`` with ``fp8``}."""
 
     name = "vllm"
 
     def __init__(self, model_path: str, capture_layer_ids: list[int], *, tensor_parallel_size: int = 1,
                  dtype: str = "bfloat16", max_model_len: int, trust_remote_code: bool = False,
                  layers_path: str | None = None, language_model_only: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, **llm_kwargs) -> None:
+                 max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, fp8: bool = False, **llm_kwargs) -> None:
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
         try:
@@ -105,7 +109,8 @@ class VllmBackend(CaptureBackend):
             raise
         self.load_seconds = load.seconds
         try:
-            infos = self.llm.collective_rpc("draftsmith_install", args=(self.layer_ids, self.spool, layers_path, budget))
+            infos = self.llm.collective_rpc("draftsmith_install",
+                                            args=(self.layer_ids, self.spool, layers_path, budget, fp8))
         except Exception as e:
             self.close()
             raise ExtractionError(f"cannot hook the decoder layers inside vLLM: {e}", where=str(model_path),
@@ -113,14 +118,15 @@ class VllmBackend(CaptureBackend):
                                       "(e.g. language_model.model.layers)") from e
         self.info = infos[0]
         self.stalled_s = 0.0  # seconds the forward passes waited for the spool writer (the worker's count)
-        log.info("vLLM loaded %s in %.1fs; hooked %s (%d layers, hidden %d, %s) for layer ids %s",
+        log.info("vLLM loaded %s in %.1fs; hooked %s (%d layers, hidden %d, %s) for layer ids %s%s",
                  model_path, self.load_seconds, self.info["layers_path"], self.info["num_layers"],
-                 self.info["hidden_size"], self.info["runner"], self.layer_ids)
+                 self.info["hidden_size"], self.info["runner"], self.layer_ids,
+                 " as fp8, quantised on the device" if fp8 else "")
 
-    def capture(self, batch: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+    def capture(self, batch: list[list[int]]) -> list[dict[int, CapturedRows]]:
         return next(self.capture_stream([batch]))
 
-    def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, torch.Tensor]]]:
+    def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, CapturedRows]]]:
         """``capture`` for a stream of batches, in order: each batch runs before the previous one's
         states are mapped, so its last passes reach the spool while the engine computes."""
         dirty = False  # the spool may hold passes nobody will map (an error, or a consumer that stopped)
@@ -160,7 +166,7 @@ class VllmBackend(CaptureBackend):
         self.stalled_s = result["stalled_s"]
         return _Ran(keys, distinct, result)
 
-    def _states(self, ran: _Ran) -> list[dict[int, torch.Tensor]]:
+    def _states(self, ran: _Ran) -> list[dict[int, CapturedRows]]:
         """Map a computed batch's pass files (waiting for any still being written) into its states."""
         from draftsmith.extract.vllm_worker import read_pass
 

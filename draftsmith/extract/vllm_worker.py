@@ -29,9 +29,11 @@ then updates both tensors in place). Hooks on the text model itself would not fi
 (``enforce_eager=True``) so that the hooks run as written.
 
 Only TP rank 0 keeps states (every rank holds the full residual stream). Per forward pass it gathers
-the captured rows of every hooked layer on the device and copies them to pinned host memory on a
-side stream (the next pass computes meanwhile); a background thread writes them as one raw file
-per pass under the driver's spool folder (``/dev/shm`` where it exists): hundreds of MB per batch
+the captured rows of every hooked layer on the device (for an fp8 store, quantised there, per row,
+by the store's own ``quantize_fp8``: half the bytes travel, and the driver does no quantising) and
+copies them to pinned host memory on a side stream (the next pass computes meanwhile); a
+background thread writes them as one raw file per pass (``read_pass`` says its layout) under the
+driver's spool folder (``/dev/shm`` where it exists): hundreds of MB per batch
 reach the driver through shared memory instead of the engine's RPC messages, which carry only where
 each prompt's rows are. A pass's file appears under its final name only once complete (written
 under a temporary name, then renamed), so ``draftsmith_collect`` answers as soon as the batch has
@@ -45,6 +47,7 @@ import contextlib
 import inspect
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -54,6 +57,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from draftsmith.extract.hidden_states import CapturedRows, Fp8Rows, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -124,21 +129,47 @@ def prompt_runs(positions: list[int], token_ids: list[int]) -> list[tuple[int, i
 
 @dataclass
 class _Pass:
-    """One forward pass's captured rows on their way to the spool: [layers, rows, hidden]."""
+    """One forward pass's captured rows on their way to the spool: the pass file's bytes."""
 
     path: str
-    host: torch.Tensor  # a view of ``buffer``
+    host: torch.Tensor  # the first bytes of ``buffer``
     done: torch.cuda.Event | None  # the device-to-host copy finished
-    buffer: torch.Tensor  # the pinned host buffer, handed back to the free list once written
+    buffer: torch.Tensor  # the pinned host buffer (bytes), handed back to the free list once written
+
+
+def pass_layout(info: dict[str, Any]) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """The tensors a pass file holds, back to back: the states [layers, rows, hidden] in ``dtype``;
+    for fp8 (``float8_e4m3fn``) their float32 scales [layers, rows] first, then the e4m3 values (the
+    scales at the start keep their float32 view aligned whatever the row count)."""
+    layers, rows, hidden = info["layers"], info["rows"], info["hidden"]
+    dtype = getattr(torch, info["dtype"])
+    if dtype == torch.float8_e4m3fn:
+        return [(torch.float32, (layers, rows)), (dtype, (layers, rows, hidden))]
+    return [(dtype, (layers, rows, hidden))]
+
+
+def _byte_views(buffer: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Views of a byte buffer as the tensors of ``layout``, back to back from its start."""
+    views, offset = [], 0
+    for dtype, shape in layout:
+        size = math.prod(shape) * dtype.itemsize
+        views.append(buffer[offset:offset + size].view(dtype).view(shape))
+        offset += size
+    return views
+
+
+def _layout_bytes(layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in layout)
 
 
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker class; every method the driver calls starts with ``draftsmith_``."""
 
     def draftsmith_install(self, layer_ids: list[int], spool_dir: str, layers_path: str | None = None,
-                           max_rows: int = 0) -> dict[str, Any]:
+                           max_rows: int = 0, fp8: bool = False) -> dict[str, Any]:
         """Hook the decoder layers for ``layer_ids`` (DESIGN numbering); returns what was resolved.
-        ``max_rows`` is the most rows one forward pass holds (the engine's token budget)."""
+        ``max_rows`` is the most rows one forward pass holds (the engine's token budget); with
+        ``fp8`` the passes carry the store's fp8 (values and per-row scales), quantised here."""
         model_config = self.model_runner.model_config
         model = self.model_runner.get_model()
         text_config = model_config.hf_text_config
@@ -158,7 +189,7 @@ class CaptureWorkerExtension:
             h.remove()
         self._ds_layer_ids = list(layer_ids)
         self._ds_hidden = int(text_config.hidden_size)
-        self._ds_dtype = model_config.dtype
+        self._ds_dtype = torch.float8_e4m3fn if fp8 else model_config.dtype  # what the pass files carry
         self._ds_spool = spool_dir
         self._ds_keep = self.rank == 0  # every TP rank holds the same rows; one sends them
         self._ds_stalled = 0.0  # seconds forward passes waited for a free host buffer
@@ -180,7 +211,7 @@ class CaptureWorkerExtension:
         handles.append(model.register_forward_hook(self._ds_end_pass(num_layers)))
         self._ds_handles = handles
         return {"layers_path": path, "text_model": type(text_model).__name__, "num_layers": num_layers,
-                "hidden_size": self._ds_hidden, "dtype": str(self._ds_dtype), "rank": self.rank,
+                "hidden_size": self._ds_hidden, "dtype": str(model_config.dtype), "rank": self.rank,
                 "runner": type(self.model_runner).__module__}
 
     def draftsmith_expect(self, prompts: list[list[int]]) -> None:
@@ -289,35 +320,52 @@ class CaptureWorkerExtension:
                                   "tensor_parallel_size > 1) is not supported")
                 return
         device = self._ds_rows[self._ds_layer_ids[0]].device
-        gathered = torch.stack([self._ds_rows[lid].index_select(0, rows.to(device)) for lid in self._ds_layer_ids])
+        pieces = self._ds_gather(rows.to(device))
         self._ds_rows = {}
+        info = self._ds_pass_info(total, os.path.join(self._ds_spool, f"pass-{next(self._ds_serial)}.raw"))
+        layout = pass_layout(info)
         waited = time.perf_counter()
         buffer = self._ds_free.get()  # blocks while every host buffer is still being written
         self._ds_stalled += time.perf_counter() - waited
-        needed = gathered.numel()
+        needed = _layout_bytes(layout)
         cuda = device.type == "cuda"
-        if buffer.numel() < needed or buffer.dtype != gathered.dtype:
-            buffer = torch.empty(needed, dtype=gathered.dtype, pin_memory=cuda)
-        host = buffer[:needed].view(gathered.shape)
+        if buffer.numel() < needed:
+            buffer = torch.empty(needed, dtype=torch.uint8, pin_memory=cuda)
         done = None
-        if cuda:  # the copy runs beside the next pass, which the compute stream starts at once
+        if cuda:  # the copies run beside the next pass, which the compute stream starts at once
             self._ds_copy_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._ds_copy_stream):
-                host.copy_(gathered, non_blocking=True)
+                for host, piece in zip(_byte_views(buffer, layout), pieces, strict=True):
+                    host.copy_(piece, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
-            gathered.record_stream(self._ds_copy_stream)  # its memory is not reused before the copy ends
+            for piece in pieces:
+                piece.record_stream(self._ds_copy_stream)  # its memory is not reused before the copy ends
         else:
-            host.copy_(gathered)
+            for host, piece in zip(_byte_views(buffer, layout), pieces, strict=True):
+                host.copy_(piece)
         number = len(self._ds_passes)
         offset = 0
         for index, r0, r1 in found:
             self._ds_found[index] = [number, offset, offset + r1 - r0]
             offset += r1 - r0
-        path = os.path.join(self._ds_spool, f"pass-{next(self._ds_serial)}.raw")
-        self._ds_queue.put(_Pass(path, host, done, buffer))
-        self._ds_passes.append({"file": path, "rows": total, "layers": len(self._ds_layer_ids),
-                                "hidden": self._ds_hidden, "dtype": str(gathered.dtype).removeprefix("torch.")})
+        self._ds_queue.put(_Pass(info["file"], buffer[:needed], done, buffer))
+        self._ds_passes.append(info)
+
+    def _ds_pass_info(self, rows: int, path: str) -> dict[str, Any]:
+        """What the driver needs to map a pass file of ``rows`` rows (``read_pass``)."""
+        return {"file": path, "rows": rows, "layers": len(self._ds_layer_ids), "hidden": self._ds_hidden,
+                "dtype": str(self._ds_dtype).removeprefix("torch.")}
+
+    def _ds_gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """The pass's prompt rows of every layer, on the device, as the pass file holds them
+        (``pass_layout``): the states, or for fp8 their scales and e4m3 values, quantised a layer at
+        a time (one float32 temporary of one layer's rows, not of all)."""
+        selected = (self._ds_rows[lid].index_select(0, rows) for lid in self._ds_layer_ids)
+        if self._ds_dtype != torch.float8_e4m3fn:
+            return [torch.stack(list(selected))]
+        quantized = [quantize_fp8(states) for states in selected]
+        return [torch.stack([s for _, s in quantized]), torch.stack([v for v, _ in quantized])]
 
     # -- the spool writer ----------------------------------------------------------------------
 
@@ -331,9 +379,9 @@ class CaptureWorkerExtension:
         pin = torch.cuda.is_available() and self.model_runner.device.type == "cuda"
         if pin:
             self._ds_copy_stream = torch.cuda.Stream(self.model_runner.device)
-        size = max_rows * len(self._ds_layer_ids) * self._ds_hidden
+        size = _layout_bytes(pass_layout(self._ds_pass_info(max_rows, "")))
         for _ in range(_HOST_BUFFERS):
-            self._ds_free.put(torch.empty(size, dtype=self._ds_dtype, pin_memory=pin))
+            self._ds_free.put(torch.empty(size, dtype=torch.uint8, pin_memory=pin))
         threading.Thread(target=self._ds_write_passes, name="draftsmith-spool", daemon=True).start()
 
     def _ds_write_passes(self) -> None:
@@ -365,10 +413,10 @@ def _leave_reason(path: str, reason: str) -> None:
         os.replace(path + _FAILED + _PARTIAL, path + _FAILED)
 
 
-def read_pass(info: dict[str, Any], timeout: float) -> torch.Tensor:
-    """A spooled pass as a [layers, rows, hidden] tensor, mapped from its file once the worker has
-    written it (within ``timeout`` seconds); the file is then removed: the mapping keeps the memory
-    until the last view of it is gone."""
+def read_pass(info: dict[str, Any], timeout: float) -> CapturedRows:
+    """A spooled pass as [layers, rows, hidden] states (``Fp8Rows`` for fp8: values and their scales),
+    mapped from its file (``pass_layout``) once the worker has written it (within ``timeout``
+    seconds); the file is then removed: the mapping keeps the memory until the last view of it is gone."""
     path = info["file"]
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -380,8 +428,11 @@ def read_pass(info: dict[str, Any], timeout: float) -> torch.Tensor:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout:.0f} s (the vLLM worker stopped writing)")
         time.sleep(0.001)
-    dtype = getattr(torch, info["dtype"])
-    count = info["layers"] * info["rows"] * info["hidden"]
-    flat = torch.from_file(path, shared=True, size=count, dtype=dtype)
+    layout = pass_layout(info)
+    flat = torch.from_file(path, shared=True, size=_layout_bytes(layout), dtype=torch.uint8)
     os.unlink(path)
-    return flat.view(info["layers"], info["rows"], info["hidden"])
+    views = _byte_views(flat, layout)
+    if len(views) == 1:
+        return views[0]
+    scales, values = views  # pass_layout's order for fp8
+    return Fp8Rows(values, scales)
