@@ -66,6 +66,7 @@ class RegenerateSettings(StageSettings):
     top_p: float = from_schema("regenerate.top_p")
     batch_size: int = from_schema("regenerate.batch_size")
     chunk_size: int = from_schema("regenerate.chunk_size")  # conversations per resumable chunk
+    enforce_eager: bool = from_schema("regenerate.enforce_eager")  # vLLM without CUDA graphs on a GPU
     seed: int = from_schema("seed")
     model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
     device: str = from_schema("device")
@@ -93,6 +94,7 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
 
     generation = settings.section_values()
     generation.pop("enabled")
+    eager = generation.pop("enforce_eager")
     if settings.greedy:
         # Greedy answers depend on none of these; sampled ones on all (the random stream).
         generation.pop("top_p")
@@ -104,6 +106,8 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
     # names what auto chose keeps the chunks; vLLM's tensor parallel size only where vLLM runs.
     numerics = {"dtype": model_dtype_name(settings.model_dtype, device), "device": device.split(":")[0],
                 "tensor_parallel_size": settings.tensor_parallel_size if settings.backend == "vllm" else 1}
+    if eager and settings.backend == "vllm" and numerics["device"] == "cuda":  # other kernels than CUDA graphs'
+        numerics["enforce_eager"] = True
     payload = {
         "format": REGENERATE_FORMAT,
         "generation": generation,
@@ -425,6 +429,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     with VllmGenerator(str(model_path), tensor_parallel_size=settings.tensor_parallel_size, dtype=dtype_name,
                        trust_remote_code=trust_remote_code, max_num_seqs=settings.batch_size,
+                       **({"enforce_eager": True} if settings.enforce_eager else {}),
                        **(engine_kwargs or {})) as generator:
         log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
                  settings.tensor_parallel_size, dtype_name, sampling)

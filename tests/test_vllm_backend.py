@@ -27,7 +27,7 @@ from tiny_vllm import (
     CAPTURE_DTYPE,
     ENGINE_ARGS,
     ON_CUDA,
-    build_deepseek_v3,
+    build_deepseek_v3_for_platform,
     build_idefics3,
     build_qwen3_moe,
     vllm_test,
@@ -209,12 +209,6 @@ def test_llava_wrapper_matches_hf(tmp_path_factory, in_process_engine):
         assert_parity(backend.capture(batch), path, batch, layer_ids)
     finally:
         backend.close()
-
-
-def build_deepseek_v3_for_platform(path):
-    """DeepSeek-V3's own head sizes on CUDA (128 + 64 rope, v 128): the FlashAttention MLA prefill
-    kernels take those; the CPU build's MLA takes the smaller ones too."""
-    return build_deepseek_v3(path, **({"qk_nope_head_dim": 128, "v_head_dim": 128} if ON_CUDA else {}))
 
 
 @vllm_test

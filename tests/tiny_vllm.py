@@ -73,6 +73,13 @@ def build_deepseek_v3(path: str | Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def build_deepseek_v3_for_platform(path: str | Path, **overrides) -> Path:
+    """DeepSeek-V3's own head sizes on CUDA (128 + 64 rope, v 128): the FlashAttention MLA prefill
+    kernels take those; the CPU build's MLA takes the smaller ones too."""
+    sizes = {"qk_nope_head_dim": 128, "v_head_dim": 128} if torch.cuda.is_available() else {}
+    return build_deepseek_v3(path, **{**sizes, **overrides})
+
+
 def build_idefics3(path: str | Path, seed: int = 0, vision_heads: int = 1, **text_overrides) -> Path:
     """A second multimodal wrapper (Idefics3: SigLIP-style vision + Llama text model at model.text_model).
     ``vision_heads``: vLLM builds the vision tower even for text-only use, split over TP ranks."""

@@ -30,6 +30,7 @@ class EvalSettings(StageSettings):
 
     backend: str = from_schema("eval.backend")
     hf_check: bool = from_schema("eval.hf_check")
+    enforce_eager: bool = from_schema("eval.enforce_eager")  # vLLM without CUDA graphs on a GPU
     k: int = from_schema("eval.k")
     k_sweep: tuple[int, ...] = from_schema("eval.k_sweep")
     max_prompts: int = from_schema("eval.max_prompts")

@@ -42,7 +42,8 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
             raise EvaluationError("no held-out prompts to evaluate", where=str(heldout_jsonl),
                                   fix="raise data.heldout_fraction or data.max_heldout")
         engine = {"dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
-                  "tensor_parallel_size": settings.tensor_parallel_size, **(engine_kwargs or {})}
+                  "tensor_parallel_size": settings.tensor_parallel_size,
+                  **({"enforce_eager": True} if settings.enforce_eager else {}), **(engine_kwargs or {})}
         if settings.hf_check and _hf_loop_holds(target, settings):
             result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine)
         else:
