@@ -148,7 +148,9 @@ def tree_pss_mb(pid: int) -> float:
 def measure(args: argparse.Namespace, workers: int) -> dict:
     cmd = [sys.executable, __file__, "--work", str(args.work), "--conversations", str(args.conversations),
            "--one", str(workers)] + (["--tokenizer", str(args.tokenizer)] if args.tokenizer else [])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(workers)}  # as Snakemake sets it
+    # The checkout first, then whatever path the caller's packages need (a --target install, say)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(workers)}  # threads as Snakemake sets them
     load_before = os.getloadavg()[0]
     with open(args.work / f"run-{workers}.log", "w") as log:
         child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
