@@ -230,6 +230,24 @@ def _(tmp, env):
                          EvalPromptsSettings(max_prompts=8, max_seq_len=64, max_bad_fraction=1.0))
 
 
+@case("data-worker-killed", DraftsmithError, "a worker process of this stage ended without a word", *DATA_OUTPUTS)
+def _(tmp, env):
+    from unittest import mock
+
+    import draftsmith.data
+
+    parent, read = os.getpid(), draftsmith.data.to_row
+
+    def killed_in_a_worker(raw, fmt):  # as the out-of-memory killer leaves a worker: no exception, no message
+        if os.getpid() != parent:
+            os._exit(9)
+        return read(raw, fmt)
+
+    with mock.patch.object(draftsmith.data, "to_row", killed_in_a_worker):
+        prepare_dataset([tiny.write_jsonl(tmp / "chat.jsonl", [_chat(i) for i in range(8)])], env["model"],
+                        tmp / "out", DataSettings(), workers=2)
+
+
 @case("data-empty-file", DataError, "holds no rows", *DATA_OUTPUTS)
 def _(tmp, env):
     (tmp / "empty.jsonl").write_bytes(b"")
