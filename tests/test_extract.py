@@ -415,6 +415,8 @@ class _Faulty(CaptureBackend):
                 if self.fault == "huge":  # finite as captured, infinite once stored as float16
                     states[5][len(ids) - 1, 3] = 1e5
             out.append({i: Fp8Rows(*quantize_fp8(t)) for i, t in states.items()} if self.fp8 else states)
+            if ids == self.poison and self.fault == "scales":  # a scale short
+                out[-1][5] = Fp8Rows(out[-1][5].values, out[-1][5].scales[:-1])
         return out
 
 
@@ -429,6 +431,17 @@ def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, mon
     monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], fault, storage == "fp8"))
     with pytest.raises(ExtractionError, match=f"sample 'sample-11': layer 5 states (hold|are) {words}"):
         extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": storage}), tmp_path / "hs",
+                     tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_fp8_rows_without_a_scale_per_token_are_refused_before_the_store(train, target, tmp_path, monkeypatch):
+    target_json, _ = target
+    poison = _rows(36)[11]
+    monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], "scales", fp8=True))
+    with pytest.raises(ExtractionError, match=r"faulty backend returned layer 5 fp8 rows for sample 'sample-11'.*"
+                                              r"scales of shape \(\d+,\)"):
+        extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": "fp8"}), tmp_path / "hs",
                      tmp_path / "m.json")
     assert not (tmp_path / "m.json").exists()
 

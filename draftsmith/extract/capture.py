@@ -108,10 +108,9 @@ def check_states(sample_ids: Sequence[str], states: Sequence[dict[int, CapturedR
     makes a row's scale non-finite, and only a row within 1e-12 of zero has the quantiser's floor
     scale (its values then decide)."""
     limit = torch.finfo(STORAGE_DTYPES[storage]).max if storage != "fp8" else math.inf  # fp8: scaled per token
-    floor = quantize_fp8(torch.zeros(1, 1))[1].item()  # the scale of an all-zero row
     for sample_id, layers in zip(sample_ids, states, strict=True):
         for layer_id, rows in sorted(layers.items()):
-            bad, zero = _check_fp8(rows, floor) if isinstance(rows, Fp8Rows) else _check_tensor(rows, limit)
+            bad, zero = _check_fp8(rows) if isinstance(rows, Fp8Rows) else _check_tensor(rows, limit)
             if bad is not None:
                 raise ExtractionError(
                     f"sample {sample_id!r}: layer {layer_id} states hold NaN or Inf, or values beyond "
@@ -134,13 +133,16 @@ def _check_tensor(rows: torch.Tensor, limit: float) -> tuple[int | None, bool]:
     return None, bool(low == 0 and high == 0)
 
 
-def _check_fp8(rows: Fp8Rows, floor: float) -> tuple[int | None, bool]:
+_FP8_ZERO_SCALE = quantize_fp8(torch.zeros(1, 1))[1].item()  # the quantiser's scale of an all-zero row
+
+
+def _check_fp8(rows: Fp8Rows) -> tuple[int | None, bool]:
     """``_check_tensor`` for rows already in fp8: a pass over their scales, over the values only
     when every scale is at the floor."""
     finite = torch.isfinite(rows.scales)
     if not finite.all():
         return (~finite).nonzero()[0].item(), False
-    return None, bool(rows.scales.max() <= floor) and not rows.values.float().any()
+    return None, bool(rows.scales.max() <= _FP8_ZERO_SCALE) and not rows.values.float().any()
 
 
 @dataclass
@@ -247,6 +249,13 @@ def _check_shapes(backend: str, store: PartStore, shard: int, batch: list[dict],
                 raise ExtractionError(
                     f"the {backend} backend returned layer {layer_id} states of shape {tuple(tensor.shape)} "
                     f"for sample {sample['id']!r} of {length} tokens (expected ({length}, {hidden}))", where=where)
+            if isinstance(tensor, Fp8Rows) and (tensor.scales.shape != (length,) or tensor.scales.dtype != torch.float32
+                                                or tensor.values.dtype != torch.float8_e4m3fn):
+                raise ExtractionError(
+                    f"the {backend} backend returned layer {layer_id} fp8 rows for sample {sample['id']!r} as "
+                    f"{tensor.values.dtype} values with {tensor.scales.dtype} scales of shape "
+                    f"{tuple(tensor.scales.shape)} (expected float8_e4m3fn values and float32 scales of shape "
+                    f"({length},))", where=where)
 
 
 def extract_shards(backend: CaptureBackend, store: PartStore, todo: Sequence[tuple[int, list[dict]]],

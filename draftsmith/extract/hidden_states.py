@@ -108,7 +108,7 @@ def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
     return states + scales + 8 + 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity, not by value
 class Fp8Rows:
     """States already in the store's fp8 form (``quantize_fp8``): e4m3 values [..., hidden] and one
     float32 scale per row [...]. A capture that quantises on its own device hands these over, so

@@ -189,7 +189,10 @@ class ShardWriter:
         self.tmp.mkdir()
         self.fp8 = store.meta["dtype"] == "fp8"
         hidden = store.meta["hidden_size"]
-        self.scales: dict[int, list[torch.Tensor]] = {i: [] for i in store.layer_ids}
+        # fp8: each layer's per-token scales, copied in as batches arrive. A copy, not the blocks
+        # themselves: a capture's rows are views of a whole mapped pass file, which would otherwise
+        # stay held (in /dev/shm) until the shard ends.
+        self.scales = {i: torch.empty(num_tokens if self.fp8 else 0, dtype=torch.float32) for i in store.layer_ids}
         try:
             # fp8: the values stream first and the small per-token scales follow at the end.
             layout = [("hidden_states", STORAGE_DTYPES[store.meta["dtype"]], (num_tokens, hidden))]
@@ -227,14 +230,17 @@ class ShardWriter:
                 f"({self.rows} of {self.num_tokens} rows written, hidden {hidden}); the shard is dropped",
                 where=f"part {self.store.part} shard {self.shard}")
         storage = STORAGE_DTYPES[self.store.meta["dtype"]]
+        first = self.rows
 
         def write(layer_id: int) -> None:
             stream = self.files[layer_id]
             if self.fp8:
+                row = first
                 for block in blocks[layer_id]:
-                    rows = block if isinstance(block, Fp8Rows) else Fp8Rows(*quantize_fp8(block))
-                    self.scales[layer_id].append(rows.scales)
-                    stream.write(rows.values)
+                    fp8 = block if isinstance(block, Fp8Rows) else Fp8Rows(*quantize_fp8(block))
+                    self.scales[layer_id][row:row + fp8.shape[0]].copy_(fp8.scales)
+                    row += fp8.shape[0]
+                    stream.write(fp8.values)
             else:
                 for block in blocks[layer_id]:
                     stream.write(block.to(storage))
@@ -255,8 +261,7 @@ class ShardWriter:
 
         def close(layer_id: int) -> str:
             if self.fp8:
-                self.files[layer_id].write(torch.cat(self.scales[layer_id]) if self.scales[layer_id]
-                                           else torch.zeros(0))
+                self.files[layer_id].write(self.scales[layer_id])
             return self.files[layer_id].close()
 
         try:
