@@ -429,7 +429,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     with VllmGenerator(str(model_path), tensor_parallel_size=settings.tensor_parallel_size, dtype=dtype_name,
                        trust_remote_code=trust_remote_code, max_num_seqs=settings.batch_size,
-                       **({"enforce_eager": True} if settings.enforce_eager else {}),
+                       enforce_eager=settings.enforce_eager,
                        **(engine_kwargs or {})) as generator:
         log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
                  settings.tensor_parallel_size, dtype_name, sampling)

@@ -76,7 +76,7 @@ def build_deepseek_v3(path: str | Path, seed: int = 0, **overrides) -> Path:
 def build_deepseek_v3_for_platform(path: str | Path, **overrides) -> Path:
     """DeepSeek-V3's own head sizes on CUDA (128 + 64 rope, v 128): the FlashAttention MLA prefill
     kernels take those; the CPU build's MLA takes the smaller ones too."""
-    sizes = {"qk_nope_head_dim": 128, "v_head_dim": 128} if torch.cuda.is_available() else {}
+    sizes = {"qk_nope_head_dim": 128, "v_head_dim": 128} if ON_CUDA else {}
     return build_deepseek_v3(path, **{**sizes, **overrides})
 
 

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "auto",
                 trust_remote_code: bool = False, max_num_seqs: int | None = None,
-                max_model_len: int | None = None, **overrides) -> dict:
-    """Every argument the regeneration engine is built with, as the installed vLLM takes them."""
+                max_model_len: int | None = None, enforce_eager: bool = False, **overrides) -> dict:
+    """Every argument the regeneration engine is built with, as the installed vLLM takes them;
+    ``enforce_eager`` runs it without torch.compile and CUDA graphs on a GPU too."""
     from vllm.platforms import current_platform
 
     args = dict(
@@ -41,7 +42,7 @@ def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = 
         generation_config="vllm",       # the model's sampling defaults would change what "greedy" means
         seed=0,
         # On the CPU torch.compile costs half a minute per engine and gains nothing.
-        enforce_eager=current_platform.is_cpu(),
+        enforce_eager=enforce_eager or current_platform.is_cpu(),
     )
     if max_num_seqs is not None:
         args["max_num_seqs"] = int(max_num_seqs)

@@ -104,7 +104,7 @@ class VllmServer:
 
     def __init__(self, model_path: str, *, speculative_config: dict | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False, enforce_eager: bool | None = None, **llm_kwargs) -> None:
+                 trust_remote_code: bool = False, enforce_eager: bool = False, **llm_kwargs) -> None:
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -117,8 +117,8 @@ class VllmServer:
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
             trust_remote_code=trust_remote_code, seed=0,
             # On the CPU torch.compile costs half a minute per engine and gains nothing; on a GPU
-            # vLLM's default (compiled, CUDA graphs) is what a deployment runs.
-            enforce_eager=cpu if enforce_eager is None else enforce_eager,
+            # vLLM's default (compiled, CUDA graphs) is what a deployment runs, unless asked otherwise.
+            enforce_eager=enforce_eager or cpu,
             disable_log_stats=False,        # LLM.get_metrics() needs the stat loggers
             language_model_only=True,       # text prompts: no vision tower in memory
         )

@@ -43,7 +43,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
                                   fix="raise data.heldout_fraction or data.max_heldout")
         engine = {"dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
                   "tensor_parallel_size": settings.tensor_parallel_size,
-                  **({"enforce_eager": True} if settings.enforce_eager else {}), **(engine_kwargs or {})}
+                  "enforce_eager": settings.enforce_eager, **(engine_kwargs or {})}
         if settings.hf_check and _hf_loop_holds(target, settings):
             result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine)
         else:
