@@ -179,6 +179,21 @@ def test_fp8_rows_are_quantised_where_the_target_runs_as_the_store_quantises(lla
                 assert torch.equal(rows.scales.view(torch.int32), scales.view(torch.int32)), (seq, layer_id)
 
 
+def test_fp8_quantising_out_of_memory_names_the_batch_setting(backend, monkeypatch):
+    """Quantising takes a float32 copy of a layer's whole padded batch: where that does not fit, the
+    answer is the forward pass's (what, the batch, lower extraction.batch_tokens), not a raw traceback."""
+    import draftsmith.extract.hf_backend as hf_backend
+
+    def no_room(states):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    monkeypatch.setattr(hf_backend, "quantize_fp8", no_room)
+    monkeypatch.setattr(backend, "fp8", True)
+    with pytest.raises(ExtractionError, match="quantising the batch's states to fp8 ran out of memory") as error:
+        backend.capture(_sequences([5, 9]))
+    assert "2 sequences" in error.value.where and "extraction.batch_tokens" in error.value.fix
+
+
 def test_model_dtype_is_honoured(llama_dir, llama_info):
     backend = HfBackend.load(llama_dir, layers_path="model.layers", final_layer_id=8, capture_layer_ids=[2, 8],
                              lm_head_path="lm_head", dtype="bfloat16", device="cpu")

@@ -143,12 +143,12 @@ class HfBackend(CaptureBackend):
             input_ids = input_ids.pin_memory().to(self.input_device, non_blocking=True)
             attention_mask = attention_mask.pin_memory().to(self.input_device, non_blocking=True)
         self._captured = {}
+        where = f"a batch of {len(batch)} sequences, {input_ids.numel()} padded tokens"
+        fix = ("lower extraction.batch_tokens (a sample longer than it is a batch of its own: lower "
+               "data.max_seq_len then), or spread the target over more GPUs (extraction.device_map: auto) "
+               "or use extraction.backend: vllm")
         try:
-            with out_of_memory_as(ExtractionError, "the target's forward pass",
-                                  where=f"a batch of {len(batch)} sequences, {input_ids.numel()} padded tokens",
-                                  fix="lower extraction.batch_tokens (a sample longer than it is a batch of its "
-                                      "own: lower data.max_seq_len then), or spread the target over more GPUs "
-                                      "(extraction.device_map: auto) or use extraction.backend: vllm"):
+            with out_of_memory_as(ExtractionError, "the target's forward pass", where=where, fix=fix):
                 self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         except _StopForward:
             pass
@@ -167,7 +167,8 @@ class HfBackend(CaptureBackend):
                     " tokens (the model keeps only some positions before its head?)",
                     where=type(self.model).__name__, fix="use extraction.backend: vllm for this architecture")
         if self.fp8:  # on each layer's own device (device_map), the whole padded batch at once
-            captured = {layer_id: Fp8Rows(*quantize_fp8(states)) for layer_id, states in captured.items()}
+            with out_of_memory_as(ExtractionError, "quantising the batch's states to fp8", where=where, fix=fix):
+                captured = {layer_id: Fp8Rows(*quantize_fp8(states)) for layer_id, states in captured.items()}
         if not self.cuda:
             return _InFlight(lengths, captured, [])
         return self._copy_to_host(lengths, captured)

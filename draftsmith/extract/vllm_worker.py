@@ -360,12 +360,16 @@ class CaptureWorkerExtension:
     def _ds_gather(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """The pass's prompt rows of every layer, on the device, as the pass file holds them
         (``pass_layout``): the states, or for fp8 their scales and e4m3 values, quantised a layer at
-        a time (one float32 temporary of one layer's rows, not of all)."""
+        a time into the pass's buffers (one float32 temporary of one layer's rows, not of all)."""
         selected = (self._ds_rows[lid].index_select(0, rows) for lid in self._ds_layer_ids)
         if self._ds_dtype != torch.float8_e4m3fn:
             return [torch.stack(list(selected))]
-        quantized = [quantize_fp8(states) for states in selected]
-        return [torch.stack([s for _, s in quantized]), torch.stack([v for v, _ in quantized])]
+        shape = (len(self._ds_layer_ids), rows.numel())
+        scales = torch.empty(shape, dtype=torch.float32, device=rows.device)
+        values = torch.empty((*shape, self._ds_hidden), dtype=torch.float8_e4m3fn, device=rows.device)
+        for layer, states in enumerate(selected):
+            values[layer], scales[layer] = quantize_fp8(states)
+        return [scales, values]
 
     # -- the spool writer ----------------------------------------------------------------------
 
