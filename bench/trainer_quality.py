@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftsmith.extract.hidden_states import HiddenStateIndex, read_shard  # noqa: E402
 
-TRAIN_KEYS = ("num_layers", "ttt_steps", "ttt_decay", "epochs", "batch_tokens", "lr", "warmup_steps", "weight_decay")
+TRAIN_KEYS = ("num_layers", "ttt_steps", "ttt_decay", "hard_label_weight", "epochs", "batch_tokens", "lr", "warmup_steps", "weight_decay")
 RECIPES = ("draftsmith", "speculators-matched", "speculators-default")
 
 
@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--ttt-decay", type=float, default=0.8)
+    p.add_argument("--hard-label-weight", type=float, default=0.0)
     p.add_argument("--epochs", type=float, default=None, help="Draftsmith's epochs; speculators runs its steps (10; 40 tiny)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per batch (8192; 256 tiny)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-3; 3e-3 tiny)")

@@ -25,7 +25,7 @@ from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import read_json
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.train import (
-    DraftKL,
+    DraftLoss,
     LossKernels,
     Pack,
     TrainSettings,
@@ -138,7 +138,7 @@ def weights(draft_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(draft_dir / "model.safetensors")
 
 
-def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64):
+def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_label_weight: float = 0.0):
     """A real draft (target embeddings, draft-vocab lm_head) and packed micro-batches of real states."""
     index = HiddenStateIndex.load(inputs["index"])
     target = read_json(inputs["target"])
@@ -150,7 +150,8 @@ def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64):
     embed, head = load_embedding_and_head(inputs["target"])
     draft.load_target_weights(embed, head, mapping["d2t"], mapping["t2d"])
     rows = draft_rows(mapping["d2t"], mapping["t2d"], config.target_vocab_size)
-    objective = TTTObjective(draft, head, rows, ttt_steps=ttt_steps, ttt_decay=0.8, attention="sdpa")
+    objective = TTTObjective(draft, head, rows, ttt_steps=ttt_steps, ttt_decay=0.8, attention="sdpa",
+                             hard_label_weight=hard_label_weight)
     meta = shard_meta(index, index.shards[0], cap, ttt_steps, verify=True)
     shard_rows = ShardRows(index, index.shards[0], [*index.aux_layer_ids, index.final_layer_id])
 
@@ -175,10 +176,12 @@ def run_objective(objective, batch, weights, exact=True):
 # math
 
 
-def test_ttt_with_one_step_is_plain_next_token_training(inputs):
-    """ttt_steps=1 is soft-label next-token training: per sample, causal attention, token x[t+1]
-    with the state at t, KL to the teacher at t+1 over loss positions."""
-    objective, meta, batch = objective_and_batches(inputs, ttt_steps=1)
+@pytest.mark.parametrize("hard", [0.0, 1.0])
+def test_ttt_with_one_step_is_plain_next_token_training(inputs, hard):
+    """ttt_steps=1 is next-token training: per sample, causal attention, token x[t+1] with the state
+    at t, KL to the teacher at t+1 over loss positions (soft labels), or with hard_label_weight 1
+    the cross-entropy on the teacher's top token."""
+    objective, meta, batch = objective_and_batches(inputs, ttt_steps=1, hard_label_weight=hard)
     samples = [0, 1, 2, 3]
     packed = batch(samples)
     n = float(meta.counts[samples, 0].sum())
@@ -200,8 +203,12 @@ def test_ttt_with_one_step_is_plain_next_token_training(inputs):
 
         _, logits = draft.step(hidden, one["ids"][0], cos, sin, causal)
         p = torch.softmax(one["final"] @ teacher.T, -1)
-        kl = (p * (torch.log(p) - torch.log_softmax(logits, -1))).sum(-1)
-        plain = plain + kl[one["valid"][0]].sum() / n
+        logq = torch.log_softmax(logits, -1)
+        if hard:
+            per_position = -logq.gather(1, p.argmax(-1, keepdim=True)).squeeze(1)
+        else:
+            per_position = (p * (torch.log(p) - logq)).sum(-1)
+        plain = plain + per_position[one["valid"][0]].sum() / n
     plain.backward()
     torch.testing.assert_close(loss, plain.detach(), rtol=1e-5, atol=1e-6)
     assert stats[0, 1] == n
@@ -222,18 +229,23 @@ def test_packing_gives_the_loss_and_gradients_of_unpacked_samples(inputs):
         torch.testing.assert_close(g, sum(p[2][name] for p in parts), rtol=1e-4, atol=1e-6, msg=name)
 
 
-def plain_kl(z, tz, teach):
-    """KL(teacher || draft) per row through log_softmax and autograd, in float64."""
+def plain_loss(z, tz, teach, hard):
+    """(1 - hard) * KL(teacher || draft) + hard * cross-entropy on the teacher's argmax, per row,
+    through log_softmax and autograd, in float64."""
     logp = torch.log_softmax(tz.double(), -1)[teach]
-    return (logp.exp() * (logp - torch.log_softmax(z.double(), -1))).sum(-1)
+    logq = torch.log_softmax(z.double(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    return (1 - hard) * kl - hard * logq.gather(1, logp.argmax(-1, keepdim=True)).squeeze(1)
 
 
+@pytest.mark.parametrize("hard", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("kernels", ["chunked", "compiled"])
-def test_fused_kl_and_its_gradient_equal_plain_autograd(kernels):
-    """DraftKL (teacher probabilities recomputed from its logits, softmax recomputed in the
-    backward) against log_softmax with autograd, float32 and bfloat16 logits; compiled with
-    Inductor as on GPU (C++ here, Triton there), with teacher and draft row counts changing as they
-    do from step to step and batch to batch (dynamic shapes)."""
+def test_fused_loss_and_its_gradient_equal_plain_autograd(kernels, hard):
+    """DraftLoss (teacher probabilities recomputed from its logits, softmax recomputed in the
+    backward) against log_softmax with autograd, float32 and bfloat16 logits, for the KL alone, the
+    cross-entropy on the teacher's argmax alone and a mix; compiled with Inductor as on GPU (C++
+    here, Triton there), with teacher and draft row counts changing as they do from step to step
+    and batch to batch (dynamic shapes)."""
     chosen = LossKernels(chunk=7) if kernels == "chunked" else LossKernels.compiled("inductor")
     g = torch.Generator().manual_seed(0)
     for dtype, num_teacher, rows in ((torch.float32, 40, 40), (torch.float32, 40, 29), (torch.float32, 50, 50),
@@ -246,27 +258,29 @@ def test_fused_kl_and_its_gradient_equal_plain_autograd(kernels):
         tlse, negent, targ, top = chosen.rows(chosen.teacher, tz.shape[0], tz)
         torch.testing.assert_close(tlse, torch.logsumexp(tz.float(), -1))
         assert torch.equal(targ, tz.float().argmax(-1)) and torch.equal(top, tz.float().max(-1).values)
-        kl, arg = DraftKL.apply(z, tz, tlse, negent, teach, chosen)
-        (w * kl).sum().backward()
+        loss, arg = DraftLoss.apply(z, tz, tlse, negent, teach, targ, hard, chosen)
+        (w * loss).sum().backward()
         fused_grad, z.grad = z.grad, None
-        ref = plain_kl(z, tz, teach)
+        ref = plain_loss(z, tz, teach, hard)
         (w.double() * ref).sum().backward()
-        assert kl.dtype == torch.float32 and fused_grad.dtype == dtype
-        torch.testing.assert_close(kl.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        assert loss.dtype == torch.float32 and fused_grad.dtype == dtype
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused_grad.float(), z.grad.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                    atol=1e-6 if dtype == torch.float32 else 1e-3)
         assert torch.equal(arg, z.detach().float().argmax(-1))
 
 
 @pytest.mark.gpu
-def test_compiled_objective_equals_eager(inputs):
+@pytest.mark.parametrize("hard", [0.0, 0.5])
+def test_compiled_objective_equals_eager(inputs, hard):
     """compile_steps (the GPU configuration: compiled draft step and loss kernels) gives the eager
-    loss, stats and gradients, on batches of different lengths and loss-position counts."""
+    loss, stats and gradients, on batches of different lengths and loss-position counts, for the
+    KL and for a mix with the cross-entropy on the teacher's top token."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    objective, _, batch = objective_and_batches(inputs, ttt_steps=3)
-    compiled, _, _ = objective_and_batches(inputs, ttt_steps=3)
+    objective, _, batch = objective_and_batches(inputs, ttt_steps=3, hard_label_weight=hard)
+    compiled, _, _ = objective_and_batches(inputs, ttt_steps=3, hard_label_weight=hard)
     compiled.compile_steps("aot_eager")
     w = torch.tensor([1.0, 0.8, 0.64])
     for samples in ([0, 2, 3], [1, 4], [5, 6, 7]):

@@ -23,7 +23,8 @@ so a draft trained here behaves under vLLM's eagle3 proposer as one trained ther
   (``original_input_ids[:, 1 + ttt_step:]``) at position id t+1+j; its logits at t are scored
   against the teacher at t+j under loss mask l[t+1+j] (metrics.py ``align_for_step``), weighted
   by ``ttt_decay**j``, each step's KL averaged over its loss tokens (losses/utils.py
-  ``loss_function``) and the steps summed.
+  ``loss_function``) and the steps summed. ``train.hard_label_weight`` > 0 mixes into each
+  position's KL the cross-entropy on the teacher's top token (not a speculators option).
 * attention (attention.py ``create_combined_mask_mod``, ``extend_*_mask_for_draft_tokens``):
   step j's query at t sees step 0's keys causally within its sample plus the keys of steps 1..j
   at the same t.
@@ -57,11 +58,11 @@ from draftsmith.train.distributed import Dist, init_distributed
 from draftsmith.train.launch import launch_command, main, run_training
 from draftsmith.train.loop import train_draft, train_step
 from draftsmith.train.metrics import summarize
-from draftsmith.train.objective import DraftKL, LossKernels, TTTObjective, scored_positions
+from draftsmith.train.objective import DraftLoss, LossKernels, TTTObjective, scored_positions
 from draftsmith.train.settings import LAUNCH_KEYS, TrainSettings, launch_from_config
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "FINISHED", "LAUNCH_KEYS", "PAD_MULTIPLE", "BatchFeed", "Dist", "DraftKL", "LossKernels",
+    "CHECKPOINT_FORMAT", "FINISHED", "LAUNCH_KEYS", "PAD_MULTIPLE", "BatchFeed", "Dist", "DraftLoss", "LossKernels",
     "Pack", "ShardMeta", "Step", "TTTObjective", "TrainSettings", "build_batch", "dequantize_batch",
     "init_distributed", "launch_command", "launch_from_config", "main", "plan_run", "plan_steps", "run_training",
     "scored_positions", "shard_meta", "summarize", "train_draft", "train_step",

@@ -1,5 +1,6 @@
-"""The training objective: the positions each TTT step scores, the KL to the teacher over the draft
-vocabulary (fused kernels), and the draft unrolled for ``ttt_steps`` on one packed micro-batch."""
+"""The training objective: the positions each TTT step scores, the loss against the teacher over the
+draft vocabulary (its KL, optionally mixed with the cross-entropy on its top token; fused kernels), and
+the draft unrolled for ``ttt_steps`` on one packed micro-batch."""
 
 from __future__ import annotations
 
@@ -60,21 +61,31 @@ def _teacher_rows(tz: torch.Tensor):
     return tlse, (logp.exp() * logp).sum(-1), arg, top
 
 
-def _kl_rows(z: torch.Tensor, tz: torch.Tensor, tlse: torch.Tensor, negent: torch.Tensor, teach: torch.Tensor):
-    """KL(teacher || draft) of each draft row z against teacher row ``teach``, with the draft's
-    logsumexp (for the backward) and argmax; the teacher's probabilities are recomputed from its
-    logits, never stored."""
+def _loss_rows(z: torch.Tensor, tz: torch.Tensor, tlse: torch.Tensor, negent: torch.Tensor, teach: torch.Tensor,
+               top: torch.Tensor, hard: float):
+    """Per draft row z against teacher row ``teach``: (1 - hard) * KL(teacher || draft) + hard *
+    cross-entropy on the teacher's top token ``top[teach]``, with the draft's logsumexp (for the
+    backward) and argmax. The teacher's probabilities are recomputed from its logits, never stored."""
     zf = z.float()
     lse = torch.logsumexp(zf, -1)
-    p = torch.exp(tz[teach].float() - tlse[teach, None])
-    return lse - (p * zf).sum(-1) + negent[teach], lse, zf.argmax(-1)
+    loss = lse.new_zeros(())
+    if hard < 1:
+        p = torch.exp(tz[teach].float() - tlse[teach, None])
+        loss = (1 - hard) * (lse - (p * zf).sum(-1) + negent[teach])
+    if hard > 0:
+        loss = loss + hard * (lse - zf.gather(1, top[teach, None]).squeeze(1))
+    return loss, lse, zf.argmax(-1)
 
 
-def _kl_rows_grad(z: torch.Tensor, lse: torch.Tensor, tz: torch.Tensor, tlse: torch.Tensor, teach: torch.Tensor,
-                  grad: torch.Tensor) -> torch.Tensor:
-    """d KL / d z = softmax(z) - p, times each row's incoming gradient, in z's dtype."""
-    p = torch.exp(tz[teach].float() - tlse[teach, None])
-    return (grad[:, None] * (torch.exp(z.float() - lse[:, None]) - p)).to(z.dtype)
+def _loss_rows_grad(z: torch.Tensor, lse: torch.Tensor, tz: torch.Tensor, tlse: torch.Tensor, teach: torch.Tensor,
+                    top: torch.Tensor, hard: float, grad: torch.Tensor) -> torch.Tensor:
+    """d loss / d z = softmax(z) - ((1 - hard) * p + hard * onehot(top)), times each row's incoming
+    gradient, in z's dtype."""
+    target = (1 - hard) * torch.exp(tz[teach].float() - tlse[teach, None]) if hard < 1 else 0.0
+    if hard > 0:
+        onehot = torch.arange(z.shape[1], device=z.device)[None] == top[teach, None]
+        target = target + hard * onehot
+    return (grad[:, None] * (torch.exp(z.float() - lse[:, None]) - target)).to(z.dtype)
 
 
 @dataclass(frozen=True)
@@ -85,13 +96,13 @@ class LossKernels:
     counts differ per batch: compiled with automatic dynamic shapes."""
 
     teacher: Any = _teacher_rows
-    kl: Any = _kl_rows
-    kl_grad: Any = _kl_rows_grad
+    loss: Any = _loss_rows
+    loss_grad: Any = _loss_rows_grad
     chunk: int | None = 4096
 
     @classmethod
     def compiled(cls, backend: str = "inductor") -> LossKernels:
-        return cls(*(torch.compile(f, backend=backend) for f in (_teacher_rows, _kl_rows, _kl_rows_grad)), chunk=None)
+        return cls(*(torch.compile(f, backend=backend) for f in (_teacher_rows, _loss_rows, _loss_rows_grad)), chunk=None)
 
     def slices(self, n: int) -> list[slice]:
         if self.chunk is None or n <= self.chunk:
@@ -108,33 +119,35 @@ class LossKernels:
         return tuple(torch.cat(p) for p in zip(*parts))
 
 
-class DraftKL(torch.autograd.Function):
-    """Per scored row, KL(teacher || draft) over the draft vocabulary, and the draft's argmax.
+class DraftLoss(torch.autograd.Function):
+    """Per scored row, the loss against the teacher over the draft vocabulary (``_loss_rows``: its
+    KL, mixed with the cross-entropy on its top token by ``hard``), and the draft's argmax.
 
     Inputs: draft logits z [N, Vd] (the lm_head's output, in its compute dtype), the teacher's
-    logits tz [N0, Vd] with their logsumexp and negative entropy [N0], and each draft row's teacher
-    row ``teach`` [N]. Saves z and per-row floats only: the float32 softmaxes are recomputed in the
-    backward instead of kept per TTT step (autograd through log_softmax would hold several float32
-    [N, Vd] tensors per step).
+    logits tz [N0, Vd] with their logsumexp, negative entropy and top token [N0], and each draft
+    row's teacher row ``teach`` [N]. Saves z and per-row values only: the float32 softmaxes are
+    recomputed in the backward instead of kept per TTT step (autograd through log_softmax would
+    hold several float32 [N, Vd] tensors per step).
     """
 
     @staticmethod
-    def forward(ctx, z, tz, tlse, negent, teach, kernels: LossKernels):
+    def forward(ctx, z, tz, tlse, negent, teach, top, hard: float, kernels: LossKernels):
         with torch.autocast(z.device.type, enabled=False):
-            kl, lse, arg = kernels.rows(kernels.kl, z.shape[0], z, tz, tlse, negent, teach, rowwise=(0, 4))
-        ctx.save_for_backward(z, lse, tz, tlse, teach)
-        ctx.kernels = kernels
+            loss, lse, arg = kernels.rows(kernels.loss, z.shape[0], z, tz, tlse, negent, teach, top, hard,
+                                          rowwise=(0, 4))
+        ctx.save_for_backward(z, lse, tz, tlse, teach, top)
+        ctx.kernels, ctx.hard = kernels, hard
         ctx.mark_non_differentiable(arg)
-        return kl, arg
+        return loss, arg
 
     @staticmethod
-    def backward(ctx, grad_kl, grad_arg):
-        z, lse, tz, tlse, teach = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_arg):
+        z, lse, tz, tlse, teach, top = ctx.saved_tensors
         kernels = ctx.kernels
         with torch.autocast(z.device.type, enabled=False):
-            grad = kernels.rows(kernels.kl_grad, z.shape[0], z, lse, tz, tlse, teach, grad_kl.contiguous(),
-                                rowwise=(0, 1, 4, 5))
-        return grad, None, None, None, None, None
+            grad = kernels.rows(kernels.loss_grad, z.shape[0], z, lse, tz, tlse, teach, top, ctx.hard,
+                                grad_loss.contiguous(), rowwise=(0, 1, 4, 7))
+        return grad, None, None, None, None, None, None, None
 
 
 class TTTObjective(nn.Module):
@@ -145,14 +158,15 @@ class TTTObjective(nn.Module):
     """
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, rows: torch.Tensor, *, ttt_steps: int,
-                 ttt_decay: float, attention: str, flex_fn=None, argmax_chunk: int = 2048) -> None:
+                 ttt_decay: float, attention: str, hard_label_weight: float = 0.0, flex_fn=None,
+                 argmax_chunk: int = 2048) -> None:
         super().__init__()
         self.draft = draft
         self.teacher = lm_head[rows]  # [Vd, H] draft-vocab rows, in draft order
         outside = torch.ones(lm_head.shape[0], dtype=torch.bool)
         outside[rows] = False
         self.rest = lm_head[outside]  # [V - Vd, H]: only for "is the true argmax in the draft vocab?"
-        self.ttt_steps, self.ttt_decay = ttt_steps, ttt_decay
+        self.ttt_steps, self.ttt_decay, self.hard_label_weight = ttt_steps, ttt_decay, hard_label_weight
         self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
         self.step_fn = draft.advance
         self.kernels = LossKernels()
@@ -210,10 +224,10 @@ class TTTObjective(nn.Module):
         return tz, tlse, negent, arg, in_vocab
 
     def forward(self, batch: dict, weights: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (sum_j weights[j] * sum of step-j KL over its scored positions, stats [K, 6]).
+        """Returns (sum_j weights[j] * sum of step-j loss over its scored positions, stats [K, 6]).
 
         ``batch``: aux, final, ids, valid, pos, doc as ``_build_batch`` makes them, plus
-        ``scored_positions(valid)``. stats columns: KL sum, scored positions, positions where the
+        ``scored_positions(valid)``. stats columns: loss sum, scored positions, positions where the
         draft's argmax is the teacher's within the draft vocabulary; with ``exact`` (logging steps:
         it costs a pass over the target's whole lm_head) also positions checked, positions where the
         draft's token is the target's argmax over its whole vocabulary (what vLLM accepts), and
@@ -230,13 +244,14 @@ class TTTObjective(nn.Module):
         chain = valid[0]
         loss = aux.new_zeros((), dtype=torch.float32)
         for j, normed in enumerate(self.unroll(aux, ids, pos, doc, keep)):
-            kl, arg = DraftKL.apply(self.draft.lm_head(normed[pick[j]]), tz, tlse, negent, teach[j], self.kernels)
-            kl_sum = kl.sum()
-            loss = loss + weights[j] * kl_sum
+            rows_loss, arg = DraftLoss.apply(self.draft.lm_head(normed[pick[j]]), tz, tlse, negent, teach[j],
+                                             target_arg, self.hard_label_weight, self.kernels)
+            step_sum = rows_loss.sum()
+            loss = loss + weights[j] * step_sum
             with torch.no_grad():
-                n = kl_sum.new_full((), splits[j])
+                n = step_sum.new_full((), splits[j])
                 hit = arg == target_arg[teach[j]]
-                row = [kl_sum.detach(), n, hit.sum().float()]
+                row = [step_sum.detach(), n, hit.sum().float()]
                 if in_vocab is not None:
                     hit = hit & in_vocab[teach[j]]
                     chain = chain & torch.zeros_like(chain).index_put_((rows[j],), hit)
