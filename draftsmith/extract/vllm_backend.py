@@ -95,7 +95,7 @@ class VllmBackend(CaptureBackend):
             language_model_only=language_model_only,  # text-only capture: no vision encoder in memory
             seed=0,
         )
-        kwargs.update(platform_workarounds())
+        kwargs.update(platform_workarounds(dtype))
         kwargs.update(llm_kwargs)
         # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the CPU worker runs in this process and replaces
         # torch.set_num_threads with a no-op; close() puts it back.

@@ -104,16 +104,24 @@ def spec_decode_record(completion) -> tuple[list[int], list[int]] | None:
     return list(record.per_step_accepted), list(record.per_step_drafted)
 
 
-def platform_workarounds() -> dict:
-    """Engine arguments that keep vLLM exact on this platform (and, on a GPU, the start method that
-    keeps its engine processes working)."""
+def platform_workarounds(dtype: str) -> dict:
+    """Engine arguments that keep vLLM exact on this platform for a target run in ``dtype`` (and, on
+    a GPU, the start method that keeps its engine processes working)."""
+    import torch  # here, not at the top: preflight imports this module and must stay fast
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         # The CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding) rotates
         # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
         # The PyTorch-native rotary is exact.
-        return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+        args = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+        if dtype == "float32" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+            # On a CPU with AMX tiles vLLM picks its AMX MLA kernels, which take bf16 weights only
+            # (float32 stops the load: "expect weight to be bfloat16, ..."); its reference CPU MLA
+            # takes float32. A target without MLA keeps the CPU attention (vLLM logs that it cannot
+            # use CPU_MLA for it).
+            args["attention_backend"] = "CPU_MLA"
+        return args
     # A driver that asked torch about CUDA (device checks) cannot fork a CUDA engine process; vLLM
     # switches to spawn only when torch's CUDA is fully initialised. Every entry point has a
     # __main__ guard, so spawn is always safe.
