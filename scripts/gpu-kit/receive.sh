@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# receive.sh CHUNK — run on the device machine, in the call that carried CHUNK (a chunks/NN folder
+# made by fetch.sh): copies it to /tmp/gpukit/RELEASE/chunks/NN, out of the working tree's way, and
+# says which of the release's chunks are still to come. /tmp is lost when the machine goes cold
+# (30 s after a call), so the chunks go in back-to-back calls, the install in the last.
+set -euo pipefail
+chunk=${1:?usage: receive.sh .gpukit/RELEASE/chunks/NN}
+[ -f "$chunk/MANIFEST" ] || { echo "gpu-kit: $chunk/MANIFEST missing: carry the chunk folder (carry=[\"$chunk\"])" >&2; exit 1; }
+release=$(awk '$1 == "release" {print $2}' "$chunk/MANIFEST")
+nchunks=$(awk '$1 == "chunks" {print $2}' "$chunk/MANIFEST")
+kit=${GPUKIT_ROOT:-/tmp/gpukit}/$release
+mkdir -p "$kit/chunks"
+cp -r "$chunk" "$kit/chunks/"
+missing=$(for i in $(seq -f '%02g' 1 "$nchunks"); do [ -d "$kit/chunks/$i" ] || printf ' %s' "$i"; done)
+echo "gpu-kit $release: $(basename "$chunk") received; $((nchunks - $(wc -w <<< "$missing"))) of $nchunks here${missing:+, still to come:$missing}"
