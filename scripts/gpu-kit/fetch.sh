@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# fetch.sh RELEASE [DEST] — run here (PyPI reachable): the wheels the GPU lane needs on the offline
-# device machine for vLLM RELEASE (vllm-RELEASE.txt, and test-wheels.txt), cut into chunks that each
-# ride along in one device call (a call carries at most 64 MiB with the working tree).
+# fetch.sh RELEASE [DEST] — run here (PyPI reachable): the wheels the GPU lane and the demo's benches
+# need on the offline device machine for vLLM RELEASE (vllm-RELEASE.txt, test-wheels.txt,
+# demo-wheels.txt), cut into chunks that each ride along in one device call (a call carries at most
+# 64 MiB with the working tree).
 #
 # DEST (default .gpukit/RELEASE, git-ignored) gets wheels/, pieces/ (wheels over the chunk limit
 # split with `split -b`) and chunks/01..NN with MANIFEST: "chunks N", then one line per wheel, "wheel
@@ -21,7 +22,7 @@ DEST=$(realpath -m "${2:-$HERE/../../.gpukit/$RELEASE}")
 CHUNK_MAX_MIB=${CHUNK_MAX_MIB:-58}
 PIECE_SIZE=${PIECE_SIZE:-57M}
 PYTHON=${PYTHON:-python3}
-LISTS=("$HERE/vllm-$RELEASE.txt" "$HERE/test-wheels.txt")
+LISTS=("$HERE/vllm-$RELEASE.txt" "$HERE/test-wheels.txt" "$HERE/demo-wheels.txt")
 [ -f "${LISTS[0]}" ] || { echo "error: no ${LISTS[0]}: write the release's pins first (docs/gpu-tests.md, 'The kits')" >&2; exit 2; }
 
 # Tags the device's python3 (CPython 3.12, glibc >= 2.31) accepts. pip matches manylinux_2_N
@@ -91,7 +92,7 @@ nchunks=$(ls -d "$DEST"/chunks/[0-9][0-9] | wc -l)
 
 manifest=$DEST/chunks/MANIFEST
 {
-  echo "# gpu-kit: vllm==$RELEASE, $(basename "${LISTS[0]}") and $(basename "${LISTS[1]}"); made $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "# gpu-kit: $(for list in "${LISTS[@]}"; do basename "$list"; done | paste -sd' '); made $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "release $RELEASE"
   echo "chunks $nchunks"
   for w in "$DEST"/wheels/*.whl; do
