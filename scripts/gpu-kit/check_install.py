@@ -18,6 +18,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 CUDA_LIBRARIES = ("libcudnn", "libnccl", "libcublas", "libcudart", "libnvrtc", "libcusparseLt")
 
@@ -65,8 +66,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", type=Path, required=True)
     parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--require-gpu", action="store_true", help="fail when torch sees no CUDA device")
     args = parser.parse_args()
-    target = str(args.target.resolve())
+    target = args.target.resolve()
     problems = []
 
     carried = carried_distributions(args.manifest)
@@ -76,8 +78,8 @@ def main() -> int:
         except md.PackageNotFoundError:
             problems.append(f"{name} {version}: carried but not installed")
             continue
-        where = str(Path(distribution.locate_file("")).resolve())
-        if distribution.version != version or not where.startswith(target):
+        where = Path(distribution.locate_file("")).resolve()
+        if Version(distribution.version) != Version(version) or not where.is_relative_to(target):
             problems.append(f"{name}: Python sees {distribution.version} in {where}, not the kit's {version}")
 
     if problems:  # what follows would import the image's packages, not the kit's
@@ -98,6 +100,8 @@ def main() -> int:
         print("cuDNN", torch.backends.cudnn.version())
     except RuntimeError as error:  # "cuDNN version incompatibility": every convolution would fail
         problems.append(f"torch refuses its cuDNN: {error}")
+    if args.require_gpu and not torch.cuda.is_available():
+        problems.append("torch sees no CUDA device on a machine with nvidia-smi (driver too old for this CUDA build?)")
     if torch.cuda.is_available():
         a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close((a @ a.T).float().cpu(), a.float().cpu() @ a.float().cpu().T, atol=1.0, rtol=0.05)
@@ -117,7 +121,7 @@ def main() -> int:
     for stem, paths in sorted(loaded_libraries().items()):
         print(f"   {stem}: {', '.join(sorted(paths))}")
         package = {"libcudnn": "nvidia-cudnn-cu13", "libnccl": "nvidia-nccl-cu13"}.get(stem)
-        if package in carried and not all(path.startswith(target) for path in paths):
+        if package in carried and not all(Path(path).is_relative_to(target) for path in paths):
             problems.append(f"{stem} loads from outside the kit ({target})")
 
     return report(problems)

@@ -5,11 +5,12 @@
 # 64 MiB with the working tree).
 #
 # DEST (default .gpukit/RELEASE, git-ignored) gets wheels/, pieces/ (wheels over the chunk limit
-# split with `split -b`) and chunks/01..NN with MANIFEST: "chunks N", then one line per wheel, "wheel
-# NAME SHA256 SIZE CHUNK/PIECE...". install-on-device.sh reassembles and checks them there.
+# split with `split -b`) and chunks/01..NN, each with MANIFEST: a "#" line saying when it was made,
+# "release RELEASE", "chunks N", then one line per wheel, "wheel NAME SHA256 SIZE CHUNK/PIECE...".
+# install-on-device.sh reassembles and checks them there.
 #
-# Settings (environment): CHUNK_MAX_MIB (58), PIECE_SIZE (57M; packs 0.32 into 28 chunks, 50M
-# into 31), PYTHON (python3).
+# Settings (environment): CHUNK_MAX_MIB (58: a chunk and the tracked tree, about 2 MiB, stay under
+# a call's 64 MiB), PIECE_SIZE (57M), PYTHON (python3).
 set -euo pipefail
 
 if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
@@ -24,6 +25,13 @@ PIECE_SIZE=${PIECE_SIZE:-57M}
 PYTHON=${PYTHON:-python3}
 LISTS=("$HERE/vllm-$RELEASE.txt" "$HERE/test-wheels.txt" "$HERE/demo-wheels.txt")
 [ -f "${LISTS[0]}" ] || { echo "error: no ${LISTS[0]}: write the release's pins first (docs/gpu-tests.md, 'The kits')" >&2; exit 2; }
+# A DEST in the working tree that git does not ignore would travel with every device call.
+mkdir -p "$DEST"
+if git -C "$HERE" rev-parse --show-toplevel >/dev/null 2>&1 && [[ $DEST == $(git -C "$HERE" rev-parse --show-toplevel)/* ]] &&
+  ! git -C "$HERE" check-ignore -q "$DEST"; then
+  echo "error: $DEST is in the working tree and not git-ignored: it would ride along in every device call" >&2
+  exit 2
+fi
 
 # Tags the device's python3 (CPython 3.12, glibc >= 2.31) accepts. pip matches manylinux_2_N
 # exactly, so each N that a pinned wheel uses is listed (NCCL's is 2_18).

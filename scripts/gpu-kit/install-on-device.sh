@@ -27,6 +27,7 @@ KIT=$ROOT/$RELEASE
 manifest=$(ls "$KIT"/chunks/[0-9][0-9]/MANIFEST 2>/dev/null | head -1 || true)
 [ -n "$manifest" ] || { echo "gpu-kit: no chunk of $RELEASE under $KIT/chunks: send them first (receive.sh)" >&2; exit 1; }
 nchunks=$(awk '$1 == "chunks" {print $2}' "$manifest")
+[ -n "$nchunks" ] || { echo "gpu-kit: $manifest has no chunk count: remake the kit with fetch.sh" >&2; exit 1; }
 missing=$(for i in $(seq -f '%02g' 1 "$nchunks"); do [ -d "$KIT/chunks/$i" ] || printf ' %s' "$i"; done)
 if [ -n "$missing" ]; then
   echo "gpu-kit: chunks of $RELEASE missing under $KIT/chunks:$missing (of $nchunks)." >&2
@@ -50,20 +51,23 @@ while read -r kind name sha size parts; do
     cat "$KIT/chunks/$p" >> "$out.tmp"
   done
   echo "$sha  $out.tmp" | sha256sum -c --status ||
-    { echo "gpu-kit: sha256 mismatch for $name: a chunk arrived damaged; send its chunks again" >&2; exit 1; }
+    { echo "gpu-kit: sha256 mismatch for $name: one of its pieces ($parts) arrived damaged; send those chunks again" >&2; exit 1; }
   mv "$out.tmp" "$out"
 done < "$manifest"
 
-installed=$(ls -d "$TARGET"/vllm-*.dist-info 2>/dev/null | sed -E 's/.*vllm-(.*)\.dist-info/\1/' || true)
-if [ -z "$installed" ]; then
-  echo "== pip install --target $TARGET (${#wheels[@]} wheels)"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
-    --target "$TARGET" "${wheels[@]}"
-elif [ "$installed" = "$RELEASE" ]; then
+# The marker is written once pip has installed every wheel: an install cut short is redone.
+marker=$TARGET/.gpukit-release
+installed=$(cat "$marker" 2>/dev/null || true)
+if [ "$installed" = "$RELEASE" ]; then
   echo "== vLLM $RELEASE already in $TARGET"
-else
+elif [ -n "$installed" ]; then
   echo "gpu-kit: $TARGET holds vLLM $installed, not $RELEASE: rm -rf $TARGET $ROOT, then send the chunks again" >&2
   exit 1
+else
+  echo "== pip install --target $TARGET (${#wheels[@]} wheels)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+    --upgrade --target "$TARGET" "${wheels[@]}"
+  echo "$RELEASE" > "$marker"
 fi
 
 # The CUDA libraries: the kit's (cuDNN and NCCL where torch travels) ahead of the image's, which
@@ -72,10 +76,11 @@ image_libs=$(env -u PYTHONPATH "$PY" -c '
 import glob, os, sys
 print(":".join(d for p in sys.path if p for d in sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib")))))')
 kit_libs=$(ls -d "$TARGET"/nvidia/*/lib 2>/dev/null | paste -sd: || true)
+libs=$(printf '%s\n' "$kit_libs" "$image_libs" | grep -v '^$' | paste -sd: || true)  # no empty entry: it means "."
 cat > "$ROOT/env.sh" <<EOF
 # written by scripts/gpu-kit/install-on-device.sh for vLLM $RELEASE; source it: . $ROOT/env.sh
 export PYTHONPATH="$TARGET\${PYTHONPATH:+:\$PYTHONPATH}"
-export LD_LIBRARY_PATH="$kit_libs${kit_libs:+:}$image_libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$libs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 # FlashInfer is not carried: without this, building the sampler imports it and fails.
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # An offline machine: no usage reports, no hub look-ups.
@@ -85,5 +90,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 EOF
 # shellcheck disable=SC1091
 . "$ROOT/env.sh"
-"$PY" "$HERE/check_install.py" --manifest "$manifest" --target "$TARGET"
+gpu=()
+if command -v nvidia-smi >/dev/null; then gpu=(--require-gpu); fi  # a GPU machine whose torch sees none fails here
+"$PY" "$HERE/check_install.py" --manifest "$manifest" --target "$TARGET" "${gpu[@]}"
 echo "== gpu-kit: vLLM $RELEASE ready; start every later command with '. $ROOT/env.sh'"

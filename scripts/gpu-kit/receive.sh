@@ -8,8 +8,18 @@ chunk=${1:?usage: receive.sh .gpukit/RELEASE/chunks/NN}
 [ -f "$chunk/MANIFEST" ] || { echo "gpu-kit: $chunk/MANIFEST missing: carry the chunk folder (carry=[\"$chunk\"])" >&2; exit 1; }
 release=$(awk '$1 == "release" {print $2}' "$chunk/MANIFEST")
 nchunks=$(awk '$1 == "chunks" {print $2}' "$chunk/MANIFEST")
+[ -n "$release" ] && [ -n "$nchunks" ] || { echo "gpu-kit: $chunk/MANIFEST names no release or chunk count: remake the kit with fetch.sh" >&2; exit 1; }
 kit=${GPUKIT_ROOT:-/tmp/gpukit}/$release
 mkdir -p "$kit/chunks"
+# Every chunk must come from the same fetch.sh run (its MANIFEST's first line says when).
+for other in "$kit"/chunks/*/MANIFEST; do
+  if [ -f "$other" ] && ! cmp -s "$other" "$chunk/MANIFEST"; then
+    echo "gpu-kit: $chunk was made by another fetch.sh run than the chunks already in $kit/chunks" >&2
+    echo "  ($(head -1 "$chunk/MANIFEST") against $(head -1 "$other")): rm -rf $kit and send one kit's chunks" >&2
+    exit 1
+  fi
+  break
+done
 cp -r "$chunk" "$kit/chunks/"
 missing=$(for i in $(seq -f '%02g' 1 "$nchunks"); do [ -d "$kit/chunks/$i" ] || printf ' %s' "$i"; done)
 echo "gpu-kit $release: $(basename "$chunk") received; $((nchunks - $(wc -w <<< "$missing"))) of $nchunks here${missing:+, still to come:$missing}"
