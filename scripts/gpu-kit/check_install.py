@@ -50,6 +50,14 @@ def unmet_requirements(distribution: str) -> tuple[list[str], list[str]]:
     return missing, other_version
 
 
+def _installed(distribution: str) -> bool:
+    try:
+        md.distribution(distribution)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
 def loaded_libraries() -> dict[str, set[str]]:
     """CUDA library stem -> the files this process mapped for it."""
     loaded: dict[str, set[str]] = {}
@@ -82,7 +90,9 @@ def main() -> int:
         if Version(distribution.version) != Version(version) or not where.is_relative_to(target):
             problems.append(f"{name}: Python sees {distribution.version} in {where}, not the kit's {version}")
 
-    if problems:  # what follows would import the image's packages, not the kit's
+    problems += [f"{name} is not installed (the image's or the kit's)" for name in ("vllm", "torch")
+                 if not _installed(name)]
+    if problems:  # what follows would import the image's packages, not the kit's, or fail
         return report(problems)
 
     for distribution in ("vllm", "torch"):

@@ -12,6 +12,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=manifest.sh
+. "$HERE/manifest.sh"
 ROOT=${GPUKIT_ROOT:-/tmp/gpukit}
 TARGET=${GPUKIT_TARGET:-/tmp/site}
 PY=${PYTHON:-python3}
@@ -26,9 +28,9 @@ fi
 KIT=$ROOT/$RELEASE
 manifest=$(ls "$KIT"/chunks/[0-9][0-9]/MANIFEST 2>/dev/null | head -1 || true)
 [ -n "$manifest" ] || { echo "gpu-kit: no chunk of $RELEASE under $KIT/chunks: send them first (receive.sh)" >&2; exit 1; }
-nchunks=$(awk '$1 == "chunks" {print $2}' "$manifest")
+nchunks=$(manifest_value "$manifest" chunks)
 [ -n "$nchunks" ] || { echo "gpu-kit: $manifest has no chunk count: remake the kit with fetch.sh" >&2; exit 1; }
-missing=$(for i in $(seq -f '%02g' 1 "$nchunks"); do [ -d "$KIT/chunks/$i" ] || printf ' %s' "$i"; done)
+missing=$(missing_chunks "$KIT" "$nchunks")
 if [ -n "$missing" ]; then
   echo "gpu-kit: chunks of $RELEASE missing under $KIT/chunks:$missing (of $nchunks)." >&2
   echo "  /tmp is lost when the machine goes cold (30 s after a call): send them again, back to back." >&2

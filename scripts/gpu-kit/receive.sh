@@ -4,10 +4,12 @@
 # says which of the release's chunks are still to come. /tmp is lost when the machine goes cold
 # (30 s after a call), so the chunks go in back-to-back calls, the install in the last.
 set -euo pipefail
+# shellcheck source=manifest.sh
+. "$(dirname "${BASH_SOURCE[0]}")/manifest.sh"
 chunk=${1:?usage: receive.sh .gpukit/RELEASE/chunks/NN}
 [ -f "$chunk/MANIFEST" ] || { echo "gpu-kit: $chunk/MANIFEST missing: carry the chunk folder (carry=[\"$chunk\"])" >&2; exit 1; }
-release=$(awk '$1 == "release" {print $2}' "$chunk/MANIFEST")
-nchunks=$(awk '$1 == "chunks" {print $2}' "$chunk/MANIFEST")
+release=$(manifest_value "$chunk/MANIFEST" release)
+nchunks=$(manifest_value "$chunk/MANIFEST" chunks)
 [ -n "$release" ] && [ -n "$nchunks" ] || { echo "gpu-kit: $chunk/MANIFEST names no release or chunk count: remake the kit with fetch.sh" >&2; exit 1; }
 kit=${GPUKIT_ROOT:-/tmp/gpukit}/$release
 mkdir -p "$kit/chunks"
@@ -21,5 +23,5 @@ for other in "$kit"/chunks/*/MANIFEST; do
   break
 done
 cp -r "$chunk" "$kit/chunks/"
-missing=$(for i in $(seq -f '%02g' 1 "$nchunks"); do [ -d "$kit/chunks/$i" ] || printf ' %s' "$i"; done)
+missing=$(missing_chunks "$kit" "$nchunks")
 echo "gpu-kit $release: $(basename "$chunk") received; $((nchunks - $(wc -w <<< "$missing"))) of $nchunks here${missing:+, still to come:$missing}"
