@@ -138,7 +138,8 @@ def weights(draft_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(draft_dir / "model.safetensors")
 
 
-def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_label_weight: float = 0.0):
+def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_label_weight: float = 0.0,
+                          loss_on: str = "answers"):
     """A real draft (target embeddings, draft-vocab lm_head) and packed micro-batches of real states."""
     index = HiddenStateIndex.load(inputs["index"])
     target = read_json(inputs["target"])
@@ -152,7 +153,8 @@ def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_labe
     rows = draft_rows(mapping["d2t"], mapping["t2d"], config.target_vocab_size)
     objective = TTTObjective(draft, head, rows, ttt_steps=ttt_steps, ttt_decay=0.8, attention="sdpa",
                              hard_label_weight=hard_label_weight)
-    meta = shard_meta(index, index.shards[0], cap, ttt_steps, verify=True)
+    meta = shard_meta(index, index.shards[0], dataclasses.replace(SETTINGS, batch_tokens=cap, ttt_steps=ttt_steps,
+                                                                  loss_on=loss_on))
     shard_rows = ShardRows(index, index.shards[0], [*index.aux_layer_ids, index.final_layer_id])
 
     def batch(samples):
@@ -176,15 +178,21 @@ def run_objective(objective, batch, weights, exact=True):
 # math
 
 
-@pytest.mark.parametrize("hard", [0.0, 1.0])
-def test_ttt_with_one_step_is_plain_next_token_training(inputs, hard):
+@pytest.mark.parametrize("hard, loss_on", [(0.0, "answers"), (1.0, "answers"), (0.0, "all")])
+def test_ttt_with_one_step_is_plain_next_token_training(inputs, hard, loss_on):
     """ttt_steps=1 is next-token training: per sample, causal attention, token x[t+1] with the state
     at t, KL to the teacher at t+1 over loss positions (soft labels), or with hard_label_weight 1
-    the cross-entropy on the teacher's top token."""
-    objective, meta, batch = objective_and_batches(inputs, ttt_steps=1, hard_label_weight=hard)
+    the cross-entropy on the teacher's top token. The loss positions are the answers' tokens (the
+    store's loss mask), or with loss_on "all" every position, the prompts' too."""
+    objective, meta, batch = objective_and_batches(inputs, ttt_steps=1, hard_label_weight=hard, loss_on=loss_on)
     samples = [0, 1, 2, 3]
     packed = batch(samples)
     n = float(meta.counts[samples, 0].sum())
+    index = HiddenStateIndex.load(inputs["index"])
+    rows = ShardRows(index, index.shards[0], [])
+    answers = [rows.loss_mask[int(meta.starts[i]) + 1:int(meta.starts[i]) + 1 + int(meta.lengths[i])] for i in samples]
+    scored = [torch.ones_like(a) for a in answers] if loss_on == "all" else answers
+    assert n == sum(int(s.sum()) for s in scored) and (loss_on == "answers" or n > sum(int(a.sum()) for a in answers))
     loss, stats, grads = run_objective(objective, packed, torch.tensor([1 / n]))
 
     draft = objective.draft
@@ -208,7 +216,7 @@ def test_ttt_with_one_step_is_plain_next_token_training(inputs, hard):
             per_position = -logq.gather(1, p.argmax(-1, keepdim=True)).squeeze(1)
         else:
             per_position = (p * (torch.log(p) - logq)).sum(-1)
-        plain = plain + per_position[one["valid"][0]].sum() / n
+        plain = plain + per_position[scored[samples.index(i)]].sum() / n
     plain.backward()
     torch.testing.assert_close(loss, plain.detach(), rtol=1e-5, atol=1e-6)
     assert stats[0, 1] == n
@@ -324,7 +332,7 @@ def test_scored_positions_index_each_steps_loss_positions_and_their_teacher_rows
 
 def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs):
     index = HiddenStateIndex.load(inputs["index"])
-    metas = [shard_meta(index, s, 50, 3, verify=False) for s in index.shards]
+    metas = [shard_meta(index, s, dataclasses.replace(SETTINGS, batch_tokens=50, ttt_steps=3)) for s in index.shards]
     steps = plan_steps(metas, dataclasses.replace(SETTINGS, batch_tokens=50, epochs=2.5), processes=2)
     per_epoch = {}
     for step in steps:
@@ -344,7 +352,7 @@ def test_plan_covers_every_sample_once_per_epoch_within_the_token_budget(inputs)
 def test_plan_shuffles_the_batches_of_mix_shards_shards_together():
     """Shards of one length band each, as extraction cuts them, packed best-fit: with mix_shards=1
     the epoch reads them block after block; with 2, each pair's batches are interleaved, pair after pair."""
-    metas = [tokens_meta(np.arange(0, 40 * n + 1, n), np.ones(40 * n, dtype=np.int64), 100, 3) for n in (10, 20, 40, 80)]
+    metas = [tokens_meta(np.arange(0, 40 * n + 1, n), np.ones(40 * n, dtype=np.int64), 100, 3, "answers") for n in (10, 20, 40, 80)]
 
     def runs(packs):  # the shard of each batch, consecutive repeats collapsed
         shards = [p.shards[0] for p in packs]
@@ -366,7 +374,7 @@ def test_plan_shuffles_the_batches_of_mix_shards_shards_together():
 def test_shuffled_packing_mixes_the_lengths_of_a_group_in_each_batch():
     """packing: shuffled cuts a seeded shuffle of the whole group's samples into consecutive batches:
     every sample once, batches that hold several shards' (length bands') samples, full but for one."""
-    metas = [tokens_meta(np.arange(0, 40 * n + 1, n), np.ones(40 * n, dtype=np.int64), 100, 3) for n in (10, 20, 40, 80)]
+    metas = [tokens_meta(np.arange(0, 40 * n + 1, n), np.ones(40 * n, dtype=np.int64), 100, 3, "answers") for n in (10, 20, 40, 80)]
     packs = plan_epoch(metas, 100, seed=0, epoch=0, mix_shards=2, packing="shuffled")
     everything = sorted((s, i) for s, m in enumerate(metas) for i in range(len(m.lengths)))
     assert sorted(m for p in packs for m in p.members) == everything

@@ -21,6 +21,7 @@ from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, part_d
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.settings import StageSettings, check_settings, from_schema
 from draftsmith.train.batches import PREFETCH_AHEAD_STEPS, ShardMeta, Step, tokens_meta
+from draftsmith.train.settings import TrainSettings
 
 PART = 0  # online runs one engine: the window holds one part's shards
 
@@ -91,13 +92,13 @@ class OnlinePlan:
     def tokens(self, shard: int) -> int:
         return self.index.shards[shard].num_tokens
 
-    def metas(self, cap: int, ttt_steps: int) -> list[ShardMeta]:
+    def metas(self, settings: TrainSettings) -> list[ShardMeta]:
         """Each shard's training metadata from its samples: what ``shard_meta`` reads from a shard on disk."""
         metas = []
         for samples in self.shards:
             offsets = np.concatenate([[0], np.cumsum([len(s["input_ids"]) for s in samples])])
             mask = np.fromiter((m for s in samples for m in s["loss_mask"]), dtype=np.int64)
-            metas.append(tokens_meta(offsets, mask, cap, ttt_steps))
+            metas.append(tokens_meta(offsets, mask, settings.batch_tokens, settings.ttt_steps, settings.loss_on))
         return metas
 
     def units(self, steps: list[Step]) -> list[Unit]:

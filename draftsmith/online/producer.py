@@ -41,7 +41,7 @@ class Producer:
         self.plan = OnlinePlan.build(spec["train_jsonl"], self.target_info, spec["window"], self.extraction,
                                      self.online)
         settings = TrainSettings(**spec["train"])
-        steps = plan_steps(self.plan.metas(settings.batch_tokens, settings.ttt_steps), settings, spec["processes"])
+        steps = plan_steps(self.plan.metas(settings), settings, spec["processes"])
         self.units = self.plan.units(steps)
         self.store = PartStore(self.plan.window, PART, fingerprint=self.plan.fingerprint, dtype=self.extraction.dtype,
                                hidden_size=self.target_info["hidden_size"],

@@ -59,7 +59,7 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
     window = work_dir / "window"
     target_info = read_target_json(target_json)
     plan = OnlinePlan.build(train_jsonl, target_info, window, extraction, online)
-    steps = plan_steps(plan.metas(settings.batch_tokens, settings.ttt_steps), settings, devices)
+    steps = plan_steps(plan.metas(settings), settings, devices)
     units = plan.units(steps)
     needed = plan.check_window(units, len(steps), online, extraction)
     made_again = len(units) - len(plan.shards)

@@ -16,6 +16,7 @@ from draftsmith.extract.hidden_states import SHARD_MANIFEST, DamagedShard, load_
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.online.plan import OnlinePlan, OnlineSettings, Unit
 from draftsmith.train.batches import ShardMeta, Step
+from draftsmith.train.settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ class WindowSource:
         self.ending: dict[int, list[Unit]] = defaultdict(list)
         self.main = False
 
-    def metas(self, cap: int, ttt_steps: int) -> list[ShardMeta]:
-        return self.plan.metas(cap, ttt_steps)
+    def metas(self, settings: TrainSettings) -> list[ShardMeta]:
+        return self.plan.metas(settings)
 
     def start(self, steps: list[Step], start: int, main: bool) -> None:
         """Plan the window from training's steps; the main process clears what a crashed run left

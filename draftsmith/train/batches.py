@@ -33,29 +33,33 @@ class ShardMeta:
     starts: np.ndarray  # int64 [n]: row of the sample's first token in the shard
     lengths: np.ndarray  # int64 [n]: positions after the shift (n_tokens - 1, capped)
     counts: np.ndarray  # int64 [n, K]: loss positions valid at step j
+    loss_on: str  # train.loss_on: the store's loss mask ("answers") or every position ("all")
 
 
-def shard_meta(index: HiddenStateIndex, shard: ShardInfo, cap: int, ttt_steps: int, verify: bool) -> ShardMeta:
+def shard_meta(index: HiddenStateIndex, shard: ShardInfo, settings: TrainSettings) -> ShardMeta:
     """The metadata of a shard on disk, from its tokens file."""
-    data = read_shard(index, shard, layer_ids=[], verify=verify)
-    return tokens_meta(data.offsets.numpy(), data.loss_mask.numpy(), cap, ttt_steps)
+    data = read_shard(index, shard, layer_ids=[], verify=settings.verify_shards)
+    return tokens_meta(data.offsets.numpy(), data.loss_mask.numpy(), settings.batch_tokens, settings.ttt_steps,
+                       settings.loss_on)
 
 
-def tokens_meta(offsets: np.ndarray, loss_mask: np.ndarray, cap: int, ttt_steps: int) -> ShardMeta:
+def tokens_meta(offsets: np.ndarray, loss_mask: np.ndarray, cap: int, ttt_steps: int, loss_on: str) -> ShardMeta:
     """The metadata of a shard's samples from their offsets [n+1] and flat loss mask [T]: what a
-    shard on disk says, and what online training computes before the shard exists."""
+    shard on disk says, and what online training computes before the shard exists. With
+    ``loss_on`` "all" every position counts, whatever the mask (``build_batch`` follows the meta)."""
     offsets = np.asarray(offsets).astype(np.int64)
     starts, ends = offsets[:-1], offsets[1:]
     lengths = np.minimum(ends - starts - 1, cap)
     keep = lengths >= 1
     starts, lengths = starts[keep], lengths[keep]
-    cs = np.concatenate([[0], np.cumsum(np.asarray(loss_mask).astype(np.int64))])
+    scored = np.ones(len(loss_mask), dtype=np.int64) if loss_on == "all" else np.asarray(loss_mask).astype(np.int64)
+    cs = np.concatenate([[0], np.cumsum(scored)])
     counts = np.zeros((len(starts), ttt_steps), dtype=np.int64)
     for j in range(ttt_steps):
         # shifted positions t+j for t in [0, m-j) are rows start+1+j .. start+m
         lo = np.minimum(starts + 1 + j, starts + 1 + lengths)
         counts[:, j] = cs[starts + 1 + lengths] - cs[lo]
-    return ShardMeta(starts, lengths, counts)
+    return ShardMeta(starts, lengths, counts, loss_on)
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,7 @@ def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRo
             if scales is not None:
                 scales[o:o + m, a] = layer_scales
         sample_ids = rows.input_ids[s + 1:s + 1 + m]
-        sample_loss = rows.loss_mask[s + 1:s + 1 + m]
+        sample_loss = torch.ones(m, dtype=torch.bool) if meta.loss_on == "all" else rows.loss_mask[s + 1:s + 1 + m]
         if not pack.dummy:
             for j in range(min(ttt_steps, m)):
                 valid[j, o:o + m - j] = sample_loss[j:]
@@ -334,8 +338,7 @@ def plan_run(index: HiddenStateIndex, settings: TrainSettings, processes: int, i
     (``plan_steps``). ``metas`` are given
     when the shards are not on disk yet (online training)."""
     if metas is None:
-        metas = [shard_meta(index, s, settings.batch_tokens, settings.ttt_steps, settings.verify_shards)
-                 for s in index.shards]
+        metas = [shard_meta(index, s, settings) for s in index.shards]
     steps = plan_steps(metas, settings, processes)
     if not steps:
         raise TrainingError("the hidden states hold no sample with at least 2 tokens", where=str(index_path),
@@ -349,7 +352,7 @@ class StateSource(Protocol):
     index: HiddenStateIndex  # the shards the run will read, with their counts (no checksums)
     fingerprint: str  # what the states are made from: the checkpoint key's ``index`` part
 
-    def metas(self, cap: int, ttt_steps: int) -> list[ShardMeta]: ...
+    def metas(self, settings: TrainSettings) -> list[ShardMeta]: ...
 
     def start(self, steps: list[Step], start: int, main: bool) -> None: ...
 

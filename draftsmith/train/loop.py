@@ -292,7 +292,7 @@ def _prepare(index_path: Path | None, mapping_path: Path, target_json: Path, wor
     target = read_json(target_json)
     config, draft, objective = _build(index, target, where, mapping_path, target_json, settings, device,
                                       dtype, attention, compile_)
-    metas = None if source is None else source.metas(settings.batch_tokens, settings.ttt_steps)
+    metas = None if source is None else source.metas(settings)
     metas, steps = plan_run(index, settings, ddp.world, where, metas)
 
     states = None if source is None else source.fingerprint
