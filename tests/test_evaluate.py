@@ -464,6 +464,21 @@ def test_speedup_comes_with_its_spread_once_enough_prompts_are_timed(backend):
 
 
 @pytest.mark.vllm
+def test_vllm_alone_on_a_release_without_per_request_records_stops_before_any_engine(monkeypatch):
+    """vLLM 0.24 returns no per-request record of its verification steps, which evaluation in vLLM
+    alone counts: it stops with the release and both ways out before it starts an engine."""
+    pytest.importorskip("vllm")
+    import draftsmith.evaluate.vllm as in_vllm
+
+    monkeypatch.setattr(in_vllm, "has_engine_arg", lambda name: name != "per_request_spec_decode_metrics")
+    monkeypatch.setattr(in_vllm, "serve_with_vllm", lambda *a, **k: pytest.fail("an engine was started"))
+    with pytest.raises(EvaluationError, match="no per-request record") as error:
+        in_vllm.evaluate_in_vllm({"model_path": "/m"}, "/d", [Prompt("p", [1, 2])], EvalSettings(backend="vllm"),
+                                 dtype="float32", stop_ids=[0])
+    assert "eval.hf_check: true" in error.value.fix and "0.32" in error.value.fix
+
+
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path):
     """eval.backend: vllm without eval.hf_check (the default, and what a target whose weights exceed

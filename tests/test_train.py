@@ -663,9 +663,12 @@ def test_trained_eagle31_draft_is_served_by_vllm_as_the_hf_loop_drafts(tmp_path)
     served = result["vllm"]
     assert served["prompts_identical_to_vllm_greedy"] == len(prompts)  # evaluate_draft checked the HF loop too
     # vLLM's draft kernels and the HF loop's agree up to float32 rounding: a near-tie in the draft's
-    # argmax may change one step of one prompt (seen once in 77 steps), never the outputs
+    # argmax may change one step of one prompt (seen once in 77 steps), never the outputs; on CUDA,
+    # vLLM also proposes fewer than k tokens in a step that nears max_model_len (each such token can
+    # make one more prompt's steps differ from the loop's, which always proposes k)
+    cut_short = 3 * served["num_drafts"] - served["num_draft_tokens"]
     if per_request_records():  # releases without per-request step records (0.24) report None here
-        assert served["prompts_with_the_hf_loops_steps"] >= len(prompts) - 1
+        assert served["prompts_with_the_hf_loops_steps"] >= len(prompts) - 1 - cut_short
     else:
         assert served["prompts_with_the_hf_loops_steps"] is None
     assert abs(served["num_drafts"] - served["hf_loop"]["num_steps"]) <= 1

@@ -114,15 +114,17 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
 
     assert support_range_problem(v["version"]) is None
     assert v["num_prompts"] == len(LLAMA_PROMPTS) and v["num_tokens"] == NEW_TOKENS * len(LLAMA_PROMPTS)
-    # vLLM may propose fewer than k tokens in a step that nears max_model_len (0.24 on CUDA did)
-    assert v["num_drafts"] > 0 and K * v["num_drafts"] - len(LLAMA_PROMPTS) <= v["num_draft_tokens"] <= K * v["num_drafts"]
+    # vLLM may propose fewer than k tokens in a step that nears max_model_len (0.24 and 0.32 on CUDA
+    # did), where the HF loop proposes k: such a step is the loop's in what it accepts, not in what it proposed
+    cut_short = K * v["num_drafts"] - v["num_draft_tokens"]
+    assert v["num_drafts"] > 0 and 0 <= cut_short <= len(LLAMA_PROMPTS)
     assert v["tau"] == pytest.approx(1 + v["num_accepted_tokens"] / v["num_drafts"]) == pytest.approx(v["hf_loop"]["tau"])
     assert v["num_drafts"] == v["hf_loop"]["num_steps"]
     assert v["prompts_identical_to_vllm_greedy"] == len(LLAMA_PROMPTS)
     if per_request_records():
         assert v["per_request"]["tau"] == pytest.approx(v["tau"])
         assert v["per_request"]["num_steps"] == v["num_drafts"]
-        assert v["prompts_with_the_hf_loops_steps"] == len(LLAMA_PROMPTS)
+        assert v["prompts_with_the_hf_loops_steps"] >= len(LLAMA_PROMPTS) - cut_short
         assert v["engine"]["per_request_spec_decode_metrics"] == "detailed"
     else:
         assert v["per_request"]["tau"] is None and v["prompts_with_the_hf_loops_steps"] is None

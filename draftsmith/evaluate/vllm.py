@@ -20,7 +20,7 @@ from draftsmith.evaluate.metrics import (
     first_difference,
 )
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
-from draftsmith.targets.vllm_compat import vocab_maps_allowed
+from draftsmith.targets.vllm_compat import has_engine_arg, vocab_maps_allowed
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,14 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
     (``lossless.differing``) and logged, not raised; and τ is measured at ``k`` only (each k of the
     sweep would be another load of the target).
     """
+    if not has_engine_arg("per_request_spec_decode_metrics"):  # before any engine starts
+        from draftsmith.engines.vllm_serving import vllm_version
+
+        raise EvaluationError(f"vLLM {vllm_version()} returns no per-request record of its verification steps, which "
+                              "evaluation in vLLM alone counts (the HF loop is not there to count them)",
+                              where="eval.backend: vllm with eval.hf_check off, or a target one GPU cannot hold",
+                              fix="install vLLM 0.32 or newer (make setup-cuda), or set eval.hf_check: true for a "
+                                  "target one GPU holds")
     started = time.perf_counter()
     sets = {"": list(prompts), **{name: list(found) for name, found in (sources or {}).items()}}
     everything = [Prompt(f"{name}/{p.id}" if name else p.id, p.ids) for name, found in sets.items() for p in found]
