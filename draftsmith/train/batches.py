@@ -33,7 +33,15 @@ class ShardMeta:
     starts: np.ndarray  # int64 [n]: row of the sample's first token in the shard
     lengths: np.ndarray  # int64 [n]: positions after the shift (n_tokens - 1, capped)
     counts: np.ndarray  # int64 [n, K]: loss positions valid at step j
-    loss_on: str  # train.loss_on: the store's loss mask ("answers") or every position ("all")
+    loss_on: str  # train.loss_on, which ``scored_mask`` applies to each sample's loss mask
+
+
+def scored_mask(loss_mask, loss_on: str):
+    """The positions the loss scores (``train.loss_on``): the data's loss mask ("answers"), or every
+    position ("all"), as the same kind of array (numpy or torch) as ``loss_mask``."""
+    if loss_on == "answers":
+        return loss_mask
+    return np.ones_like(loss_mask) if isinstance(loss_mask, np.ndarray) else torch.ones_like(loss_mask)
 
 
 def shard_meta(index: HiddenStateIndex, shard: ShardInfo, settings: TrainSettings) -> ShardMeta:
@@ -45,15 +53,13 @@ def shard_meta(index: HiddenStateIndex, shard: ShardInfo, settings: TrainSetting
 
 def tokens_meta(offsets: np.ndarray, loss_mask: np.ndarray, cap: int, ttt_steps: int, loss_on: str) -> ShardMeta:
     """The metadata of a shard's samples from their offsets [n+1] and flat loss mask [T]: what a
-    shard on disk says, and what online training computes before the shard exists. With
-    ``loss_on`` "all" every position counts, whatever the mask (``build_batch`` follows the meta)."""
+    shard on disk says, and what online training computes before the shard exists."""
     offsets = np.asarray(offsets).astype(np.int64)
     starts, ends = offsets[:-1], offsets[1:]
     lengths = np.minimum(ends - starts - 1, cap)
     keep = lengths >= 1
     starts, lengths = starts[keep], lengths[keep]
-    scored = np.ones(len(loss_mask), dtype=np.int64) if loss_on == "all" else np.asarray(loss_mask).astype(np.int64)
-    cs = np.concatenate([[0], np.cumsum(scored)])
+    cs = np.concatenate([[0], np.cumsum(scored_mask(np.asarray(loss_mask).astype(np.int64), loss_on))])
     counts = np.zeros((len(starts), ttt_steps), dtype=np.int64)
     for j in range(ttt_steps):
         # shifted positions t+j for t in [0, m-j) are rows start+1+j .. start+m
@@ -225,7 +231,7 @@ def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRo
             if scales is not None:
                 scales[o:o + m, a] = layer_scales
         sample_ids = rows.input_ids[s + 1:s + 1 + m]
-        sample_loss = torch.ones(m, dtype=torch.bool) if meta.loss_on == "all" else rows.loss_mask[s + 1:s + 1 + m]
+        sample_loss = scored_mask(rows.loss_mask[s + 1:s + 1 + m], meta.loss_on)
         if not pack.dummy:
             for j in range(min(ttt_steps, m)):
                 valid[j, o:o + m - j] = sample_loss[j:]
