@@ -6,9 +6,12 @@ by a backend that returns ready states: views of one tensor in shared memory, as
 hands over its mapped spool passes (for fp8, values and scales quantised once up front, as the
 capture's device hands them over). Beside it, on the same bytes, one core's rate of each piece:
 SHA-256 and the store's checksum (``draftsmith.io``: XXH3-128) and a plain file write into
-``--out``. The store's rate is what extraction can reach at most on this machine and file system,
-whatever the engine; ``--prefill`` (tokens/s of the engine's plain prefill) turns it into the
-ceiling of extraction / prefill.
+``--out``, through the page cache and direct (``O_DIRECT``, as ``dd oflag=direct`` writes), with
+the CPU seconds each took. The store runs twice, side by side: as it writes (direct I/O where the
+file system takes it) and through the page cache, as on a file system without direct I/O. The
+store's rate is what extraction can reach at most on this machine and file system, whatever the
+engine; ``--prefill`` (tokens/s of the engine's plain prefill) turns it into the ceiling of
+extraction / prefill.
 
     python bench/store_rate.py --out /dev/shm/sr         # tmpfs: the CPU work alone
     python bench/store_rate.py --out /tmp/sr             # the disk too
@@ -17,9 +20,11 @@ ceiling of extraction / prefill.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from draftsmith.extract.backends import CaptureBackend  # noqa: E402
 from draftsmith.extract.capture import extract_shards  # noqa: E402
 from draftsmith.extract.hidden_states import Fp8Rows, quantize_fp8  # noqa: E402
+from draftsmith.extract.safetensors_stream import MEMORY_FILE_SYSTEMS, file_system_type  # noqa: E402
 from draftsmith.extract.shard_writer import PartStore  # noqa: E402
 from draftsmith.io import CHECKSUM, checksum_hasher  # noqa: E402
 
@@ -76,15 +82,44 @@ def one_core_rates(data: torch.Tensor, folder: Path) -> dict[str, float]:
         hasher.update(view)
         hasher.hexdigest()
         rates[name] = len(view) / (time.perf_counter() - started) / 1e9
-    path = folder / "plain-write.raw"
-    started = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(view)
-        f.flush()
-        os.fsync(f.fileno())
-    rates["write+fsync"] = len(view) / (time.perf_counter() - started) / 1e9
-    path.unlink()
+    for name, direct in (("write+fsync", False), ("direct write+fsync", True)):
+        path = folder / "plain-write.raw"
+        cpu, started = _thread_cpu_seconds(), time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+        with open(fd, "wb", buffering=0) as f:  # the tensor's pages are aligned, its length whole blocks
+            f.write(view)
+            os.fsync(f.fileno())
+        rates[name] = len(view) / (time.perf_counter() - started) / 1e9
+        rates[f"{name} CPU s"] = _thread_cpu_seconds() - cpu
+        path.unlink()
     return rates
+
+
+def _thread_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextlib.contextmanager
+def page_cache_only():
+    """The store's streams as on a file system without direct I/O (they look for os.O_DIRECT)."""
+    direct = os.O_DIRECT
+    del os.O_DIRECT
+    try:
+        yield
+    finally:
+        os.O_DIRECT = direct
+
+
+def run_store(backend, folder: Path, shards, args) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, every thread) of ``extract_shards`` into a fresh store."""
+    shutil.rmtree(folder / "store", ignore_errors=True)
+    store = PartStore(folder / "store", 0, fingerprint="bench", dtype=args.storage, hidden_size=args.hidden,
+                      layer_ids=list(range(args.layers)))
+    usage, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    extract_shards(backend, store, shards, batch_tokens=args.batch_tokens)
+    seconds, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
+    return seconds, (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime)
 
 
 def main(argv=None) -> dict:
@@ -97,6 +132,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shard-tokens", type=int, default=131_072)
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     p.add_argument("--prefill", type=float, default=42_400.0, help="the engine's plain prefill, tokens/s")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved; the best is kept")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if min(args.batch_tokens, args.shard_tokens) < SAMPLE_TOKENS or args.tokens < args.shard_tokens:
@@ -113,16 +149,20 @@ def main(argv=None) -> dict:
     tokens = sum(len(s) for _, s in shards) * SAMPLE_TOKENS
     backend = ReadyStates(layer_ids, args.batch_tokens, args.hidden, fp8=args.storage == "fp8")
     try:
-        store = PartStore(folder / "store", 0, fingerprint="bench", dtype=args.storage, hidden_size=args.hidden,
-                          layer_ids=layer_ids)
-        started = time.perf_counter()
-        extract_shards(backend, store, shards, batch_tokens=args.batch_tokens)
-        seconds = time.perf_counter() - started
+        runs = {"store": [], "page cache": []}
+        for _ in range(args.repeats):  # interleaved: neither mode gets the fresher file system
+            with page_cache_only():
+                runs["page cache"].append(run_store(backend, folder, shards, args))
+            runs["store"].append(run_store(backend, folder, shards, args))
+        (seconds, cpu_seconds), (cache_seconds, cache_cpu_seconds) = min(runs["store"]), min(runs["page cache"])
+        direct = file_system_type(str(folder.resolve())) not in MEMORY_FILE_SYSTEMS and hasattr(os, "O_DIRECT")
         row_bytes = args.hidden + 4 if args.storage == "fp8" else args.hidden * 2  # fp8: values and a scale
         state_bytes = tokens * args.layers * row_bytes
         result = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                  "captured_gb_per_s": state_bytes / seconds / 1e9,
+                  "captured_gb_per_s": state_bytes / seconds / 1e9, "cpu_seconds": cpu_seconds, "direct_io": direct,
                   "ceiling_vs_prefill": tokens / seconds / args.prefill,
+                  "page_cache": {"seconds": cache_seconds, "captured_gb_per_s": state_bytes / cache_seconds / 1e9,
+                                 "cpu_seconds": cache_cpu_seconds},
                   "one_core_gb_per_s": one_core_rates(backend.states[0], folder),
                   "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "args": {**vars(args), "out": str(folder),
                                                                                         "json": str(args.json)}}
@@ -134,7 +174,12 @@ def main(argv=None) -> dict:
     print(f"store ({args.storage}) on {folder}: {tokens} tokens in {seconds:.2f} s = {result['tokens_per_s']:,.0f} "
           f"tokens/s, {result['captured_gb_per_s']:.2f} GB/s of captured states; "
           f"at most {result['ceiling_vs_prefill']:.2f}x a prefill of {args.prefill:,.0f} tokens/s")
-    print("one core: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in result["one_core_gb_per_s"].items()))
+    cache = result["page_cache"]
+    print(f"  direct I/O {'on' if result['direct_io'] else 'off (a memory file system)'}, CPU {cpu_seconds:.1f} s; "
+          f"through the page cache {cache['captured_gb_per_s']:.2f} GB/s, CPU "
+          f"{cache['cpu_seconds']:.1f} s: the store {cache['seconds'] / seconds:.2f}x its rate")
+    print("one core: " + ", ".join(f"{k} {v:.2f}" + ("" if k.endswith("CPU s") else " GB/s")
+                                   for k, v in result["one_core_gb_per_s"].items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

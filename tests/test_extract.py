@@ -1,5 +1,6 @@
 """The extraction driver: its plan, what it stores, resume after a kill, parts, and its stops."""
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -22,6 +23,7 @@ from safetensors.torch import save as save_safetensors
 import tiny
 from draftsmith.errors import ConfigError, ExtractionError
 from draftsmith.extract import extract, shard_writer
+from draftsmith.extract import safetensors_stream as stream
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.capture import check_states, plan_batches
 from draftsmith.extract.extract import extract_part, merge, plan_part
@@ -178,7 +180,31 @@ def test_fp8_is_made_in_the_capture_as_the_store_quantises(train, target, tmp_pa
     assert data.states[8].dtype == torch.bfloat16 and torch.isfinite(data.states[8].float()).all()
 
 
-def test_writer_bytes_equal_safetensors_save(tmp_path):
+@pytest.mark.parametrize("io", ["direct", "page cache", "direct refused at the first write"])
+def test_writer_bytes_equal_safetensors_save(tmp_path, monkeypatch, io):
+    """The file is safetensors' own bytes whichever way it reaches the disk: direct I/O through the
+    aligned staging buffer (a tensor larger than the buffer, a last block that is not whole), the
+    page cache, or a file system that takes O_DIRECT at open and refuses its writes."""
+    if io == "page cache":
+        monkeypatch.delattr(os, "O_DIRECT")
+    elif not _takes_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT at open")
+    if io == "direct refused at the first write":
+        real_open = stream._open_for_writing
+
+        def refusing_open(path):
+            file = real_open(path)
+            real_write, refused = file.write, []
+
+            def write(data):
+                if not refused:
+                    refused.append(True)
+                    raise OSError(errno.EINVAL, "direct I/O refused")
+                return real_write(data)
+
+            return _WriteOverride(file, write)
+
+        monkeypatch.setattr(stream, "_open_for_writing", refusing_open)
     values, scales = quantize_fp8(torch.randn(5, 8))
     cases = [
         {"input_ids": torch.arange(7), "loss_mask": torch.ones(7, dtype=torch.uint8), "offsets": torch.tensor([0, 7])},
@@ -186,6 +212,7 @@ def test_writer_bytes_equal_safetensors_save(tmp_path):
         {"hidden_states": torch.randn(3, 8).bfloat16()},
         {"hidden_states": torch.randn(3, 8).half()},
         {"hidden_states": torch.zeros(0, 8)},
+        {"hidden_states": torch.randn(2049, 2051).bfloat16()},  # 8.4 MB: past the 8 MiB staging buffer
     ]
     for tensors in cases:
         digest = write_safetensors(tmp_path / "x.safetensors", tensors)
@@ -194,6 +221,37 @@ def test_writer_bytes_equal_safetensors_save(tmp_path):
         assert digest == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest()
         assert bytes_match(data, digest) and not bytes_match(data[:-1] + b"!", digest)
         assert bytes_match(data, hashlib.sha256(data).hexdigest())  # stores written with SHA-256 still read
+
+
+def test_streams_on_tmpfs_write_through_the_page_cache():
+    """tmpfs has no disk to bypass: direct I/O there would only add the staging copy."""
+    import tempfile
+
+    if stream.file_system_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        tensors = {"hidden_states": torch.randn(3, 8).bfloat16()}
+        probe = stream.SafetensorsStream(Path(folder) / "x.safetensors", [("hidden_states", torch.bfloat16, (3, 8))])
+        probe.write(tensors["hidden_states"])
+        probe.close()
+        assert not probe.direct and (Path(folder) / "x.safetensors").read_bytes() == save_safetensors(tensors)
+
+
+def _takes_direct_io(folder) -> bool:
+    probe = stream.SafetensorsStream(folder / "probe.safetensors", [("x", torch.uint8, (1,))])
+    probe.write(torch.zeros(1, dtype=torch.uint8))
+    probe.close()
+    return probe.direct
+
+
+class _WriteOverride:
+    """A file object whose write is replaced; everything else is the file's."""
+
+    def __init__(self, file, write) -> None:
+        self.file, self.write = file, write
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
 
 
 # --- resume -----------------------------------------------------------------------------------
