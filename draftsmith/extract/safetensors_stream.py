@@ -3,7 +3,7 @@ of ``safetensors.torch.save``, checksummed while written.
 
 On a file system with a disk under it that takes it, a stream writes with ``O_DIRECT``: the store is
 written once and read later, so the page cache only costs the writer's CPU (the kernel's copy and
-the cache's upkeep: 3 to 4 times the store's CPU seconds on an ext4 disk, ``bench/store_rate.py``).
+the cache's upkeep: about 3 times the store's CPU seconds on an ext4 disk, ``bench/store_rate.py``).
 Direct I/O wants whole blocks at block-aligned addresses and offsets, so the bytes pass through an
 aligned staging buffer, and the file's last partial block is written padded and truncated back. On
 tmpfs the page cache is the file, so the stream writes through it.
