@@ -229,6 +229,7 @@ def test_streams_on_tmpfs_write_through_the_page_cache():
 
     if stream.file_system_type("/dev/shm") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm")
+    assert not stream.direct_io_pays("/dev/shm")
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
         tensors = {"hidden_states": torch.randn(3, 8).bfloat16()}
         probe = stream.SafetensorsStream(Path(folder) / "x.safetensors", [("hidden_states", torch.bfloat16, (3, 8))])

@@ -1,12 +1,12 @@
 """Safetensors files written front to back while their tensors are still being produced: the bytes
 of ``safetensors.torch.save``, checksummed while written.
 
-On a file system with a disk under it that takes it, a stream writes with ``O_DIRECT``: the store is
+On a local disk file system (ext4, XFS, Btrfs) a stream writes with ``O_DIRECT``: the store is
 written once and read later, so the page cache only costs the writer's CPU (the kernel's copy and
 the cache's upkeep: about 3 times the store's CPU seconds on an ext4 disk, ``bench/store_rate.py``).
 Direct I/O wants whole blocks at block-aligned addresses and offsets, so the bytes pass through an
-aligned staging buffer, and the file's last partial block is written padded and truncated back. On
-tmpfs the page cache is the file, so the stream writes through it.
+aligned staging buffer, and the file's last partial block is written padded and truncated back.
+Elsewhere it writes through the page cache (``DIRECT_IO_FILE_SYSTEMS`` says why).
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ _BLOCK = 4096  # O_DIRECT's unit of address, length and offset (the logical bloc
 _STAGING_BYTES = 1 << 23
 
 
-MEMORY_FILE_SYSTEMS = {"tmpfs", "ramfs"}  # no disk to bypass: direct I/O there only adds the staging copy
+# Local disk file systems, where direct writes of whole staged blocks go at the disk's rate. Elsewhere
+# the page cache stays: tmpfs and ramfs have no disk to bypass (direct I/O would only add the staging
+# copy), and on network file systems (NFS, Lustre, ...) a direct write waits for the server, one at a time.
+DIRECT_IO_FILE_SYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs"}
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,13 +60,16 @@ def file_system_type(folder: str) -> str | None:
     return kind
 
 
+def direct_io_pays(folder: str | Path) -> bool:
+    """Whether files in ``folder`` are written with ``O_DIRECT``: on a local disk file system."""
+    kind = file_system_type(os.path.realpath(os.path.abspath(folder)))
+    return hasattr(os, "O_DIRECT") and kind in DIRECT_IO_FILE_SYSTEMS
+
+
 def _open_for_writing(path: str | Path):
-    """An unbuffered file object, with ``O_DIRECT`` where the file system accepts it at open and has a
-    disk under it."""
+    """An unbuffered file object, with ``O_DIRECT`` where it pays and the file system accepts it at open."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    direct = getattr(os, "O_DIRECT", 0)
-    if file_system_type(os.path.realpath(os.path.dirname(os.path.abspath(path)))) in MEMORY_FILE_SYSTEMS:
-        direct = 0
+    direct = os.O_DIRECT if direct_io_pays(os.path.dirname(os.path.abspath(path))) else 0
     try:
         fd = os.open(path, flags | direct, 0o644) if direct else os.open(path, flags, 0o644)
     except OSError as error:
@@ -164,10 +170,12 @@ class SafetensorsStream:
             os.ftruncate(self.file.fileno(), self.file_bytes)
         os.fsync(self.file.fileno())
         self.file.close()
+        self.staging = None  # its 8 MiB go back now, not when the stream is collected
         return checksum_digest(self.digest)
 
     def discard(self) -> None:
         """Close without syncing; the caller removes the file (a full disk may refuse the flush)."""
+        self.staging = None
         try:
             self.file.close()
         except OSError:
