@@ -176,7 +176,9 @@ class _FileProxy:
 
 
 class _HalfWriter(_FileProxy):
-    """A file that writes half of its first chunk, then the process dies: a partial file on disk."""
+    """A file that writes half of its first chunk, then the process dies: a partial file on disk. (On a
+    direct-I/O file that unaligned half is refused first, and the stream writes it through the page
+    cache: the file is partial either way.)"""
 
     def write(self, data):
         self.f.write(bytes(data[: max(1, len(data) // 2)]))

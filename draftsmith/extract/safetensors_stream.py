@@ -18,6 +18,7 @@ import json
 import math
 import mmap
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -54,8 +55,9 @@ def file_system_type(folder: str) -> str | None:
         fields = line.split()
         if len(fields) < 3:
             continue
-        mount = fields[1].replace("\\040", " ")
-        if (folder == mount or folder.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # \040 is a space
+        # >=: of mounts stacked on one point, the last listed is the one visible
+        if (folder == mount or folder.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
             best, kind = mount, fields[2]
     return kind
 
@@ -103,12 +105,18 @@ class SafetensorsStream:
         self.path, self.file_bytes = str(path), 8 + len(text) + offset
         self.digest = checksum_hasher()
         self.file = _open_for_writing(path)
-        self.direct = bool(fcntl.fcntl(self.file.fileno(), fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
-        # Direct writes leave from this page-aligned buffer in whole blocks; numpy copies into it
-        # with the GIL released, as the other layer files' threads need.
-        self.staging = np.frombuffer(mmap.mmap(-1, _STAGING_BYTES), dtype=np.uint8) if self.direct else None
-        self.staged = 0
-        self._put(memoryview(len(text).to_bytes(8, "little") + text))
+        try:
+            self.direct = bool(fcntl.fcntl(self.file.fileno(), fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+            # Direct writes leave from this page-aligned buffer in whole blocks; numpy copies into it
+            # with the GIL released, as the other layer files' threads need.
+            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self.staging = (np.frombuffer(mmap.mmap(-1, _STAGING_BYTES, flags=private), dtype=np.uint8)
+                            if self.direct else None)
+            self.staged = 0
+            self._put(memoryview(len(text).to_bytes(8, "little") + text))
+        except BaseException:
+            self.file.close()
+            raise
 
     def _put(self, buffer: memoryview) -> None:
         for start in range(0, len(buffer), _WRITE_CHUNK):
