@@ -219,10 +219,11 @@ def test_cache_keys_are_those_of_the_settings_before_they_carried_the_device(mon
     settings = TrainSettings.from_config(config)
     key = checkpoint_key(settings, Path("i"), Path("m"), target, 2)
     assert key["target"] == "9956d7233b700cf1"
-    # train.packing, train.hard_label_weight and train.loss_on joined the settings that change the
-    # weights; without them, the key is the one before
-    without = {k: v for k, v in settings.math_dict().items() if k not in ("packing", "hard_label_weight", "loss_on")}
+    # train.packing, train.hard_label_weight, train.loss_on and train.feature_noise joined the
+    # settings that change the weights; without them, the key is the one before
+    joined = ("packing", "hard_label_weight", "loss_on", "feature_noise")
+    without = {k: v for k, v in settings.math_dict().items() if k not in joined}
     assert hashlib.sha256(json.dumps({"math": without, "micro_batches_per_step": 2}, sort_keys=True,
                                      default=str).encode()).hexdigest()[:16] == "09e7d61d4de89e9d"
-    assert key["settings"] == "d022c6fceea9a3b6"  # the demo retrains when a setting joins the key
+    assert key["settings"] == "ccdf0f3eaff212c0"  # the demo retrains when a setting joins the key
     assert launch_from_config(config) == {"devices": 1, "nodes": 1, "rdzv_port": 29400}

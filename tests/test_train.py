@@ -39,7 +39,8 @@ from draftsmith.train import (
     shard_meta,
     train_draft,
 )
-from draftsmith.train.batches import plan_epoch, tokens_meta
+from draftsmith.train.batches import noise_seed, plan_epoch, tokens_meta
+from draftsmith.train.objective import noised_states
 from draftsmith.vocab import mapping_tensors
 from tests.tiny import build_llama
 from tests.tiny_vllm import ENGINE_ARGS, per_request_records
@@ -139,7 +140,7 @@ def weights(draft_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_label_weight: float = 0.0,
-                          loss_on: str = "answers"):
+                          loss_on: str = "answers", feature_noise: float = 0.0):
     """A real draft (target embeddings, draft-vocab lm_head) and packed micro-batches of real states."""
     index = HiddenStateIndex.load(inputs["index"])
     target = read_json(inputs["target"])
@@ -152,7 +153,7 @@ def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_labe
     draft.load_target_weights(embed, head, mapping["d2t"], mapping["t2d"])
     rows = draft_rows(mapping["d2t"], mapping["t2d"], config.target_vocab_size)
     objective = TTTObjective(draft, head, rows, ttt_steps=ttt_steps, ttt_decay=0.8, attention="sdpa",
-                             hard_label_weight=hard_label_weight)
+                             hard_label_weight=hard_label_weight, feature_noise=feature_noise)
     meta = shard_meta(index, index.shards[0], dataclasses.replace(SETTINGS, batch_tokens=cap, ttt_steps=ttt_steps,
                                                                   loss_on=loss_on))
     shard_rows = ShardRows(index, index.shards[0], [*index.aux_layer_ids, index.final_layer_id])
@@ -160,8 +161,9 @@ def objective_and_batches(inputs: dict, ttt_steps: int, cap: int = 64, hard_labe
     def batch(samples):
         idx = np.asarray(samples)
         pack = Pack(tuple((0, int(i)) for i in samples), int(meta.lengths[idx].sum()), tuple(meta.counts[idx].sum(0)))
-        return build_batch(pack, [meta], {0: shard_rows}, index.aux_layer_ids, index.final_layer_id, index.hidden_size,
-                            ttt_steps, pack.tokens, torch.float32, False)
+        packed = build_batch(pack, [meta], {0: shard_rows}, index.aux_layer_ids, index.final_layer_id,
+                             index.hidden_size, ttt_steps, pack.tokens, torch.float32, False)
+        return {**packed, "noise_seed": noise_seed(0, 0, pack)}
 
     return objective, meta, batch
 
@@ -278,17 +280,52 @@ def test_fused_loss_and_its_gradient_equal_plain_autograd(kernels, hard):
         assert torch.equal(arg, z.detach().float().argmax(-1))
 
 
+def test_feature_noise_is_bounded_by_each_states_scale_and_drawn_from_its_seed():
+    """Each captured state of each token moves by at most amplitude x its RMS there, whatever the
+    layers' scales; the noise fills that range (uniform, mean about 0); one seed draws the same noise,
+    another seed other noise; padding rows stay zeros."""
+    torch.manual_seed(0)
+    scales = torch.tensor([0.1, 3.0, 200.0])  # layers of very different scales, as deep targets have
+    aux = (torch.randn(64, 3, 32) * scales[None, :, None]).view(64, 96)
+    aux[60:] = 0
+    noised = noised_states(aux, 3, 0.2, seed=7)
+    delta = (noised - aux).view(64, 3, 32)
+    rms = aux.view(64, 3, 32).pow(2).mean(-1, keepdim=True).sqrt()
+    assert (delta.abs() <= 0.2 * rms * (1 + 1e-5)).all()
+    relative = delta[:60] / rms[:60]  # uniform in [-0.2, 0.2] for every layer: std 0.2 / sqrt(3)
+    assert abs(float(relative.mean())) < 0.01 and float(relative.std()) == pytest.approx(0.2 / 3 ** 0.5, rel=0.05)
+    assert float(relative.abs().max()) > 0.19
+    assert not noised[60:].any()
+    assert torch.equal(noised_states(aux, 3, 0.2, seed=7), noised)
+    assert not torch.equal(noised_states(aux, 3, 0.2, seed=8), noised)
+
+
+def test_feature_noise_changes_training_steps_only(inputs):
+    """In training mode the draft reads noised states (another loss than without noise); in eval
+    mode (evaluation, the logged figures of a model put in eval) it reads the states as stored."""
+    w = torch.tensor([1.0, 0.8, 0.64])
+    plain, _, batch = objective_and_batches(inputs, ttt_steps=3)
+    noisy, _, _ = objective_and_batches(inputs, ttt_steps=3, feature_noise=0.1)
+    packed = batch([0, 2, 3])
+    loss, _, _ = run_objective(plain, packed, w)
+    noisy_loss, _, _ = run_objective(noisy, packed, w)
+    assert abs(float(noisy_loss - loss)) > 1e-4 * abs(float(loss))
+    assert torch.equal(run_objective(noisy, packed, w)[0], noisy_loss)  # the batch's seed, not a global RNG
+    noisy.eval()
+    torch.testing.assert_close(run_objective(noisy, packed, w)[0], loss, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("hard", [0.0, 0.5])
-def test_compiled_objective_equals_eager(inputs, hard):
+@pytest.mark.parametrize("hard, noise", [(0.0, 0.0), (0.5, 0.0), (0.0, 0.1)])
+def test_compiled_objective_equals_eager(inputs, hard, noise):
     """compile_steps (the GPU configuration: compiled draft step and loss kernels) gives the eager
     loss, stats and gradients, on batches of different lengths and loss-position counts, for the
-    KL and for a mix with the cross-entropy on the teacher's top token."""
+    KL, for a mix with the cross-entropy on the teacher's top token, and with feature noise."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    objective, _, batch = objective_and_batches(inputs, ttt_steps=3, hard_label_weight=hard)
-    compiled, _, _ = objective_and_batches(inputs, ttt_steps=3, hard_label_weight=hard)
+    objective, _, batch = objective_and_batches(inputs, ttt_steps=3, hard_label_weight=hard, feature_noise=noise)
+    compiled, _, _ = objective_and_batches(inputs, ttt_steps=3, hard_label_weight=hard, feature_noise=noise)
     compiled.compile_steps("aot_eager")
     w = torch.tensor([1.0, 0.8, 0.64])
     for samples in ([0, 2, 3], [1, 4], [5, 6, 7]):
@@ -443,8 +480,9 @@ def test_an_fp8_batch_dequantised_on_the_device_holds_the_stored_states(tmp_path
 
 
 def test_two_ddp_processes_match_one_process_on_the_same_global_batches(inputs, tmp_path):
-    """torchrun with 2 gloo processes x 1 micro-batch against 1 process x 2 accumulated micro-batches."""
-    settings = dataclasses.replace(SETTINGS, max_steps=6, checkpoint_every=3)
+    """torchrun with 2 gloo processes x 1 micro-batch against 1 process x 2 accumulated micro-batches,
+    with feature noise: each micro-batch draws its noise from its own seed, on any rank."""
+    settings = dataclasses.replace(SETTINGS, max_steps=6, checkpoint_every=3, feature_noise=0.1)
     one = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "one" / "draft",
                        tmp_path / "one" / "work", dataclasses.replace(settings, grad_accum_steps=2))
     two = run_training(inputs["index"], inputs["mapping"], inputs["target"], tmp_path / "two" / "draft",
@@ -493,7 +531,8 @@ def test_multi_node_training_is_srun_starting_torchrun_at_a_rendezvous(inputs, t
 
 
 def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_path):
-    settings = dataclasses.replace(SETTINGS, max_steps=12, checkpoint_every=3)
+    """With feature noise: the resumed steps draw the noise the uninterrupted run drew."""
+    settings = dataclasses.replace(SETTINGS, max_steps=12, checkpoint_every=3, feature_noise=0.1)
     reference = train(inputs, tmp_path, settings, "reference")
     assert reference["resumed_from_step"] == 0
 

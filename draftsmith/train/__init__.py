@@ -25,7 +25,9 @@ so a draft trained here behaves under vLLM's eagle3 proposer as one trained ther
   by ``ttt_decay**j``, each step's KL averaged over its loss tokens (losses/utils.py
   ``loss_function``) and the steps summed. ``train.hard_label_weight`` > 0 mixes into each
   position's KL the cross-entropy on the teacher's top token (not a speculators option);
-  ``train.loss_on: all`` takes every position's l as 1, the prompts' too (nor this).
+  ``train.loss_on: all`` takes every position's l as 1, the prompts' too (nor this);
+  ``train.feature_noise`` > 0 noises the fused aux states g[t] of training steps, relative to each
+  state's scale (``objective.noised_states``; EAGLE's feature noise, not a speculators option).
 * attention (attention.py ``create_combined_mask_mod``, ``extend_*_mask_for_draft_tokens``):
   step j's query at t sees step 0's keys causally within its sample plus the keys of steps 1..j
   at the same t.

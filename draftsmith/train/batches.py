@@ -286,6 +286,12 @@ class Prefetcher:
                 self._queue.get_nowait()
 
 
+def noise_seed(seed: int, epoch: int, pack: Pack) -> int:
+    """The seed of a micro-batch's feature noise (``train.feature_noise``): from the run's seed, the
+    epoch and the pack's first sample, so a resumed run or another process count draws the same."""
+    return int(np.random.SeedSequence([seed, epoch, *pack.members[0]]).generate_state(1)[0])
+
+
 def _to_device(batches: list[dict], device: torch.device, stream) -> list[dict]:
     """Start copying micro-batches to the device; on GPU on a side stream (``stream``), so the copy
     of the next step's inputs (about 0.3 GB for 8k tokens of an 8B target's states, some 5 ms over
@@ -398,8 +404,11 @@ class BatchFeed:
                 if self.source is not None:
                     self.source.before_read(shard)
                 self.open_rows[shard] = ShardRows(self.index, self.index.shards[shard], [*self.aux_ids, self.final_id])
-        return build_batch(pack, self.metas, self.open_rows, self.aux_ids, self.final_id, self.index.hidden_size,
-                           self.settings.ttt_steps, _padded_length(pack.tokens, self.pad_to, self.fixed), self.dtype, self.device.type == "cuda")
+        batch = build_batch(pack, self.metas, self.open_rows, self.aux_ids, self.final_id, self.index.hidden_size,
+                            self.settings.ttt_steps, _padded_length(pack.tokens, self.pad_to, self.fixed), self.dtype,
+                            self.device.type == "cuda")
+        batch["noise_seed"] = noise_seed(self.settings.seed, epoch, pack)
+        return batch
 
     def fetch(self) -> list[dict]:
         """The next step's micro-batches, on their way to the device."""

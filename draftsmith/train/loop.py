@@ -359,7 +359,8 @@ def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path
         flex_fn = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     objective = TTTObjective(draft, head.to(dtype), rows, ttt_steps=settings.ttt_steps,
                              ttt_decay=settings.ttt_decay, attention=attention,
-                             hard_label_weight=settings.hard_label_weight, flex_fn=flex_fn)
+                             hard_label_weight=settings.hard_label_weight, feature_noise=settings.feature_noise,
+                             flex_fn=flex_fn)
     del embed, head
     draft.to(device)
     objective.to_device(device, dtype)

@@ -1,6 +1,7 @@
 """The training objective: the positions each TTT step scores, the loss against the teacher over the
-draft vocabulary (its KL, optionally mixed with the cross-entropy on its top token; fused kernels), and
-the draft unrolled for ``ttt_steps`` on one packed micro-batch."""
+draft vocabulary (its KL, optionally mixed with the cross-entropy on its top token; fused kernels), the
+feature noise on the captured states, and the draft unrolled for ``ttt_steps`` on one packed
+micro-batch."""
 
 from __future__ import annotations
 
@@ -50,6 +51,18 @@ def scored_positions(valid: torch.Tensor) -> dict:
     return {"teach_rows": teach_rows, "rows": torch.cat(rows), "teach": torch.cat(teach),
             "splits": tuple(len(r) for r in rows), "keep": torch.cat(keep), "keep_splits": tuple(map(len, keep)),
             "pick": torch.cat(pick)}
+
+
+def noised_states(aux: torch.Tensor, num_states: int, amplitude: float, seed: int) -> torch.Tensor:
+    """aux [T, A*H] (A captured states per token, concatenated) plus uniform noise in
+    ±``amplitude`` x each state's RMS at its token, drawn on aux's device from ``seed``. EAGLE adds
+    uniform noise of a fixed size to the target's features; relative to each state's scale, one
+    setting fits every layer and model. Padding rows (zeros) stay zeros."""
+    x = aux.view(aux.shape[0], num_states, -1).float()
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    generator = torch.Generator(aux.device).manual_seed(seed)
+    noise = torch.rand(x.shape, generator=generator, device=aux.device, dtype=torch.float32).mul_(2).sub_(1)
+    return (x + (amplitude * rms) * noise).to(aux.dtype).view_as(aux)
 
 
 def _teacher_rows(tz: torch.Tensor):
@@ -158,8 +171,8 @@ class TTTObjective(nn.Module):
     """
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, rows: torch.Tensor, *, ttt_steps: int,
-                 ttt_decay: float, attention: str, hard_label_weight: float = 0.0, flex_fn=None,
-                 argmax_chunk: int = 2048) -> None:
+                 ttt_decay: float, attention: str, hard_label_weight: float = 0.0, feature_noise: float = 0.0,
+                 flex_fn=None, argmax_chunk: int = 2048) -> None:
         super().__init__()
         self.draft = draft
         self.teacher = lm_head[rows]  # [Vd, H] draft-vocab rows, in draft order
@@ -167,6 +180,7 @@ class TTTObjective(nn.Module):
         outside[rows] = False
         self.rest = lm_head[outside]  # [V - Vd, H]: only for "is the true argmax in the draft vocab?"
         self.ttt_steps, self.ttt_decay, self.hard_label_weight = ttt_steps, ttt_decay, hard_label_weight
+        self.feature_noise = feature_noise
         self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
         self.step_fn = draft.advance
         self.kernels = LossKernels()
@@ -226,8 +240,9 @@ class TTTObjective(nn.Module):
     def forward(self, batch: dict, weights: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (sum_j weights[j] * sum of step-j loss over its scored positions, stats [K, 6]).
 
-        ``batch``: aux, final, ids, valid, pos, doc as ``_build_batch`` makes them, plus
-        ``scored_positions(valid)``. stats columns: loss sum, scored positions, positions where the
+        ``batch``: aux, final, ids, valid, pos, doc and noise_seed as ``BatchFeed`` makes them, plus
+        ``scored_positions(valid)``; in training mode, ``feature_noise`` > 0 noises aux
+        (``noised_states``) before the draft reads it. stats columns: loss sum, scored positions, positions where the
         draft's argmax is the teacher's within the draft vocabulary; with ``exact`` (logging steps:
         it costs a pass over the target's whole lm_head) also positions checked, positions where the
         draft's token is the target's argmax over its whole vocabulary (what vLLM accepts), and
@@ -239,6 +254,8 @@ class TTTObjective(nn.Module):
         if not splits[0]:  # a filler micro-batch: zero gradients for every parameter, so DDP still reduces
             return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0, stats
         tz, tlse, negent, target_arg, in_vocab = self._teacher(final, batch["teach_rows"], exact)
+        if self.training and self.feature_noise > 0:
+            aux = noised_states(aux, aux.shape[1] // final.shape[1], self.feature_noise, batch["noise_seed"])
         rows, teach, pick = (batch[k].split(splits) for k in ("rows", "teach", "pick"))
         keep = batch["keep"].split(batch["keep_splits"])
         chain = valid[0]

@@ -23,6 +23,7 @@ class TrainSettings(StageSettings):
     ttt_decay: float = from_schema("train.ttt_decay")
     hard_label_weight: float = from_schema("train.hard_label_weight")
     loss_on: str = from_schema("train.loss_on")
+    feature_noise: float = from_schema("train.feature_noise")
     epochs: float = from_schema("train.epochs")  # a fraction trains on the first part of the last epoch's batches
     max_steps: int | None = from_schema("train.max_steps")
     batch_tokens: int = from_schema("train.batch_tokens")
