@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -98,6 +99,29 @@ def one_core_rates(data: torch.Tensor, folder: Path) -> dict[str, float]:
 def _thread_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_THREAD)
     return usage.ru_utime + usage.ru_stime
+
+
+def disk_write_rate(folder: Path, total_bytes: int, block_bytes: int = 64 << 20) -> dict[str, float | bool]:
+    """GB/s of one thread writing ``total_bytes`` into a new file in ``folder`` and syncing it: what
+    ``dd bs=64M oflag=direct conv=fsync`` measures where the store writes with direct I/O (a local
+    disk file system), ``dd conv=fsync`` elsewhere. The block is random bytes in page-aligned memory,
+    as direct I/O needs."""
+    direct = direct_io_pays(folder)
+    block = mmap.mmap(-1, block_bytes)
+    block.write(os.urandom(block_bytes))
+    count = max(1, total_bytes // block_bytes)
+    path = folder / "disk-rate.raw"
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        for _ in range(count):
+            os.write(fd, block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+    seconds = time.perf_counter() - started
+    return {"gb_per_s": count * block_bytes / seconds / 1e9, "bytes": count * block_bytes, "direct": direct}
 
 
 @contextlib.contextmanager

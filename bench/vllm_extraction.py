@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
+from store_rate import disk_write_rate  # noqa: E402
 from usage import Usage  # noqa: E402
 
 from draftsmith.extract.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each mode, interleaved; the best counts")
     p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder)")
+    p.add_argument("--disk-bytes", type=int, default=4 << 30, help="bytes of the plain write beside the store (dd's)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     for key, full, tiny in (("tokens", 262144, 4096), ("min_len", 256, 16), ("max_len", 2048, 256)):
@@ -150,11 +152,20 @@ def main(argv=None) -> None:
     for name, spent in usage.items():  # which side waits: an idle GPU beside a busy thread
         print(f"  {name}: {spent.report()}")
     ratio = base / best["extraction (capture+store)"]
+    store_bytes = sum(f.stat().st_size for f in (root / "store").rglob("*") if f.is_file())
+    store_rate = store_bytes / best["extraction (capture+store)"] / 1e9
+    disk = disk_write_rate(root, args.disk_bytes)
     print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}; forward passes "
           f"waited {stalled:.1f} s in all for a free host buffer (the spool writer)")
+    print(f"store: {store_bytes / 1e9:.2f} GB in {best['extraction (capture+store)']:.2f} s of extraction = "
+          f"{store_rate:.2f} GB/s; the disk, one thread's {'direct ' if disk['direct'] else ''}write+fsync of "
+          f"{disk['bytes'] / 1e9:.1f} GB: {disk['gb_per_s']:.2f} GB/s (the store at {store_rate / disk['gb_per_s']:.2f}x); "
+          f"keeping pace with vLLM's prefill takes {store_bytes / base / 1e9:.2f} GB/s")
     print(f"extraction / vLLM prefill = {ratio:.3f}x (goal >= 0.9x): {'OK' if ratio >= 0.9 else 'BELOW GOAL'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens": tokens, "seconds": best, "ratio": ratio,
+                                               "store_bytes": store_bytes, "store_gb_per_s": store_rate,
+                                               "disk_write": disk,
                                                "gpu_busy": {k: u.gpu_busy for k, u in usage.items()},
                                                "cpu_seconds": {k: dict(u.cpu_seconds()) for k, u in usage.items()},
                                                "platform": current_platform.device_type, "args": vars(args)},
