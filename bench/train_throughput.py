@@ -8,6 +8,7 @@ repeated batches), peak memory, and achieved FLOP/s against the bf16 dense peak.
 
     python bench/train_throughput.py                 # H200, 8B-class shapes
     python bench/train_throughput.py --tiny          # CPU smoke test, seconds
+    python bench/train_throughput.py --profile DIR   # then each trainer's kernels and GPU time by kind of work
 
 speculators runs its own ``Eagle3DraftModel.forward`` (torch.compile'd on CUDA, flex attention)
 with the eager KL loss (``--loss-implementation eager``; its fused loss trips a Dynamo bug on
@@ -74,6 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile (draft step, loss kernels)")
     p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE)
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="after the timed steps, run --profile-steps more under torch.profiler: each trainer's "
+                        "kernels (DIR/TRAINER-kernels.txt), its ops by input shape (DIR/TRAINER-ops-by-shape.txt) "
+                        "and its GPU time by kind of work, printed")
+    p.add_argument("--profile-steps", type=int, default=5)
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate = 64, 2, 1, 32, 128
@@ -137,7 +143,52 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(run_step, args, device):
+# What a kernel's name says it does, first match wins: how a step's GPU time splits by kind of work.
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "flex")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "gemv", "aten::mm", "aten::bmm", "aten::addmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("Inductor's fused kernels", ("triton_poi", "triton_red", "triton_per")),
+    ("copies", ("memcpy", "memset", "copy", "cat", "index", "gather")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
+
+
+def profiled(run_step, args, device, name):
+    """``--profile-steps`` more steps under torch.profiler: the kernel table to a file, and the GPU
+    time per step by kind of work (``KERNEL_KINDS``) against the steps' wall time, printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(args.profile_steps):
+            run_step()
+        sync(device)
+    wall = (time.perf_counter() - start) / args.profile_steps
+    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
+    self_us = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    args.profile.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                      row_limit=60, max_name_column_width=90)
+    (args.profile / f"{name}-kernels.txt").write_text(table)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(  # which matmul a kernel's time belongs to
+        sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=60)
+    (args.profile / f"{name}-ops-by-shape.txt").write_text(by_shape)
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + self_us(e) / 1e3 / args.profile_steps
+    busy = sum(kinds.values())
+    print(f"{name}: per step {wall * 1e3:.1f} ms wall, {busy:.1f} ms of kernels ({busy / (wall * 1e3):.0%} busy): "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+
+
+def timed(run_step, args, device, name):
     losses = []
     for _ in range(args.warmup):
         losses.append(run_step())
@@ -155,6 +206,8 @@ def timed(run_step, args, device):
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     losses = [float(x) for x in losses]
+    if args.profile is not None:
+        profiled(run_step, args, device, name)
     return elapsed, losses, peak
 
 
@@ -225,7 +278,7 @@ def bench_draftsmith(args, device, data, ddp):
                                 autocast=autocast, world=ddp.world, exact=exact)
         return loss.detach()
 
-    result = timed(run_step, args, device)
+    result = timed(run_step, args, device, "draftsmith")
     model = objective = draft = optimizer = prepared = plans = None  # frees the memory before the next run
     return result
 
@@ -284,7 +337,7 @@ def bench_speculators(args, device, data):
         optimizer.step()
         return loss.detach()
 
-    result = timed(run_step, args, device)
+    result = timed(run_step, args, device, "speculators")
     model = optimizer = prepared = None  # frees the memory before the next run
     return result
 
@@ -307,6 +360,8 @@ def main(argv=None) -> None:
     ddp = init_distributed(cuda)  # torchrun: one process per GPU
     if args.micro_per_step % ddp.world:
         raise SystemExit(f"--micro-per-step {args.micro_per_step} does not split over {ddp.world} processes")
+    if args.profile is not None and ddp.world > 1:
+        raise SystemExit("--profile profiles one process: run it without torchrun")
     device = torch.device(f"cuda:{ddp.local_rank}" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     data = synthetic(args, device, dtype)
