@@ -158,34 +158,35 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
 
 
-def profiled(run_step, args, device, name):
-    """``--profile-steps`` more steps under torch.profiler: the kernel table to a file, and the GPU
-    time per step by kind of work (``KERNEL_KINDS``) against the steps' wall time, printed."""
+def profiled(run_step, args, device, name, timed_step_s):
+    """``--profile-steps`` more steps under torch.profiler: the kernel table and the ops by input shape
+    to files, and the GPU time per step by kind of work (``KERNEL_KINDS``), printed against the timed
+    step (a profiled step is longer by the profiler's own cost)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     sync(device)
     start = time.perf_counter()
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=True) as prof:
         for _ in range(args.profile_steps):
             run_step()
         sync(device)
-    wall = (time.perf_counter() - start) / args.profile_steps
-    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
-    self_us = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    profiled_step_s = (time.perf_counter() - start) / args.profile_steps
+    averages = prof.key_averages()
     args.profile.mkdir(parents=True, exist_ok=True)
-    table = prof.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                                      row_limit=60, max_name_column_width=90)
-    (args.profile / f"{name}-kernels.txt").write_text(table)
-    by_shape = prof.key_averages(group_by_input_shape=True).table(  # which matmul a kernel's time belongs to
-        sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=60)
-    (args.profile / f"{name}-ops-by-shape.txt").write_text(by_shape)
+    (args.profile / f"{name}-kernels.txt").write_text(averages.table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
+    (args.profile / f"{name}-ops-by-shape.txt").write_text(  # which matmul a kernel's time belongs to
+        prof.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=60))
     kinds: dict[str, float] = {}
-    for e in events:
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + self_us(e) / 1e3 / args.profile_steps
-    busy = sum(kinds.values())
-    print(f"{name}: per step {wall * 1e3:.1f} ms wall, {busy:.1f} ms of kernels ({busy / (wall * 1e3):.0%} busy): "
-          + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    for e in averages:
+        if e.device_type.name == ("CUDA" if cuda else "CPU"):
+            kind = kernel_kind(e.key)
+            kinds[kind] = kinds.get(kind, 0.0) + (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3
+    kernels_ms = sum(kinds.values()) / args.profile_steps
+    print(f"{name}: {timed_step_s * 1e3:.1f} ms a timed step ({profiled_step_s * 1e3:.1f} profiled), {kernels_ms:.1f} ms "
+          f"of kernels ({kernels_ms / (timed_step_s * 1e3):.0%} of the timed step): "
+          + ", ".join(f"{k} {v / args.profile_steps:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
 
 
 def timed(run_step, args, device, name):
@@ -207,7 +208,7 @@ def timed(run_step, args, device, name):
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     losses = [float(x) for x in losses]
     if args.profile is not None:
-        profiled(run_step, args, device, name)
+        profiled(run_step, args, device, name, elapsed / args.steps)
     return elapsed, losses, peak
 
 
