@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 # The releases the vLLM tests ran on, and where (docs/gpu-tests.md records each run).
 TESTED_VLLM = {"0.24": "CUDA build on an NVIDIA H200 (pytest -m gpu)",
                "0.32": "CPU build (CI) and the CUDA build on an NVIDIA H200 (pytest -m gpu, every test of one GPU "
-                       "and the whole workflow: docs/gpu-tests.md)"}
-OLDEST_VLLM, NEWEST_VLLM = "0.24", "0.32"
+                       "and the whole workflow: docs/gpu-tests.md)",
+               "0.33": "CUDA build on an NVIDIA H200 (pytest -m gpu, every test of one GPU and the DeepSeek-V3 "
+                       "workflow case: docs/gpu-tests.md)"}
+OLDEST_VLLM, NEWEST_VLLM = "0.24", "0.33"
 
 # Engine arguments Draftsmith can do without, with what is lost when the installed vLLM lacks them.
 OPTIONAL_ENGINE_ARGS = {
