@@ -166,6 +166,8 @@ def profiled(run_step, args, device, name, timed_step_s):
 
     cuda = device.type == "cuda"
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    kernel_device = "CUDA" if cuda else "CPU"  # on the CPU, the ops are the work
+    self_ms = (lambda e: e.self_device_time_total / 1e3) if cuda else (lambda e: e.self_cpu_time_total / 1e3)
     sync(device)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), record_shapes=True) as prof:
@@ -180,9 +182,9 @@ def profiled(run_step, args, device, name, timed_step_s):
         prof.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=60))
     kinds: dict[str, float] = {}
     for e in averages:
-        if e.device_type.name == ("CUDA" if cuda else "CPU"):
+        if e.device_type.name == kernel_device:
             kind = kernel_kind(e.key)
-            kinds[kind] = kinds.get(kind, 0.0) + (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3
+            kinds[kind] = kinds.get(kind, 0.0) + self_ms(e)
     kernels_ms = sum(kinds.values()) / args.profile_steps
     print(f"{name}: {timed_step_s * 1e3:.1f} ms a timed step ({profiled_step_s * 1e3:.1f} profiled), {kernels_ms:.1f} ms "
           f"of kernels ({kernels_ms / (timed_step_s * 1e3):.0%} of the timed step): "
