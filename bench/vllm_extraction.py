@@ -58,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each mode, interleaved; the best counts")
     p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder)")
-    p.add_argument("--disk-bytes", type=int, default=4 << 30, help="bytes of the plain write beside the store (dd's)")
+    p.add_argument("--disk-bytes", type=int, default=None,
+                   help="bytes of the plain write beside the store (dd's; default: as many as the store wrote, "
+                        "so a disk that slows once its cache fills is measured at the store's length)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     for key, full, tiny in (("tokens", 262144, 4096), ("min_len", 256, 16), ("max_len", 2048, 256)):
@@ -154,7 +156,8 @@ def main(argv=None) -> None:
     ratio = base / best["extraction (capture+store)"]
     store_bytes = sum(f.stat().st_size for f in (root / "store").rglob("*") if f.is_file())
     store_rate = store_bytes / best["extraction (capture+store)"] / 1e9
-    disk = disk_write_rate(root, args.disk_bytes)
+    shutil.rmtree(root / "store")  # room for the plain write of as many bytes beside the store's folder
+    disk = disk_write_rate(root, args.disk_bytes or store_bytes)
     print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}; forward passes "
           f"waited {stalled:.1f} s in all for a free host buffer (the spool writer)")
     print(f"store: {store_bytes / 1e9:.2f} GB in {best['extraction (capture+store)']:.2f} s of extraction = "

@@ -392,7 +392,7 @@ def test_supported_vllm_releases_are_a_stated_range():
     )
 
     assert release_series("0.32.0+cpu") == "0.32" and release_series("0.24.0") == "0.24"
-    assert {OLDEST_VLLM, NEWEST_VLLM} <= set(TESTED_VLLM)
+    assert (OLDEST_VLLM, NEWEST_VLLM) == ("0.24", "0.33") and {"0.24", "0.32", "0.33"} <= set(TESTED_VLLM)
     for version in ("0.24.0", "0.28.1", "0.32.0+cpu", "0.33.0"):
         assert support_range_problem(version) is None
     for version in ("0.23.9", "0.34.0", "1.0.0", "nightly"):
