@@ -8,6 +8,9 @@ second pass tokenizes the rows that are kept (``ChatRenderer``) and streams them
 and ``heldout.jsonl``. Both passes hand chunks of rows to worker processes (``draftsmith.parallel``)
 and take the results back in row order: the main process alone counts, names bad rows and writes,
 so the output is the same for any number of workers.
+
+prepare_eval_prompts (``draftsmith.eval_prompts``) reads its prompt sets with this stage's
+bad-row accounting (``Tally``), output files (``PendingFile``) and id deduplication (``unique_id``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from draftsmith.chat import (
     require_chat_template,
 )
 from draftsmith.conversations import (  # noqa: F401 - Conversation and load_conversations are part of this stage's API too
-    PROMPT_FIELDS,
     READ_REASONS,
     BadRow,
     Conversation,
@@ -46,7 +48,6 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation and load_con
     Row,
     check_format,
     load_conversations,
-    load_prompts,
     max_line_bytes,
     read_rows,
     row_where,
@@ -121,27 +122,6 @@ class DataSettings(StageSettings):
         return replace(super().from_config(config), format=data_format(config))
 
 
-@dataclass(frozen=True)
-class EvalPromptsSettings(StageSettings):
-    """What prepare_eval_prompts reads of the config: how many prompts of an eval.sources set it
-    keeps, and the data section's length limit and bad-row tolerance, applied as prepare_dataset
-    applies them to the held-out prompts."""
-
-    max_prompts: int = from_schema("eval.max_prompts")
-    max_seq_len: int = from_schema("data.max_seq_len")
-    max_bad_fraction: float = from_schema("data.max_bad_fraction")
-
-    SECTION = "data"
-    NOT_SETTINGS = {"sources": "prepare_dataset's sources; an eval.sources set is the rule's input",
-                    "format": "an evaluation set is read by its prompt fields (load_prompts), in any format",
-                    "heldout_fraction": "prepare_dataset's held-out split (DataSettings)",
-                    "max_heldout": "prepare_dataset's held-out split (DataSettings)",
-                    "max_samples": "prepare_dataset's training sample (DataSettings)"}
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-
-
 # ---------------------------------------------------------------------------------------------
 # Held-out split
 
@@ -181,7 +161,7 @@ def _sample_train(ids: Iterable[str], settings: DataSettings) -> set[str] | None
 
 
 @dataclass
-class _Tally:
+class Tally:
     """Counts of rows read and dropped, and the first bad rows (logged and kept for stats)."""
 
     max_bad_fraction: float
@@ -221,7 +201,7 @@ class _Tally:
             fix=fix)
 
 
-def _render_failure(row: Conversation, error: ChatTemplateError | TokenizerFailure) -> BadRow:
+def render_failure(row: Conversation, error: ChatTemplateError | TokenizerFailure) -> BadRow:
     """A row the chat template or the tokenizer could not render, as a bad row."""
     reason = "template_error" if isinstance(error, ChatTemplateError) else "tokenizer_error"
     return BadRow(row.file, row.line, reason, error.what)
@@ -235,7 +215,7 @@ def _json_line(row: dict) -> str:
     return json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
-class _PendingFile:
+class PendingFile:
     """A file written under a temporary name beside its destination and renamed into place by
     ``commit``; dropped when the ``with`` block fails, so a crash leaves no partial output."""
 
@@ -258,7 +238,7 @@ class _PendingFile:
         except OSError as e:
             raise storage_error(self.path, e) from e
 
-    def __enter__(self) -> _PendingFile:
+    def __enter__(self) -> PendingFile:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -279,7 +259,7 @@ class _PendingFile:
         fsync_dir(self.path.parent)
 
 
-def _unique_id(row_id: str, seen: set[str]) -> str:
+def unique_id(row_id: str, seen: set[str]) -> str:
     if row_id not in seen:
         return row_id
     n = 2
@@ -308,7 +288,7 @@ def _chunks(rows: Iterable, raw_of=lambda row: row) -> Iterator[list]:
         yield chunk
 
 
-def _nothing_to_train(names: str, tally: _Tally, counts: Counter, heldout: int,
+def _nothing_to_train(names: str, tally: Tally, counts: Counter, heldout: int,
                       settings: DataSettings) -> DataError:
     """Why no train row is left, naming the cause that removed the most rows and its fix."""
     causes = {f"held out for evaluation: {heldout}": heldout,
@@ -343,7 +323,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
                         fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")
     out_dir = Path(out_dir)
     names = ", ".join(map(str, sources))
-    tally = _Tally(settings.max_bad_fraction)
+    tally = Tally(settings.max_bad_fraction)
     max_line = max_line_bytes(settings.max_seq_len)
     check_format(settings.format)
     log.info("reading and tokenizing %s with %d worker process%s", names, workers, "es" if workers > 1 else "")
@@ -423,7 +403,7 @@ class _ReadChunk:
         return out
 
 
-def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: int, tally: _Tally,
+def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: int, tally: Tally,
               names: str, workers: int) -> tuple[list[str], set[int], list[str], dict[str, bytes], int]:
     """Pass 1: read and normalize every row; return the kept ids (made unique, in row order), the
     indexes of the bad rows among all rows read, the ids of the chat rows, each chat row's prompt
@@ -442,7 +422,7 @@ def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: i
                 bad_rows.add(tally.read - 1)
                 tally.bad(row)
                 continue
-            row_id = _unique_id(row.id, seen)
+            row_id = unique_id(row.id, seen)
             if row_id != row.id:
                 if not duplicates:
                     log.warning("row %s repeats the id %r; it is kept as %r (stats.json counts such rows under "
@@ -524,7 +504,7 @@ class _RenderChunk:
                 if not any(loss_mask):
                     raise _TooLong()
         except (ChatTemplateError, TokenizerFailure) as e:
-            return _Made("bad", bad=_render_failure(row, e), fix=e.fix)
+            return _Made("bad", bad=render_failure(row, e), fix=e.fix)
         except _TooLong:
             return _Made("bad", bad=BadRow(row.file, row.line, "too_long_prompt",
                                            f"the first answer starts after data.max_seq_len={self.max_seq_len} tokens"))
@@ -533,7 +513,7 @@ class _RenderChunk:
                      tokens=len(input_ids), loss_tokens=sum(loss_mask), truncated=truncated)
 
 
-def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSettings, max_line: int, tally: _Tally,
+def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSettings, max_line: int, tally: Tally,
                 names: str, ids: list[str], bad_rows: set[int], heldout_ids: set[str], leaked: set[str],
                 sampled: set[str] | None, renderer: ChatRenderer, workers: int) -> Counter:
     """Pass 2: tokenize the rows kept and stream them to train.jsonl and heldout.jsonl (renamed into
@@ -561,8 +541,8 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
 
     task = _RenderChunk(renderer, settings.format, settings.max_seq_len)
     # The workers first: forked before the output files are open, they hold none of them.
-    with (ordered_map(task, workers) as run, _PendingFile(out_dir / "train.jsonl") as train,
-          _PendingFile(out_dir / "heldout.jsonl") as held):
+    with (ordered_map(task, workers) as run, PendingFile(out_dir / "train.jsonl") as train,
+          PendingFile(out_dir / "heldout.jsonl") as held):
         made = itertools.chain.from_iterable(run(_chunks(planned(), raw_of=lambda planned: planned[0])))
         for row in _progress(made, "tokenizing rows", len(ids)):
             if row is None:
@@ -587,64 +567,3 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
         train.commit()
         held.commit()
     return counts
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation prompt sets (eval.sources)
-
-
-def prepare_eval_prompts(source: str | Path, tokenizer_dir: str | Path, out_path: str | Path,
-                         settings: EvalPromptsSettings) -> dict:
-    """Write ``out_path`` in heldout.jsonl's format (id, messages, prompt_ids, source) from the
-    first ``settings.max_prompts`` usable prompts of the evaluation set ``source``, rendered with the chat
-    template of ``tokenizer_dir``, and ``<out_path stem>.stats.json``; return the stats.
-
-    Rows are read and dropped as prepare_dataset reads them (``data.max_bad_fraction`` applies).
-    """
-    out_path = Path(out_path)
-    max_prompts, max_seq_len = settings.max_prompts, settings.max_seq_len
-    tally = _Tally(settings.max_bad_fraction)
-    tally.fixes["unknown_format"] = ("rows need 'messages', 'conversations' or a prompt in one of the fields "
-                                     + ", ".join(PROMPT_FIELDS))
-    tokenizer = load_tokenizer(tokenizer_dir)
-    require_chat_template(tokenizer, tokenizer_dir)
-    renderer = ChatRenderer(tokenizer)
-    seen: set[str] = set()
-    tokens = 0
-    with _PendingFile(out_path) as out:
-        for row in load_prompts([source], max_line_bytes(max_seq_len)):
-            if len(seen) >= max_prompts:
-                break
-            tally.read += 1
-            if isinstance(row, BadRow):
-                tally.bad(row)
-                continue
-            try:
-                prompt = renderer.prompt_ids(row.messages, row.tools)
-            except (ChatTemplateError, TokenizerFailure) as e:
-                tally.bad(_render_failure(row, e), e.fix)
-                continue
-            if len(prompt) >= max_seq_len:  # as held-out prompts: the target must have room to answer
-                tally.bad(BadRow(row.file, row.line, "too_long_prompt",
-                                 f"{len(prompt)} tokens, data.max_seq_len is {max_seq_len}"))
-                continue
-            row_id = _unique_id(row.id, seen)
-            seen.add(row_id)
-            out.write_row({"id": row_id, "messages": row.messages, "prompt_ids": prompt,
-                           **({"tools": row.tools} if row.tools else {}),
-                           "source": {"file": row.file, "line": row.line}})
-            tokens += len(prompt)
-        tally.check()
-        if not seen:
-            reason = tally.dropped.most_common(1)[0][0] if tally.dropped else ""
-            raise DataError(f"no usable prompt in the evaluation set {source} ({dict(tally.dropped)})",
-                            where=f"config key eval.sources, {source}",
-                            fix={**REASON_FIXES, **tally.fixes}.get(reason, "give rows with a prompt"))
-        out.commit()
-    stats = {"source": str(source), "rows_read": tally.read, "prompts": len(seen), "prompt_tokens": tokens,
-             "rows_dropped": {reason: tally.dropped[reason] for reason in REASONS},
-             "first_bad_rows": tally.first_bad, "max_prompts": max_prompts, "max_seq_len": max_seq_len}
-    atomic_write_json(out_path.with_suffix(".stats.json"), stats)
-    log.info("%d prompts (%d tokens) from %s; dropped %s", len(seen), tokens, source,
-             {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
-    return stats

@@ -223,7 +223,7 @@ def _prepare(tmp: Path, env: dict, sources, **settings) -> None:
 @case("eval-source-without-prompts", DataError, "no usable prompt in the evaluation set", "out/set.jsonl",
       "out/set.stats.json")
 def _(tmp, env):
-    from draftsmith.data import EvalPromptsSettings, prepare_eval_prompts
+    from draftsmith.eval_prompts import EvalPromptsSettings, prepare_eval_prompts
 
     rows = [{"answer": str(i), "solution": "x"} for i in range(4)]  # no prompt field anywhere
     prepare_eval_prompts(tiny.write_jsonl(tmp / "set_in.jsonl", rows), env["model"], tmp / "out" / "set.jsonl",

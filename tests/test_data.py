@@ -791,7 +791,7 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
 
 def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
     from draftsmith.chat import ChatRenderer, load_tokenizer
-    from draftsmith.data import EvalPromptsSettings, prepare_eval_prompts
+    from draftsmith.eval_prompts import EvalPromptsSettings, prepare_eval_prompts
     from draftsmith.evaluate import read_prompts
 
     model = tiny.build_llama(tmp_path / "model")

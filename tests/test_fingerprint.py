@@ -79,6 +79,18 @@ def test_reading_conversations_does_not_pull_in_tokenising():
     assert "conversations.py" in closure and "data.py" not in closure
 
 
+def test_eval_prompt_sets_and_training_rows_fingerprint_apart():
+    """A patch to prepare_eval_prompts reruns the evaluation, not prepare_dataset and the training
+    after it; the prompt sets share prepare_dataset's bad-row accounting, so data.py keys both."""
+    from draftsmith.fingerprint import script_closure
+
+    scripts = PACKAGE_DIR.parent / "workflow_scripts"
+    dataset = names(script_closure(scripts / "prepare_dataset.py"))
+    prompts = names(script_closure(scripts / "prepare_eval_prompts.py"))
+    assert "data.py" in dataset and "eval_prompts.py" not in dataset
+    assert {"eval_prompts.py", "data.py"} <= prompts
+
+
 def test_rerun_table_follows_imports_and_the_rule_graph(toy_package, tmp_path):
     from draftsmith.fingerprint import rerun_table
 

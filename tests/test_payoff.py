@@ -179,7 +179,13 @@ def test_the_workflow_evaluates_each_prompt_set_and_estimates_the_payoff(tmp_pat
 
     changed = snakemake(workdir, "-n", "--config", "eval={payoff: {gpu: h100}}", configfile=configfile)
     assert planned_rules(changed) == {"estimate_payoff"}
+    evaluation = {"prepare_eval_prompts", "evaluate_draft", "plot_evaluation", "estimate_payoff"}
+    # the prompt sets' code is no part of prepare_dataset's: the data and the draft stay
+    code = workdir / "draftsmith" / "eval_prompts.py"
+    original = code.read_text()
+    code.write_text(original + "\n_EDIT = 1\n")
+    assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == evaluation
+    code.write_text(original)
     tiny.write_jsonl(source, [{"question": f"What is {i} + 2?"} for i in range(3)])
     edited = snakemake(workdir, "-n", configfile=configfile)
-    assert planned_rules(edited) == {"prepare_eval_prompts", "evaluate_draft", "plot_evaluation",
-                                     "estimate_payoff"}
+    assert planned_rules(edited) == evaluation

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.data import DataSettings, EvalPromptsSettings
+from draftsmith.data import DataSettings
 from draftsmith.errors import ConfigError
+from draftsmith.eval_prompts import EvalPromptsSettings
 from draftsmith.evaluate import EvalSettings
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.online import OnlineSettings

@@ -1,6 +1,6 @@
 """Snakemake entry: one evaluation prompt set (eval.sources) rendered with the target's chat template."""
 
-from draftsmith.data import EvalPromptsSettings, prepare_eval_prompts
+from draftsmith.eval_prompts import EvalPromptsSettings, prepare_eval_prompts
 from draftsmith.logs import setup_logging
 from draftsmith.targets.inspect import read_target_json
 
