@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each mode, interleaved; the best counts")
-    p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder)")
+    p.add_argument("--out", default=None, help="folder for the shard store (default: a temporary folder); the "
+                   "store is removed after the timed runs, to make room for the plain write beside it")
     p.add_argument("--disk-bytes", type=int, default=None,
                    help="bytes of the plain write beside the store (dd's; default: as many as the store wrote, "
                         "so a disk that slows once its cache fills is measured at the store's length)")
