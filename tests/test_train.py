@@ -315,23 +315,6 @@ def test_feature_noise_changes_training_steps_only(inputs):
     torch.testing.assert_close(run_objective(noisy, packed, w)[0], loss, rtol=0, atol=0)
 
 
-def test_train_lm_head_trains_the_heads_rows_and_frozen_keeps_the_targets(inputs, tmp_path):
-    """train.train_lm_head: the delivered lm_head leaves the target's rows of the draft vocabulary
-    when trained and keeps them bit for bit when frozen; the rest of the draft trains either way."""
-    mapping = load_file(inputs["mapping"])
-    _, head = load_embedding_and_head(inputs["target"])
-    rows = draft_rows(mapping["d2t"].long(), mapping["t2d"].bool(), head.shape[0])
-    delivered = {}
-    for trained in (False, True):
-        name = f"lm_head-{trained}"
-        train(inputs, tmp_path, dataclasses.replace(SETTINGS, max_steps=6, train_lm_head=trained), name)
-        delivered[trained] = weights(tmp_path / name / "draft")
-    torch.testing.assert_close(delivered[False]["lm_head.weight"], head[rows].float(), rtol=0, atol=0)
-    moved = (delivered[True]["lm_head.weight"] - head[rows].float()).abs().max()
-    assert moved > 1e-4, "a trained lm_head left the target's rows unchanged"
-    assert not torch.equal(delivered[True]["fc.weight"], delivered[False]["fc.weight"])  # the head's gradient reaches the layer
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("hard, noise", [(0.0, 0.0), (0.5, 0.0), (0.0, 0.1)])
 def test_compiled_objective_equals_eager(inputs, hard, noise):
