@@ -53,8 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="total real tokens (262144; 4096 with --tiny)")
     p.add_argument("--min-len", type=int, default=None, help="shortest sample (256; 16 with --tiny)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (2048; 256 with --tiny)")
-    p.add_argument("--call-tokens", type=int, nargs="+", default=[65536],
-                   help="tokens per generate call (the driver's batch); several are measured in turn")
+    p.add_argument("--call-tokens", type=int, nargs="+", default=[16384],
+                   help="tokens per generate call (the driver's batch; default: the workflow's "
+                        "extraction.batch_tokens); several are measured in turn")
     p.add_argument("--shard-tokens", type=int, default=131072, help="tokens per shard")
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine; two engines are up")

@@ -315,6 +315,23 @@ def test_feature_noise_changes_training_steps_only(inputs):
     torch.testing.assert_close(run_objective(noisy, packed, w)[0], loss, rtol=0, atol=0)
 
 
+def test_train_lm_head_trains_the_heads_rows_and_frozen_keeps_the_targets(inputs, tmp_path):
+    """train.train_lm_head: the delivered lm_head leaves the target's rows of the draft vocabulary
+    when trained and keeps them bit for bit when frozen; the rest of the draft trains either way."""
+    mapping = load_file(inputs["mapping"])
+    _, head = load_embedding_and_head(inputs["target"])
+    rows = draft_rows(mapping["d2t"].long(), mapping["t2d"].bool(), head.shape[0])
+    delivered = {}
+    for trained in (False, True):
+        name = f"lm_head-{trained}"
+        train(inputs, tmp_path, dataclasses.replace(SETTINGS, max_steps=6, train_lm_head=trained), name)
+        delivered[trained] = weights(tmp_path / name / "draft")
+    torch.testing.assert_close(delivered[False]["lm_head.weight"], head[rows].float(), rtol=0, atol=0)
+    moved = (delivered[True]["lm_head.weight"] - head[rows].float()).abs().max()
+    assert moved > 1e-4, "a trained lm_head left the target's rows unchanged"
+    assert not torch.equal(delivered[True]["fc.weight"], delivered[False]["fc.weight"])  # the head's gradient reaches the layer
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hard, noise", [(0.0, 0.0), (0.5, 0.0), (0.0, 0.1)])
 def test_compiled_objective_equals_eager(inputs, hard, noise):
@@ -667,14 +684,15 @@ def test_trained_draft_is_served_by_vllm_eagle3(inputs, tmp_path):
 
 @pytest.mark.gpu
 def test_trained_eagle31_draft_is_served_by_vllm_as_the_hf_loop_drafts(tmp_path):
-    """An EAGLE 3.1 draft (fc_norm, norm_output) of two layers, trained here on the target's own
-    greedy replies, is served by vLLM's eagle3 speculator: every output equal to the HF loop's
-    greedy decoding and vLLM's acceptance the HF loop's (to a draft near-tie), with tokens accepted at draft
-    positions 2 and 3, which the post-norm state fed between draft steps decides."""
+    """An EAGLE 3.1 draft (fc_norm, norm_output) of two layers with a trained lm_head, trained here on
+    the target's own greedy replies, is served by vLLM's eagle3 speculator: every output equal to the
+    HF loop's greedy decoding and vLLM's acceptance the HF loop's (to a draft near-tie), so vLLM drafts
+    from the trained head's rows, with tokens accepted at draft positions 2 and 3, which the post-norm
+    state fed between draft steps decides."""
     pytest.importorskip("vllm")
     inputs = build_training_inputs(tmp_path / "inputs", num_samples=48, greedy_replies=True)
     settings = dataclasses.replace(SETTINGS, variant="eagle3.1", num_layers=2, epochs=40, log_every=50,
-                                   checkpoint_every=10_000)
+                                   checkpoint_every=10_000, train_lm_head=True)
     train(inputs, tmp_path, settings)
     draft = tmp_path / "run" / "draft"
     config = read_json(draft / "config.json")

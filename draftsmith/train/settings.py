@@ -42,7 +42,7 @@ class TrainSettings(StageSettings):
     variant: str = from_schema("draft.variant")  # the draft's shape decides the weights: part of the math
     num_layers: int = from_schema("draft.num_layers")
     norm_before_residual: bool = True  # speculators' trainer default (and vLLM's default reading)
-    train_lm_head: bool = False  # speculators 0.9 keeps lm_head frozen at the target's rows
+    train_lm_head: bool = from_schema("train.train_lm_head")
     attention: str = "auto"  # "flex" (GPU default) or "sdpa" (CPU default): same math
     compile: str = "auto"  # torch.compile the draft step: "auto" = on GPU
     verify_shards: bool = True
