@@ -81,7 +81,9 @@ class TTTAttention:
         ks = torch.stack([e[0] for e in extra], dim=2).repeat_interleave(group, dim=1)  # [T, Hq, j, D]
         vs = torch.stack([e[1] for e in extra], dim=2).repeat_interleave(group, dim=1)
         f = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.einsum("thd,thjd->thj", q.to(f), ks.to(f)) * scale  # [T, Hq, j]
+        # Products and sums, not einsum: as matmuls of 1xD by Dxj per token and head they run in
+        # small-tile kernels at a fraction of the bandwidth (docs/benchmarks.md, "Matmuls by shape").
+        scores = (q.to(f)[:, :, None] * ks.to(f)).sum(-1) * scale  # [T, Hq, j]
         weights = torch.softmax(torch.cat([lse.to(f)[..., None], scores], dim=-1), dim=-1)
-        merged = weights[..., :1] * out.to(f) + torch.einsum("thj,thjd->thd", weights[..., 1:], vs.to(f))
+        merged = weights[..., :1] * out.to(f) + (weights[..., 1:, None] * vs.to(f)).sum(2)
         return merged.to(q.dtype)
