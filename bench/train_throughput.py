@@ -113,17 +113,15 @@ def synthetic(args, device, dtype):
         aux = torch.randn(t, 3 * h, generator=g)
         prenorm = torch.randn(t, h, generator=g) * 2
         final = prenorm * torch.rsqrt(prenorm.pow(2).mean(-1, keepdim=True) + 1e-5) * final_norm
-        ids = torch.zeros(args.ttt_steps, t, dtype=torch.long)
         valid = torch.zeros(args.ttt_steps, t, dtype=torch.bool)
         starts = torch.cumsum(torch.tensor([0] + lengths), 0)
         for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
             m = b - a
             for j in range(min(args.ttt_steps, m)):
-                ids[j, a:a + m - j] = tokens[a + j:b]
                 valid[j, a:a + m - j] = loss[a + j:b]
         batches.append({
             "aux": aux.to(device, dtype), "final": final.to(device, dtype), "prenorm": prenorm.to(device, dtype),
-            "ids": ids.to(device), "valid": valid.to(device), "pos": pos.to(device), "doc": doc.to(device, torch.int32),
+            "valid": valid.to(device), "pos": pos.to(device), "doc": doc.to(device, torch.int32),
             "tokens": tokens.to(device), "loss_mask": loss.to(device), "lengths": lengths,
         })
     return embed, lm_head, rows, final_norm, batches
@@ -257,7 +255,7 @@ def bench_draftsmith(args, device, data, ddp):
         t_pad = -(-t // pad) * pad
         extra = t_pad - t
         padded = {k: torch.nn.functional.pad(b[k], (0, 0, 0, extra)) for k in ("aux", "final")}
-        padded["ids"] = torch.nn.functional.pad(b["ids"], (0, extra))
+        padded["ids"] = torch.nn.functional.pad(b["tokens"], (0, extra))
         padded["valid"] = torch.nn.functional.pad(b["valid"], (0, extra))
         padded["pos"] = torch.nn.functional.pad(b["pos"], (0, extra))
         padded["doc"] = torch.nn.functional.pad(b["doc"], (0, extra), value=int(b["doc"].max()) + 1)

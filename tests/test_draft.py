@@ -44,23 +44,16 @@ def make_draft(num_layers: int = 1, norm_before_residual: bool = True, seed: int
     return draft.to(dtype)
 
 
-def packed_batch(lengths, num_aux: int = 3, ttt_steps: int = 3, seed: int = 0, dtype=torch.float64):
-    """Shifted, packed inputs as the trainer builds them: ids[j][t] = x[t+1+j] within the sample."""
+def packed_batch(lengths, num_aux: int = 3, seed: int = 0, dtype=torch.float64):
+    """Packed inputs as the trainer builds them: ids[t] = x[t+1] within the sample (step j reads
+    x[t+1+j] from row t+j)."""
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     aux = torch.randn(total, num_aux * HIDDEN, generator=g, dtype=dtype)
     tokens = [torch.randint(0, VOCAB, (m,), generator=g) for m in lengths]
-    ids = torch.zeros(ttt_steps, total, dtype=torch.long)
-    pos = torch.zeros(total, dtype=torch.long)
-    doc = torch.zeros(total, dtype=torch.int32)
-    o = 0
-    for d, (m, x) in enumerate(zip(lengths, tokens)):
-        for j in range(min(ttt_steps, m)):
-            ids[j, o:o + m - j] = x[j:]
-        pos[o:o + m] = torch.arange(1, m + 1)
-        doc[o:o + m] = d
-        o += m
-    return aux, ids, pos, doc, tokens
+    pos = torch.cat([torch.arange(1, m + 1) for m in lengths])
+    doc = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+    return aux, torch.cat(tokens), pos, doc, tokens
 
 
 def reference_logits(draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, ttt_steps: int):
@@ -136,9 +129,9 @@ def reference_logits(draft: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor
     return out
 
 
-def unroll(draft, aux, ids, pos, doc, attention="sdpa"):
+def unroll(draft, aux, ids, pos, doc, attention="sdpa", ttt_steps: int = 3):
     objective = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN, dtype=aux.dtype), torch.arange(DRAFT_VOCAB),
-                             ttt_steps=ids.shape[0], ttt_decay=1.0, attention=attention)
+                             ttt_steps=ttt_steps, ttt_decay=1.0, attention=attention)
     return [draft.lm_head(x) for x in objective.unroll(aux, ids, pos, doc)]
 
 
@@ -153,8 +146,8 @@ def test_packed_ttt_forward_matches_reference_per_sample(num_layers, norm_before
     o = 0
     for m, x in zip(lengths, tokens):
         ref = reference_logits(draft, aux[o:o + m], x, 3)
-        for j in range(3):
-            torch.testing.assert_close(logits[j][o:o + m], ref[j], rtol=1e-5, atol=1e-5)
+        for j in range(3):  # the rows step j can score: past them it reads the next sample's tokens
+            torch.testing.assert_close(logits[j][o:o + m - j], ref[j][:m - j], rtol=1e-5, atol=1e-5)
         o += m
 
 
@@ -259,6 +252,7 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
     draft = make_draft(1).float()
     flex = torch.compile(fa.flex_attention, dynamic=False, backend="aot_eager")
     step = torch.compile(draft.advance, dynamic=False, backend="aot_eager")
+    token_qkv = torch.compile(draft.token_qkv, dynamic=False, backend="aot_eager")
     for seed, lengths in enumerate(([40, 30, 58], [100, 28])):
         aux, ids, pos, doc, _ = packed_batch(lengths, dtype=torch.float32, seed=seed)
         positions = scored_positions(prompt_and_answer_valid(lengths, seed=seed))
@@ -269,7 +263,7 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
                                      ttt_decay=1.0, attention=impl, flex_fn=flex)
             draft.zero_grad(set_to_none=True)
             if impl == "flex":  # as training runs it: compiled, skipping rows no step scores
-                objective.step_fn = step
+                objective.step_fn, objective.token_fn = step, token_qkv
                 states = list(objective.unroll(aux, ids, pos, doc, keep))
             else:
                 states = [x[rows] for x, rows in zip(objective.unroll(aux, ids, pos, doc), keep)]
@@ -282,7 +276,7 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
     assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] <= 3 + 1  # the draft step per TTT step, flex itself
+    assert counters["stats"]["unique_graphs"] <= 3 + 2  # the draft step per TTT step, the tokens' projections, flex
     torch._dynamo.reset()
 
 
@@ -292,8 +286,8 @@ def test_incremental_drafting_reproduces_every_ttt_step(variant):
     every TTT step, when the cache holds the verified prefix plus this chain's draft positions."""
     draft = make_draft(2, variant=variant)
     m, steps = 10, 3
-    aux, ids, pos, doc, (tokens,) = packed_batch([m], ttt_steps=steps)
-    trained = unroll(draft, aux, ids, pos, doc)
+    aux, ids, pos, doc, (tokens,) = packed_batch([m])
+    trained = unroll(draft, aux, ids, pos, doc, ttt_steps=steps)
     cache = DraftKVCache(draft.config.num_layers)
     hidden0, logits0 = draft.draft_step(aux, tokens, pos, cache)
     torch.testing.assert_close(logits0, trained[0], rtol=1e-6, atol=1e-6)

@@ -211,7 +211,7 @@ def test_ttt_with_one_step_is_plain_next_token_training(inputs, hard, loss_on):
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                 enable_gqa=True).transpose(0, 1)
 
-        _, logits = draft.step(hidden, one["ids"][0], cos, sin, causal)
+        _, logits = draft.step(hidden, one["ids"], cos, sin, causal)
         p = torch.softmax(one["final"] @ teacher.T, -1)
         logq = torch.log_softmax(logits, -1)
         if hard:

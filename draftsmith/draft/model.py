@@ -85,13 +85,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+    def project(self, x: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
+        """q, k and v of ``x`` in one matmul, [T, (Hq + 2 Hkv) * D], through the ``columns`` of the
+        projections' inputs that ``x`` holds (the first layer projects its two halves apart)."""
+        weight = torch.cat([self.q_proj.weight[:, columns], self.k_proj.weight[:, columns],
+                            self.v_proj.weight[:, columns]])
+        return F.linear(x, weight)
+
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 layer_index: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over all T rows of ``x``; the output projection only on the ``keep`` rows."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        """Attention over all T rows of ``qkv`` (``project``'s output); the output projection only on
+        the ``keep`` rows."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         out = attend(layer_index, q, k, v)
         if keep is not None:
@@ -116,10 +125,15 @@ class MLP(nn.Module):
 class Eagle3FirstLayer(nn.Module):
     """speculators' ``Eagle3FirstLayerMixin.forward`` (model_definitions.py:54-110): attention
     over cat([input_layernorm(embeds), hidden_norm(hidden)]), residual from the hidden part
-    (the normed one when ``norm_before_residual``)."""
+    (the normed one when ``norm_before_residual``).
+
+    The q/k/v projections of that concatenation are the sum of each half's own: the token half
+    (``token_qkv``) depends on the token alone, so training projects it once per micro-batch and
+    every TTT step reads it shifted, and no gradient is computed for the frozen embeddings."""
 
     def __init__(self, config: Eagle3DraftConfig) -> None:
         super().__init__()
+        self.hidden_size = config.hidden_size
         self.norm_before_residual = config.norm_before_residual
         self.self_attn = Attention(config, 2 * config.hidden_size)
         self.mlp = MLP(config)
@@ -127,14 +141,18 @@ class Eagle3FirstLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend, layer_index: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def token_qkv(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The token half's q/k/v: [T, (Hq + 2 Hkv) * D]."""
+        return self.self_attn.project(self.input_layernorm(embeds), slice(0, self.hidden_size))
+
+    def forward(self, token_qkv: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend, keep: torch.Tensor | None = None) -> torch.Tensor:
         residual = hidden
-        embeds = self.input_layernorm(embeds)
         hidden = self.hidden_norm(hidden)
         if self.norm_before_residual:
             residual = hidden
-        x = self.self_attn(torch.cat([embeds, hidden], dim=-1), cos, sin, attend, layer_index, keep)
+        qkv = token_qkv + self.self_attn.project(hidden, slice(self.hidden_size, None))
+        x = self.self_attn(qkv, cos, sin, attend, 0, keep)
         x = (residual if keep is None else residual[keep]) + x
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -149,10 +167,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor | None, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend, layer_index: int, keep: torch.Tensor | None = None) -> torch.Tensor:
-        x = (hidden if keep is None else hidden[keep]) + self.self_attn(self.input_layernorm(hidden), cos, sin,
-                                                                         attend, layer_index, keep)
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer_index: int,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.self_attn.project(self.input_layernorm(hidden))
+        x = (hidden if keep is None else hidden[keep]) + self.self_attn(qkv, cos, sin, attend, layer_index, keep)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -254,26 +272,33 @@ class Eagle3Draft(nn.Module):
             aux_states = torch.cat([norm(x) for norm, x in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_states)
 
-    def advance(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft pass up to the lm_head: (output hidden [T, H] fed to the next step, the
-        final-normed state [T, H] that the lm_head reads). The state fed on is the last layer's
-        output, or with ``norm_output`` (EAGLE 3.1) the final-normed one. Training applies the lm_head only to the
-        positions it scores. With ``keep`` [n] (row indices), the last layer's output projection
-        and MLP run on those rows alone and both results are theirs ([n, H]): attention still sees
-        every row, the rest of the work skips rows whose outputs nothing uses."""
+    def token_qkv(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's q/k/v of the token half of its input (the normed embeddings of
+        ``input_ids``): [T, (Hq + 2 Hkv) * D], what ``advance`` takes beside the hidden state."""
         with torch.no_grad():
             embeds = self.embed_tokens(input_ids)
+        return self.layers[0].token_qkv(embeds)
+
+    def advance(self, hidden: torch.Tensor, token_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass up to the lm_head, on the hidden states and the tokens' ``token_qkv``:
+        (output hidden [T, H] fed to the next step, the final-normed state [T, H] that the lm_head
+        reads). The state fed on is the last layer's output, or with ``norm_output`` (EAGLE 3.1)
+        the final-normed one. Training applies the lm_head only to the positions it scores. With
+        ``keep`` [n] (row indices), the last layer's output projection and MLP run on those rows
+        alone and both results are theirs ([n, H]): attention still sees every row, the rest of
+        the work skips rows whose outputs nothing uses."""
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            hidden = layer(embeds, hidden, cos, sin, attend, i, keep if i == last else None)
+        hidden = self.layers[0](token_qkv, hidden, cos, sin, attend, keep if last == 0 else None)
+        for i in range(1, len(self.layers)):
+            hidden = self.layers[i](hidden, cos, sin, attend, i, keep if i == last else None)
         normed = self.norm(hidden)
         return (normed if self.config.norm_output else hidden), normed
 
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass: (output hidden [T, H] fed to the next step, draft-vocab logits [T, Vd])."""
-        hidden, normed = self.advance(hidden, input_ids, cos, sin, attend)
+        hidden, normed = self.advance(hidden, self.token_qkv(input_ids), cos, sin, attend)
         return hidden, self.lm_head(normed)
 
     # -- inference -------------------------------------------------------------------------------

@@ -201,9 +201,10 @@ def _padded_length(tokens: int, pad_to: int, fixed: int | None) -> int:
 
 def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRows], aux_ids: list[int],
                 final_id: int, hidden: int, ttt_steps: int, t_pad: int, dtype: torch.dtype, pin: bool) -> dict:
-    """Pack the samples into ``t_pad`` rows: aux [T, A*H], final [T, H], per-step token ids and
-    valid masks [K, T], positions, document ids (padding rows form one extra document), and the
-    gather indices of ``scored_positions``. ``open_rows`` holds the pack's shards' rows."""
+    """Pack the samples into ``t_pad`` rows: aux [T, A*H], final [T, H], step 0's token ids [T] (step
+    j reads them shifted by j, ``TTTObjective.unroll``), per-step valid masks [K, T], positions,
+    document ids (padding rows form one extra document), and the gather indices of
+    ``scored_positions``. ``open_rows`` holds the pack's shards' rows."""
     total = pack.tokens
     # fp8 stores travel as fp8 plus per-token scales and are dequantised on the device
     # (``dequantize_batch``): half the bytes over PCIe, and no slow CPU float8 conversion.
@@ -212,7 +213,7 @@ def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRo
     aux = torch.zeros(t_pad, len(aux_ids) * hidden, dtype=store_dtype)
     final = torch.zeros(t_pad, hidden, dtype=store_dtype)
     scales = torch.zeros(t_pad, len(aux_ids) + 1) if fp8 else None  # aux layers, then final
-    ids = torch.zeros(ttt_steps, t_pad, dtype=torch.long)
+    ids = torch.zeros(t_pad, dtype=torch.long)
     valid = torch.zeros(ttt_steps, t_pad, dtype=torch.bool)
     pos = torch.zeros(t_pad, dtype=torch.long)
     doc = torch.full((t_pad,), len(pack.members), dtype=torch.int32)  # padding: one extra document
@@ -230,13 +231,11 @@ def build_batch(pack: Pack, metas: list[ShardMeta], open_rows: dict[int, ShardRo
                 aux[o:o + m, a * hidden:(a + 1) * hidden] = values
             if scales is not None:
                 scales[o:o + m, a] = layer_scales
-        sample_ids = rows.input_ids[s + 1:s + 1 + m]
         sample_loss = scored_mask(rows.loss_mask[s + 1:s + 1 + m], meta.loss_on)
         if not pack.dummy:
             for j in range(min(ttt_steps, m)):
                 valid[j, o:o + m - j] = sample_loss[j:]
-        for j in range(min(ttt_steps, m)):
-            ids[j, o:o + m - j] = sample_ids[j:]
+        ids[o:o + m] = rows.input_ids[s + 1:s + 1 + m]
         pos[o:o + m] = torch.arange(1, m + 1)
         doc[o:o + m] = d
         o += m

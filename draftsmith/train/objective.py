@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.draft import Eagle3Draft
@@ -182,7 +183,7 @@ class TTTObjective(nn.Module):
         self.ttt_steps, self.ttt_decay, self.hard_label_weight = ttt_steps, ttt_decay, hard_label_weight
         self.feature_noise = feature_noise
         self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
-        self.step_fn = draft.advance
+        self.step_fn, self.token_fn = draft.advance, draft.token_qkv
         self.kernels = LossKernels()
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> TTTObjective:
@@ -192,8 +193,9 @@ class TTTObjective(nn.Module):
 
     def compile_steps(self, backend: str = "inductor") -> TTTObjective:
         """torch.compile the draft step (one graph per TTT step: GPU batches have one padded length, and
-        the kept row count is marked dynamic) and the loss's row kernels."""
+        the kept row count is marked dynamic), the tokens' projections and the loss's row kernels."""
         self.step_fn = torch.compile(self.draft.advance, dynamic=False, backend=backend)
+        self.token_fn = torch.compile(self.draft.token_qkv, dynamic=False, backend=backend)
         self.kernels = LossKernels.compiled(backend)
         return self
 
@@ -202,10 +204,16 @@ class TTTObjective(nn.Module):
         """Yield the final-normed states (what the lm_head reads) of TTT steps 0..K-1 (module
         docstring): [T, H], or with ``keep`` (per step, the rows whose outputs are used, each
         step's within the previous one's; ``scored_positions``) [len(keep[j]), H], stopping
-        before the first step that keeps no row."""
+        before the first step that keeps no row.
+
+        ``ids`` [T] are step 0's tokens. Step j's token at row t is step 0's at row t + j, so the
+        first layer's projections of the tokens are computed once and read shifted by j rows;
+        where t + j leaves t's sample, row t reads another sample's token (or a zero row past the
+        batch), at a row that no step from j on scores."""
         hidden = self.draft.fuse(aux)
         attend = TTTAttention(doc, self.attention, self.flex_fn)
-        k, t = ids.shape
+        k, t = self.ttt_steps, ids.shape[0]
+        token_qkv = F.pad(self.token_fn(ids), (0, 0, 0, k - 1))
         cos, sin = self.draft.rope((pos[None] + torch.arange(k, device=pos.device)[:, None]).flatten())
         for j in range(k):
             rows = None if keep is None else keep[j]
@@ -214,7 +222,8 @@ class TTTObjective(nn.Module):
                     return
                 if len(rows) > 1:  # one compiled graph per TTT step, whatever the batch's row count
                     torch._dynamo.mark_dynamic(rows, 0)
-            out, normed = self.step_fn(hidden, ids[j], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t], attend, rows)
+            out, normed = self.step_fn(hidden, token_qkv[j:j + t], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t],
+                                       attend, rows)
             attend.next_step()
             yield normed
             if rows is not None and j + 1 < k:  # rows dropped here stay dropped: zeros stand in for them
@@ -250,7 +259,7 @@ class TTTObjective(nn.Module):
         """
         aux, final, ids, valid, pos, doc = (batch[k] for k in ("aux", "final", "ids", "valid", "pos", "doc"))
         splits = batch["splits"]
-        stats = aux.new_zeros((ids.shape[0], 6), dtype=torch.float32)
+        stats = aux.new_zeros((valid.shape[0], 6), dtype=torch.float32)
         if not splits[0]:  # a filler micro-batch: zero gradients for every parameter, so DDP still reduces
             return sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0, stats
         tz, tlse, negent, target_arg, in_vocab = self._teacher(final, batch["teach_rows"], exact)
