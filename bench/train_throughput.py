@@ -9,6 +9,7 @@ repeated batches), peak memory, and achieved FLOP/s against the bf16 dense peak.
     python bench/train_throughput.py                 # H200, 8B-class shapes
     python bench/train_throughput.py --tiny          # CPU smoke test, seconds
     python bench/train_throughput.py --profile DIR   # then each trainer's kernels and GPU time by kind of work
+    python bench/train_throughput.py --speculators-default   # also speculators' own default recipe (Muon)
 
 speculators runs its own ``Eagle3DraftModel.forward`` (torch.compile'd on CUDA, flex attention)
 with the eager KL loss (``--loss-implementation eager``; its fused loss trips a Dynamo bug on
@@ -72,6 +73,10 @@ def parse_args(argv=None):
                    help="micro-batches per optimizer step over all processes (the global batch); under torchrun "
                         "each of W processes runs micro-per-step / W of them")
     p.add_argument("--only", choices=["draftsmith", "speculators"], default=None)
+    p.add_argument("--speculators-default", action="store_true",
+                   help="also speculators' default recipe (Muon beside AdamW, TTT decay 1.0, its EAGLE-3 norms), "
+                        "as bench/trainer_quality.py's speculators-default; the ratio column stays against the "
+                        "matched trainer")
     p.add_argument("--no-compile", action="store_true", help="Draftsmith without torch.compile (draft step, loss kernels)")
     p.add_argument("--attention", choices=["auto", "flex", "sdpa"], default="auto")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE)
@@ -287,12 +292,25 @@ def bench_draftsmith(args, device, data, ddp):
     return result
 
 
-def bench_speculators(args, device, data):
+# speculators 0.9's own defaults (speculators/train/config/schema.py), as bench/trainer_quality.py's
+# recipe speculators-default: Muon on the 2-D matrices beside AdamW, TTT loss decay 1.0, and for
+# EAGLE-3 the norms before fc and on the output
+SPECULATORS_DEFAULT_OPTIMIZER = {"optimizer": "muon", "lr": 1e-4, "muon_lr": 1e-4, "weight_decay": 0.01,
+                                 "muon_weight_decay": 0.1, "muon_momentum": 0.95, "muon_ns_steps": 5,
+                                 "muon_adjust_lr_fn": "match_rms_adamw"}
+
+
+def bench_speculators(args, device, data, recipe: str = "matched"):
+    """speculators' draft and loss; ``recipe`` matched (AdamW, TTT decay 0.8, as Draftsmith here) or
+    default (speculators' own defaults: SPECULATORS_DEFAULT_OPTIMIZER)."""
+    from types import SimpleNamespace
+
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
     from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.optimizers import build_optimizers
     from transformers import LlamaConfig
 
     embed, lm_head, rows, final_norm, batches = data
@@ -304,6 +322,7 @@ def bench_speculators(args, device, data):
     layer._attn_implementation = "simple_flex_attention" if cuda else "sdpa"
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=args.draft_vocab, norm_before_residual=True,
+        norm_before_fc=recipe == "default", norm_output=recipe == "default",
         eagle_aux_hidden_state_layer_ids=[1, 2, 3],
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=args.ttt_steps)],
@@ -320,7 +339,11 @@ def bench_speculators(args, device, data):
         model.verifier_norm.weight.copy_(final_norm)
     model.to(device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    if recipe == "default":
+        optimizers = build_optimizers(model, SimpleNamespace(**SPECULATORS_DEFAULT_OPTIMIZER))
+        decay = 1.0
+    else:
+        optimizers, decay = [torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)], 0.8
     loss_config = resolve_loss_config("kl_div", "eager")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     prepared = [{
@@ -334,15 +357,17 @@ def bench_speculators(args, device, data):
         batch = prepared[state["i"] % len(prepared)]
         state["i"] += 1
         with autocast:
-            _, loss, _ = model(**batch, ttt_steps=args.ttt_steps, ttt_step_loss_decay=0.8, loss_config=loss_config)
-        optimizer.zero_grad()
+            _, loss, _ = model(**batch, ttt_steps=args.ttt_steps, ttt_step_loss_decay=decay, loss_config=loss_config)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
         return loss.detach()
 
-    result = timed(run_step, args, device, "speculators")
-    model = optimizer = prepared = None  # frees the memory before the next run
+    result = timed(run_step, args, device, "speculators" if recipe == "matched" else "speculators-default")
+    model = optimizers = prepared = None  # frees the memory before the next run
     return result
 
 
@@ -381,8 +406,10 @@ def main(argv=None) -> None:
     trainers = [("draftsmith", bench_draftsmith)]
     if ddp.world == 1 and args.micro_per_step == 1:  # speculators' trainer: one micro-batch, one process
         trainers.append(("speculators", lambda a, d, x, _: bench_speculators(a, d, x)))
+        if args.speculators_default:
+            trainers.append(("speculators-default", lambda a, d, x, _: bench_speculators(a, d, x, "default")))
     for name, fn in trainers:
-        if args.only and args.only != name:
+        if args.only and args.only != name.split("-")[0]:
             continue
         try:
             results[name] = fn(args, device, data, ddp)
@@ -394,7 +421,7 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.empty_cache()
     say()
-    header = f"{'trainer':<12} {'GPUs':>4} {'tokens/s':>12} {'per GPU':>10} {'ratio':>7} {'loss first->last':>20} " \
+    header = f"{'trainer':<19} {'GPUs':>4} {'tokens/s':>12} {'per GPU':>10} {'ratio':>7} {'loss first->last':>20} " \
              f"{'peak GiB':>9} {'TFLOP/s':>9} {'MFU':>6}"
     say(header)
     say("-" * len(header))
@@ -403,8 +430,11 @@ def main(argv=None) -> None:
         rate = tokens / elapsed
         ratio = (base / elapsed) if base else math.nan
         achieved = rate * flops / ddp.world
-        say(f"{name:<12} {ddp.world:>4} {rate:>12,.0f} {rate / ddp.world:>10,.0f} {ratio:>7.2f} {losses[0]:>9.4f} -> "
+        say(f"{name:<19} {ddp.world:>4} {rate:>12,.0f} {rate / ddp.world:>10,.0f} {ratio:>7.2f} {losses[0]:>9.4f} -> "
             f"{losses[-1]:<8.4f} {peak:>9.1f} {achieved / 1e12:>9.1f} {achieved / args.peak_flops:>6.1%}")
+    if "draftsmith" in results and "speculators-default" in results:
+        say(f"draftsmith / speculators' default recipe: "
+            f"{results['speculators-default'][0] / results['draftsmith'][0]:.2f}x the tokens/s")
     say(f"\nuseful FLOPs/token {flops / 1e9:.2f} GFLOP (draft fwd+bwd x {args.ttt_steps} TTT steps, fc, attention "
         f"within documents, draft-vocab teacher, over every position); ratio = speculators time / Draftsmith time; "
         f"TFLOP/s and MFU per GPU, against {args.peak_flops / 1e12:.0f} TFLOP/s")
