@@ -36,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trainer_quality import SPECULATORS_DEFAULT_OPTIMIZER  # noqa: E402  (one definition of speculators' defaults)
+
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token  # noqa: E402
 from draftsmith.train import (  # noqa: E402
     PAD_MULTIPLE,
@@ -292,17 +294,10 @@ def bench_draftsmith(args, device, data, ddp):
     return result
 
 
-# speculators 0.9's own defaults (speculators/train/config/schema.py), as bench/trainer_quality.py's
-# recipe speculators-default: Muon on the 2-D matrices beside AdamW, TTT loss decay 1.0, and for
-# EAGLE-3 the norms before fc and on the output
-SPECULATORS_DEFAULT_OPTIMIZER = {"optimizer": "muon", "lr": 1e-4, "muon_lr": 1e-4, "weight_decay": 0.01,
-                                 "muon_weight_decay": 0.1, "muon_momentum": 0.95, "muon_ns_steps": 5,
-                                 "muon_adjust_lr_fn": "match_rms_adamw"}
-
-
 def bench_speculators(args, device, data, recipe: str = "matched"):
     """speculators' draft and loss; ``recipe`` matched (AdamW, TTT decay 0.8, as Draftsmith here) or
-    default (speculators' own defaults: SPECULATORS_DEFAULT_OPTIMIZER)."""
+    default (bench/trainer_quality.py's speculators-default: Muon beside AdamW, TTT decay 1.0, and
+    for EAGLE-3 the norms before fc and on the output)."""
     from types import SimpleNamespace
 
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -340,7 +335,7 @@ def bench_speculators(args, device, data, recipe: str = "matched"):
     model.to(device)
     model.train()
     if recipe == "default":
-        optimizers = build_optimizers(model, SimpleNamespace(**SPECULATORS_DEFAULT_OPTIMIZER))
+        optimizers = build_optimizers(model, SimpleNamespace(**SPECULATORS_DEFAULT_OPTIMIZER, lr=1e-4, muon_lr=1e-4))
         decay = 1.0
     else:
         optimizers, decay = [torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)], 0.8

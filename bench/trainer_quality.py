@@ -59,6 +59,10 @@ from draftsmith.extract.hidden_states import HiddenStateIndex, read_shard  # noq
 
 TRAIN_KEYS = ("num_layers", "ttt_steps", "ttt_decay", "hard_label_weight", "epochs", "batch_tokens", "lr", "warmup_steps", "weight_decay")
 RECIPES = ("draftsmith", "speculators-matched", "speculators-default")
+# speculators 0.9's default optimizer (speculators/train/config/schema.py): Muon on the 2-D matrices
+# beside AdamW; the learning rates are the recipe's
+SPECULATORS_DEFAULT_OPTIMIZER = {"optimizer": "muon", "weight_decay": 0.01, "muon_weight_decay": 0.1,
+                                 "muon_momentum": 0.95, "muon_ns_steps": 5, "muon_adjust_lr_fn": "match_rms_adamw"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -248,9 +252,8 @@ def speculators_recipe(recipe: str, args: argparse.Namespace, steps: int) -> dic
     if recipe == "speculators-matched":
         return {"optimizer": "adamw", "weight_decay": args.weight_decay, "scheduler_warmup_steps": args.warmup_steps,
                 "ttt_decay": args.ttt_decay}
-    return {"optimizer": "muon", "muon_lr": args.lr, "weight_decay": 0.01, "muon_weight_decay": 0.1,
-            "muon_momentum": 0.95, "muon_ns_steps": 5, "muon_adjust_lr_fn": "match_rms_adamw",
-            "scheduler_warmup_steps": steps // 100, "ttt_decay": 1.0}
+    return {**SPECULATORS_DEFAULT_OPTIMIZER, "muon_lr": args.lr, "scheduler_warmup_steps": steps // 100,
+            "ttt_decay": 1.0}
 
 
 def train_speculators(inputs: dict, args: argparse.Namespace, variant: str, recipe: str, seed: int, steps: int,
