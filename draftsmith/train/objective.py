@@ -183,7 +183,7 @@ class TTTObjective(nn.Module):
         self.ttt_steps, self.ttt_decay, self.hard_label_weight = ttt_steps, ttt_decay, hard_label_weight
         self.feature_noise = feature_noise
         self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
-        self.step_fn, self.token_fn = draft.advance, draft.token_qkv
+        self.steps_fn = self._steps
         self.kernels = LossKernels()
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> TTTObjective:
@@ -192,43 +192,54 @@ class TTTObjective(nn.Module):
         return self
 
     def compile_steps(self, backend: str = "inductor") -> TTTObjective:
-        """torch.compile the draft step (one graph per TTT step: GPU batches have one padded length, and
-        the kept row count is marked dynamic), the tokens' projections and the loss's row kernels."""
-        self.step_fn = torch.compile(self.draft.advance, dynamic=False, backend=backend)
-        self.token_fn = torch.compile(self.draft.token_qkv, dynamic=False, backend=backend)
+        """torch.compile the unrolled draft and the loss's row kernels. All TTT steps are one graph
+        (GPU batches have one padded length; each step's kept row count is marked dynamic), so that
+        Inductor sums each weight's gradients over the steps and casts the weights once, where
+        a graph per step left autograd to add up full float32 gradients step by step."""
+        self.steps_fn = torch.compile(self._steps, dynamic=False, backend=backend)
         self.kernels = LossKernels.compiled(backend)
         return self
 
     def unroll(self, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
-               keep: Sequence[torch.Tensor] | None = None):
-        """Yield the final-normed states (what the lm_head reads) of TTT steps 0..K-1 (module
-        docstring): [T, H], or with ``keep`` (per step, the rows whose outputs are used, each
-        step's within the previous one's; ``scored_positions``) [len(keep[j]), H], stopping
-        before the first step that keeps no row.
+               keep: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The final-normed states (what the lm_head reads) of TTT steps 0..K-1 (module docstring):
+        [T, H], or with ``keep`` (per step, the rows whose outputs are used, each step's within the
+        previous one's; ``scored_positions``) [len(keep[j]), H], up to the first step that keeps no
+        row.
 
         ``ids`` [T] are step 0's tokens. Step j's token at row t is step 0's at row t + j, so the
         first layer's projections of the tokens are computed once and read shifted by j rows;
         where t + j leaves t's sample, row t reads another sample's token (or a zero row past the
         batch), at a row that no step from j on scores."""
-        hidden = self.draft.fuse(aux)
-        attend = TTTAttention(doc, self.attention, self.flex_fn)
-        k, t = self.ttt_steps, ids.shape[0]
-        token_qkv = F.pad(self.token_fn(ids), (0, 0, 0, k - 1))
-        cos, sin = self.draft.rope((pos[None] + torch.arange(k, device=pos.device)[:, None]).flatten())
-        for j in range(k):
-            rows = None if keep is None else keep[j]
-            if rows is not None:
-                if not len(rows):
-                    return
-                if len(rows) > 1:  # one compiled graph per TTT step, whatever the batch's row count
+        steps = self.ttt_steps
+        if keep is not None:
+            steps = next((j for j, rows in enumerate(keep) if not len(rows)), steps)
+            keep = tuple(keep[:steps])
+            for rows in keep:
+                if len(rows) > 1:  # one compiled graph, whatever the batch's row counts
                     torch._dynamo.mark_dynamic(rows, 0)
-            out, normed = self.step_fn(hidden, token_qkv[j:j + t], cos[j * t:(j + 1) * t], sin[j * t:(j + 1) * t],
-                                       attend, rows)
+        if not steps:
+            return []
+        cos, sin = self.draft.rope((pos[None] + torch.arange(steps, device=pos.device)[:, None]).flatten())
+        return self.steps_fn(aux, ids, cos, sin, TTTAttention(doc, self.attention, self.flex_fn), steps, keep)
+
+    def _steps(self, aux: torch.Tensor, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend: TTTAttention, steps: int, keep: tuple[torch.Tensor, ...] | None) -> list[torch.Tensor]:
+        """``unroll``'s TTT steps; cos and sin [steps * T, D], step after step."""
+        hidden = self.draft.fuse(aux)
+        t = ids.shape[0]
+        token_qkv = F.pad(self.draft.token_qkv(ids), (0, 0, 0, steps - 1))
+        states = []
+        for j in range(steps):
+            rows = None if keep is None else keep[j]
+            out, normed = self.draft.advance(hidden, token_qkv[j:j + t], cos[j * t:(j + 1) * t],
+                                             sin[j * t:(j + 1) * t], attend, rows)
             attend.next_step()
-            yield normed
-            if rows is not None and j + 1 < k:  # rows dropped here stay dropped: zeros stand in for them
+            states.append(normed)
+            if rows is not None and j + 1 < steps:  # rows dropped here stay dropped: zeros stand in for them
                 out = out.new_zeros(t, out.shape[1]).index_copy(0, rows, out)
             hidden = out
+        return states
 
     @torch.no_grad()
     def _teacher(self, final: torch.Tensor, teach_rows: torch.Tensor, exact: bool):
