@@ -13,8 +13,8 @@ repeated batches), peak memory, and achieved FLOP/s against the bf16 dense peak.
 
 speculators runs its own ``Eagle3DraftModel.forward`` (torch.compile'd on CUDA, flex attention)
 with the eager KL loss (``--loss-implementation eager``; its fused loss trips a Dynamo bug on
-torch 2.11). Draftsmith runs its production ``train_step`` as ``train_draft`` sets it up (compiled
-draft step and loss kernels, fused AdamW), with the exact acceptance statistics on every
+torch 2.11). Draftsmith runs its production ``train_step`` as ``train_draft`` sets it up (the TTT steps
+compiled as one graph, compiled loss kernels, fused AdamW), with the exact acceptance statistics on every
 ``--log-every``-th step, as ``train.log_every`` does. FLOPs count the matmuls both trainers must do
 (draft forward and backward per TTT step, the fc, attention scores within documents, the
 draft-vocab teacher), over all positions; Draftsmith's full-vocabulary argmax on logging steps is
