@@ -254,8 +254,7 @@ def test_compiled_gpu_path_traces_whole_and_matches(monkeypatch):
     reference = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
                              ttt_decay=1.0, attention="sdpa")
     compiled = TTTObjective(draft, torch.zeros(VOCAB, HIDDEN), torch.arange(DRAFT_VOCAB), ttt_steps=3,
-                            ttt_decay=1.0, attention="flex", flex_fn=flex)
-    compiled.steps_fn = torch.compile(compiled._steps, dynamic=False, backend="aot_eager")  # as compile_steps
+                            ttt_decay=1.0, attention="flex", flex_fn=flex).compile_steps("aot_eager")
     for seed, lengths in enumerate(([40, 30, 58], [100, 28])):
         aux, ids, pos, doc, _ = packed_batch(lengths, dtype=torch.float32, seed=seed)
         positions = scored_positions(prompt_and_answer_valid(lengths, seed=seed))
