@@ -10,8 +10,10 @@ compilation included, so use enough ``--tokens`` for them to amortise). Printed 
     python bench/online_training.py --out bench-online.json     # 2 GPUs
     python bench/online_training.py --tiny                      # CPU smoke check, seconds
 
-Disk: the 8B shape stores 32 KiB per token, so the defaults (2,097,152 tokens, a window of
-1,048,576) need 64 GiB for the offline store, 32 GiB for the window and 16 GiB for the model.
+Disk: the 8B shape stores 32 KiB per token, so the defaults (2,097,152 tokens in 16 shards of
+131,072) need 64 GiB for the offline store, 16 GiB for the model and, for the window, the least the
+plan accepts: 1,048,576 tokens (32 GiB), two of the trainer's groups of four shards and its
+read-ahead. With fewer, larger shards the least window nears the whole store and the engine never waits.
 
 Each phase can also run in a command of its own (``--dir`` keeps the inputs and each phase's
 seconds in ``phases.json``): ``--phases extract``, then ``--phases train``, then ``--phases online``.
@@ -66,8 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: a smoke check in seconds")
     p.add_argument("--tokens", type=int, default=2_097_152, help="training tokens (samples of --seq-len)")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--shard-tokens", type=int, default=262_144)
-    p.add_argument("--window-tokens", type=int, default=1_048_576)
+    p.add_argument("--shard-tokens", type=int, default=131_072,
+                   help="extraction.shard_tokens: 16 shards of the default --tokens, so that the least window is half of them")
+    p.add_argument("--window-tokens", type=int, default=None,
+                   help="online.window_tokens (default: the least this run's plan accepts, where the engine waits most)")
     p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
@@ -76,7 +80,7 @@ def parse_args(argv=None):
     if args.dir is None and args.phases != list(PHASES):
         p.error("--phases needs --dir: the phases of separate runs meet there")
     if args.tiny:
-        args.tokens, args.seq_len, args.shard_tokens, args.window_tokens = 4096, 64, 512, 1024
+        args.tokens, args.seq_len, args.shard_tokens = 4096, 64, 512
     return args
 
 
@@ -111,6 +115,23 @@ def build_inputs(args, folder: Path) -> None:
     tiny.write_jsonl(folder / "train.jsonl", rows)
     build_vocab_mapping(folder / "train.jsonl", vocab, draft_vocab, folder / "mapping.safetensors",
                         folder / "vocab_stats.json")
+
+
+def least_window(folder: Path, spec: dict) -> int:
+    """The smallest ``online.window_tokens`` the online run accepts: what its own plan needs on disk
+    at once (``OnlinePlan.window_needed``), so the engine waits on the trainer as much as it can."""
+    from draftsmith.extract.settings import ExtractionSettings
+    from draftsmith.online import OnlineSettings
+    from draftsmith.online.plan import OnlinePlan
+    from draftsmith.targets.inspect import read_target_json
+    from draftsmith.train.batches import plan_steps
+    from draftsmith.train.settings import TrainSettings
+
+    settings = TrainSettings(**spec["train"])
+    plan = OnlinePlan.build(folder / "train.jsonl", read_target_json(folder / "target.json"), folder / "unused",
+                            ExtractionSettings(**spec["extraction"]), OnlineSettings(cache_fraction=0.0))
+    steps = plan_steps(plan.metas(settings), settings, 1)
+    return plan.window_needed(plan.units(steps), len(steps))
 
 
 def folder_bytes(path: Path) -> int:
@@ -169,12 +190,13 @@ def main(argv=None) -> dict:
             "extraction": {"device": device, "shard_tokens": args.shard_tokens, "batch_tokens": 16384},
             "train": {"device": device, "batch_tokens": max(args.seq_len, 8192 if not args.tiny else 128),
                       "epochs": 1, "warmup_steps": 2, "log_every": 10, "checkpoint_every": 1000,
-                      "progress": False},
-            "online": {"window_tokens": args.window_tokens, "cache_fraction": 0.0}}
+                      "progress": False}}
     result = None
     try:
         if not (folder / "mapping.safetensors").exists():
             build_inputs(args, folder)
+        window_tokens = args.window_tokens or least_window(folder, spec)
+        spec["online"] = {"window_tokens": window_tokens, "cache_fraction": 0.0}
         base = {**os.environ, "PYTHONPATH": str(ROOT)}
         devices = {"extract": "0", "train": "1", "online": "0,1"}
         record = folder / "phases.json"
@@ -187,7 +209,7 @@ def main(argv=None) -> dict:
             record.write_text(json.dumps(done, indent=1))
             print(f"{name}: {seconds:.1f} s", file=sys.stderr, flush=True)
         if all(name in done for name in PHASES):
-            result = summarize(folder, done, args.window_tokens)
+            result = summarize(folder, done, window_tokens)
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
