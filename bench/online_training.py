@@ -197,7 +197,8 @@ def main(argv=None) -> dict:
             build_inputs(args, folder)
         window_tokens = args.window_tokens or least_window(folder, spec)
         spec["online"] = {"window_tokens": window_tokens, "cache_fraction": 0.0}
-        base = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # the package beside whatever the environment already puts on the path (an install in --target)
+        base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         devices = {"extract": "0", "train": "1", "online": "0,1"}
         record = folder / "phases.json"
         done = json.loads(record.read_text()) if record.exists() else {}
