@@ -72,6 +72,8 @@ def parse_args(argv=None):
                    help="extraction.shard_tokens: 16 shards of the default --tokens, so that the least window is half of them")
     p.add_argument("--window-tokens", type=int, default=None,
                    help="online.window_tokens (default: the least this run's plan accepts, where the engine waits most)")
+    p.add_argument("--packing", choices=["shuffled", "best_fit"], default=None,
+                   help="train.packing for both training phases (default: the trainer's)")
     p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
@@ -190,7 +192,7 @@ def main(argv=None) -> dict:
             "extraction": {"device": device, "shard_tokens": args.shard_tokens, "batch_tokens": 16384},
             "train": {"device": device, "batch_tokens": max(args.seq_len, 8192 if not args.tiny else 128),
                       "epochs": 1, "warmup_steps": 2, "log_every": 10, "checkpoint_every": 1000,
-                      "progress": False}}
+                      "progress": False, **({"packing": args.packing} if args.packing else {})}}
     result = None
     try:
         if not (folder / "mapping.safetensors").exists():
