@@ -193,8 +193,8 @@ def test_writer_bytes_equal_safetensors_save(tmp_path, monkeypatch, io):
     if io == "direct refused at the first write":
         real_open = stream._open_for_writing
 
-        def refusing_open(path):
-            file = real_open(path)
+        def refusing_open(path, direct_if_it_pays):
+            file = real_open(path, direct_if_it_pays)
 
             def write(data):  # refused for as long as the descriptor asks for direct I/O
                 if fcntl.fcntl(file.fileno(), fcntl.F_GETFL) & os.O_DIRECT:
@@ -235,6 +235,49 @@ def test_streams_on_tmpfs_write_through_the_page_cache():
         probe.write(tensors["hidden_states"])
         probe.close()
         assert not probe.direct and (Path(folder) / "x.safetensors").read_bytes() == save_safetensors(tensors)
+
+
+def test_streams_read_soon_stay_in_the_page_cache(tmp_path):
+    """A file read back soon (the online window) goes through the page cache on a disk that takes
+    direct I/O, and every page of it is still cached after its writebacks and the sync; the same
+    bytes written for a store read later bypass the cache. Both are safetensors' own bytes."""
+    if not _takes_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT at open")
+    tensor = torch.randn(2048, 2048).bfloat16()  # 8 MiB in 8 appends, writeback started after each
+    cached = {}
+    for read_soon in (True, False):
+        path = tmp_path / f"read-soon-{read_soon}.safetensors"
+        writer = stream.SafetensorsStream(path, [("hidden_states", torch.bfloat16, tuple(tensor.shape))],
+                                          read_soon=read_soon)
+        for rows in tensor.split(256):
+            writer.write(rows)
+            writer.start_writeback()
+        writer.close()
+        assert writer.direct is not read_soon
+        cached[read_soon] = _cached_fraction(path)  # before anything reads it
+        assert path.read_bytes() == save_safetensors({"hidden_states": tensor})
+    assert cached == {True: 1.0, False: 0.0}
+
+
+def _cached_fraction(path) -> float:
+    """The share of the file's pages in the page cache: ``mincore`` on a mapping that touches none."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start = ctypes.c_char.from_buffer(mapped)
+    try:
+        assert libc.mincore(ctypes.addressof(start), size, vector) == 0, os.strerror(ctypes.get_errno())
+    finally:
+        del start  # the mapping closes only once no buffer points into it
+        mapped.close()
+    return sum(v & 1 for v in vector) / pages
 
 
 def _takes_direct_io(folder) -> bool:
