@@ -17,7 +17,6 @@ reader's seconds of reading, and how long after the store's end the last shard w
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from store_rate import SAMPLE_TOKENS, ReadyStates  # noqa: E402
+from store_rate import ReadyStates, plan_shards, store_arguments  # noqa: E402
 
 from draftsmith.extract.capture import extract_shards  # noqa: E402
 from draftsmith.extract.hidden_states import SHARD_MANIFEST, shard_dir_name  # noqa: E402
@@ -83,28 +82,11 @@ def run_mode(mode: str, backend, folder: Path, shards, args) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None, help="the store's folder (default: a temporary one)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=4, help="captured layers (EAGLE-3: three aux + the final)")
-    p.add_argument("--tokens", type=int, default=524_288)
-    p.add_argument("--batch-tokens", type=int, default=65_536)
-    p.add_argument("--shard-tokens", type=int, default=131_072)
-    p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
-    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved; the fastest store is kept")
-    p.add_argument("--json", type=Path, default=None)
+    p = store_arguments(__doc__.split("\n")[0])
     args = p.parse_args(argv)
-    if min(args.batch_tokens, args.shard_tokens) < SAMPLE_TOKENS or args.tokens < args.shard_tokens:
-        p.error(f"--batch-tokens and --shard-tokens take at least one sample ({SAMPLE_TOKENS} tokens), "
-                "and --tokens at least one shard")
-
+    shards, tokens = plan_shards(p, args)
     folder = args.out or Path(tempfile.mkdtemp(prefix="window-read-back-"))
     folder.mkdir(parents=True, exist_ok=True)
-    samples = [{"id": f"s{i}", "input_ids": [1] * SAMPLE_TOKENS, "loss_mask": [1] * SAMPLE_TOKENS}
-               for i in range(args.tokens // SAMPLE_TOKENS)]
-    per_shard = args.shard_tokens // SAMPLE_TOKENS
-    shards = [(n, samples[n * per_shard:(n + 1) * per_shard]) for n in range(len(samples) // per_shard)]
-    tokens = sum(len(s) for _, s in shards) * SAMPLE_TOKENS
     row_bytes = args.hidden + 4 if args.storage == "fp8" else args.hidden * 2  # fp8: values and a scale
     state_gb = tokens * args.layers * row_bytes / 1e9
     backend = ReadyStates(list(range(args.layers)), args.batch_tokens, args.hidden, fp8=args.storage == "fp8")
