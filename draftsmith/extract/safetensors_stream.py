@@ -8,8 +8,8 @@ Direct I/O wants whole blocks at block-aligned addresses and offsets, so the byt
 aligned staging buffer, and the file's last partial block is written padded and truncated back.
 Elsewhere it writes through the page cache (``DIRECT_IO_FILE_SYSTEMS`` says why). A file that is
 read back soon after it is written (``read_soon``: the online window, whose trainer reads each shard
-seconds later) goes through the page cache everywhere and stays there, so that its reader reads
-memory rather than the disk the writer is busy with.
+seconds later) goes through the page cache everywhere and its pages are left there (as long as
+memory allows), so that its reader reads memory rather than the disk the writer is busy with.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class SafetensorsStream:
     goes out first; ``write`` then takes the next bytes in that order (a tensor may come in row
     blocks), hashing them on the way with the GIL released. ``close`` checks that every byte came,
     syncs the file and returns its checksum (``draftsmith.io``). ``read_soon``: the file is read back
-    soon after it is written, so it goes through the page cache and its pages stay there.
+    soon after it is written, so it goes through the page cache and its pages are left there.
     """
 
     def __init__(self, path: str | Path, layout: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
@@ -218,11 +218,11 @@ class SafetensorsStream:
             pass
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, read_soon: bool = False) -> str:
     """Write ``tensors`` as a safetensors file, fsync it, and return its checksum; the bytes equal
     ``safetensors.torch.save``'s (its order: larger elements first, then by name)."""
     items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-    stream = SafetensorsStream(path, [(name, t.dtype, tuple(t.shape)) for name, t in items])
+    stream = SafetensorsStream(path, [(name, t.dtype, tuple(t.shape)) for name, t in items], read_soon=read_soon)
     try:
         for _, tensor in items:
             stream.write(tensor)

@@ -89,7 +89,7 @@ class PartStore:
     ``fingerprint`` identifies what the shards are made from (model, samples, layers, dtype):
     a store holding shards of another fingerprint is cleared rather than resumed, since mixing
     them would hand training states that belong to other tokens. ``read_soon``: each shard is read
-    back soon after it is written (the online window), so its files stay in the page cache
+    back soon after it is written (the online window), so its files are left in the page cache
     (``SafetensorsStream``).
     """
 
@@ -274,7 +274,8 @@ class ShardWriter:
                                       f"(the shard was opened for {self.num_tokens})",
                                       where=f"part {self.store.part} shard {self.shard}")
             checksums = {TOKENS_FILE: write_safetensors(self.tmp / TOKENS_FILE,
-                                                        _tokens_tensors(input_ids, loss_masks, lengths))}
+                                                        _tokens_tensors(input_ids, loss_masks, lengths),
+                                                        read_soon=self.store.read_soon)}
             checksums.update(zip(map(layer_file, self.store.layer_ids), self.pool.map(close, self.store.layer_ids)))
             store = self.store
             info = ShardInfo(
