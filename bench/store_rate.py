@@ -146,8 +146,9 @@ def run_store(backend, folder: Path, shards, args) -> tuple[float, float]:
     return seconds, (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def store_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a bench that feeds the store with ready states (this one, window_read_back.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=None, help="the store's folder (default: a temporary one)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--layers", type=int, default=4, help="captured layers (EAGLE-3: three aux + the final)")
@@ -155,22 +156,31 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-tokens", type=int, default=65_536)
     p.add_argument("--shard-tokens", type=int, default=131_072)
     p.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
-    p.add_argument("--prefill", type=float, default=42_400.0, help="the engine's plain prefill, tokens/s")
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode, interleaved; the best is kept")
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def plan_shards(p: argparse.ArgumentParser, args) -> tuple[list[tuple[int, list[dict]]], int]:
+    """Shards of samples of ``SAMPLE_TOKENS`` tokens as ``extract_shards`` takes them, and their tokens."""
     if min(args.batch_tokens, args.shard_tokens) < SAMPLE_TOKENS or args.tokens < args.shard_tokens:
         p.error(f"--batch-tokens and --shard-tokens take at least one sample ({SAMPLE_TOKENS} tokens), "
                 "and --tokens at least one shard")
-
-    folder = args.out or Path(tempfile.mkdtemp(prefix="store-rate-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    layer_ids = list(range(args.layers))
     samples = [{"id": f"s{i}", "input_ids": [1] * SAMPLE_TOKENS, "loss_mask": [1] * SAMPLE_TOKENS}
                for i in range(args.tokens // SAMPLE_TOKENS)]
     per_shard = args.shard_tokens // SAMPLE_TOKENS
     shards = [(n, samples[n * per_shard:(n + 1) * per_shard]) for n in range(len(samples) // per_shard)]
-    tokens = sum(len(s) for _, s in shards) * SAMPLE_TOKENS
+    return shards, sum(len(s) for _, s in shards) * SAMPLE_TOKENS
+
+
+def main(argv=None) -> dict:
+    p = store_arguments(__doc__.split("\n")[0])
+    p.add_argument("--prefill", type=float, default=42_400.0, help="the engine's plain prefill, tokens/s")
+    args = p.parse_args(argv)
+    shards, tokens = plan_shards(p, args)
+    folder = args.out or Path(tempfile.mkdtemp(prefix="store-rate-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    layer_ids = list(range(args.layers))
     backend = ReadyStates(layer_ids, args.batch_tokens, args.hidden, fp8=args.storage == "fp8")
     try:
         runs = {"store": [], "page cache": []}

@@ -193,8 +193,8 @@ def test_writer_bytes_equal_safetensors_save(tmp_path, monkeypatch, io):
     if io == "direct refused at the first write":
         real_open = stream._open_for_writing
 
-        def refusing_open(path):
-            file = real_open(path)
+        def refusing_open(path, direct_if_it_pays):
+            file = real_open(path, direct_if_it_pays)
 
             def write(data):  # refused for as long as the descriptor asks for direct I/O
                 if fcntl.fcntl(file.fileno(), fcntl.F_GETFL) & os.O_DIRECT:
@@ -235,6 +235,74 @@ def test_streams_on_tmpfs_write_through_the_page_cache():
         probe.write(tensors["hidden_states"])
         probe.close()
         assert not probe.direct and (Path(folder) / "x.safetensors").read_bytes() == save_safetensors(tensors)
+
+
+def test_streams_read_soon_are_left_in_the_page_cache(tmp_path):
+    """A file read back soon (the online window) goes through the page cache, and its pages are
+    still cached after its writebacks and the sync; where the disk takes direct I/O, the same bytes
+    written for a store read later bypass the cache. Both are safetensors' own bytes."""
+    tensor = torch.randn(2048, 2048).bfloat16()  # 8 MiB in 8 appends, writeback started after each
+    direct_taken = _takes_direct_io(tmp_path)
+    for read_soon in (True, False) if direct_taken else (True,):
+        path = tmp_path / f"read-soon-{read_soon}.safetensors"
+        writer = stream.SafetensorsStream(path, [("hidden_states", torch.bfloat16, tuple(tensor.shape))],
+                                          read_soon=read_soon)
+        for rows in tensor.split(256):
+            writer.write(rows)
+            writer.start_writeback()
+        writer.close()
+        assert writer.direct is not read_soon
+        cached = _cached_fraction(path)  # before anything reads it
+        assert cached > 0.99 if read_soon else cached < 0.01, (read_soon, cached)
+        assert path.read_bytes() == save_safetensors({"hidden_states": tensor})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_writeback_of_pages_left_cached_starts(tmp_path):
+    """The writeback that leaves the pages cached is Linux's sync_file_range, bound through ctypes:
+    it is found, and it accepts a written file (0, not -1)."""
+    call = stream._sync_file_range()
+    assert call is not None
+    with open(tmp_path / "x", "wb") as file:
+        file.write(os.urandom(1 << 20))
+        assert call(file.fileno(), 0, 0, stream._SYNC_FILE_RANGE_WRITE) == 0
+
+
+@pytest.mark.parametrize("read_soon", [True, False])
+def test_window_shards_are_left_in_the_page_cache(tmp_path, read_soon):
+    """A store made for the online window (``read_soon``) leaves every file of a committed shard in
+    the page cache, its tokens too; extraction's store bypasses it where the disk takes direct I/O."""
+    if not read_soon and not _takes_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT at open")
+    store = shard_writer.PartStore(tmp_path / "window", 0, fingerprint="f", dtype="bfloat16", hidden_size=1024,
+                                   layer_ids=[1, 3], read_soon=read_soon)
+    ids = [list(range(1, 1025)), list(range(1, 1025))]
+    store.write_shard(0, ["a", "b"], ids, [[1] * 1024] * 2, {1: torch.randn(2048, 1024), 3: torch.randn(2048, 1024)})
+    files = sorted((store.dir / "shard-00000").glob("*.safetensors"))
+    assert len(files) == 3  # two layers and the tokens
+    cached = {f.name: _cached_fraction(f) for f in files}
+    assert all(c > 0.99 if read_soon else c < 0.01 for c in cached.values()), cached
+
+
+def _cached_fraction(path) -> float:
+    """The share of the file's pages in the page cache: ``mincore`` on a mapping that touches none."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start = ctypes.c_char.from_buffer(mapped)
+    try:
+        assert libc.mincore(ctypes.addressof(start), size, vector) == 0, os.strerror(ctypes.get_errno())
+    finally:
+        del start  # the mapping closes only once no buffer points into it
+        mapped.close()
+    return sum(v & 1 for v in vector) / pages
 
 
 def _takes_direct_io(folder) -> bool:

@@ -6,11 +6,15 @@ written once and read later, so the page cache only costs the writer's CPU (the 
 the cache's upkeep: about 3 times the store's CPU seconds on an ext4 disk, ``bench/store_rate.py``).
 Direct I/O wants whole blocks at block-aligned addresses and offsets, so the bytes pass through an
 aligned staging buffer, and the file's last partial block is written padded and truncated back.
-Elsewhere it writes through the page cache (``DIRECT_IO_FILE_SYSTEMS`` says why).
+Elsewhere it writes through the page cache (``DIRECT_IO_FILE_SYSTEMS`` says why). A file that is
+read back soon after it is written (``read_soon``: the online window, whose trainer reads each shard
+seconds later) goes through the page cache everywhere and its pages are left there (as long as
+memory allows), so that its reader reads memory rather than the disk the writer is busy with.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import functools
@@ -68,10 +72,25 @@ def direct_io_pays(folder: str | Path) -> bool:
     return hasattr(os, "O_DIRECT") and kind in DIRECT_IO_FILE_SYSTEMS
 
 
-def _open_for_writing(path: str | Path):
-    """An unbuffered file object, with ``O_DIRECT`` where it pays and the file system accepts it at open."""
+@functools.cache
+def _sync_file_range():
+    """Linux's ``sync_file_range`` (absent from ``os``), or None where libc has none."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return call
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages, without waiting and without dropping them
+
+
+def _open_for_writing(path: str | Path, direct_if_it_pays: bool):
+    """An unbuffered file object, with ``O_DIRECT`` where asked, where it pays and where the file
+    system accepts it at open."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    direct = os.O_DIRECT if direct_io_pays(os.path.dirname(os.path.abspath(path))) else 0
+    direct = os.O_DIRECT if direct_if_it_pays and direct_io_pays(os.path.dirname(os.path.abspath(path))) else 0
     try:
         fd = os.open(path, flags | direct, 0o644) if direct else os.open(path, flags, 0o644)
     except OSError as error:
@@ -87,10 +106,12 @@ class SafetensorsStream:
     ``layout`` fixes every tensor's name, dtype and final shape, in file order, so the header
     goes out first; ``write`` then takes the next bytes in that order (a tensor may come in row
     blocks), hashing them on the way with the GIL released. ``close`` checks that every byte came,
-    syncs the file and returns its checksum (``draftsmith.io``).
+    syncs the file and returns its checksum (``draftsmith.io``). ``read_soon``: the file is read back
+    soon after it is written, so it goes through the page cache and its pages are left there.
     """
 
-    def __init__(self, path: str | Path, layout: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+    def __init__(self, path: str | Path, layout: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
+                 read_soon: bool = False) -> None:
         header, offset = {}, 0
         for name, dtype, shape in layout:
             size = math.prod(shape) * dtype.itemsize
@@ -104,7 +125,8 @@ class SafetensorsStream:
         text += b" " * (-len(text) % 8)
         self.path, self.file_bytes = str(path), 8 + len(text) + offset
         self.digest = checksum_hasher()
-        self.file = _open_for_writing(path)
+        self.read_soon = read_soon
+        self.file = _open_for_writing(path, direct_if_it_pays=not read_soon)
         try:
             self.direct = bool(fcntl.fcntl(self.file.fileno(), fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
             # Direct writes leave from this page-aligned buffer in whole blocks; numpy copies into it
@@ -164,8 +186,14 @@ class SafetensorsStream:
 
     def start_writeback(self) -> None:
         """Without direct I/O: hand what is written so far to the disk now (asynchronously), so the
-        sync at the end waits for the last bytes only, and the page cache does not fill with the store."""
-        if not self.direct and hasattr(os, "posix_fadvise"):
+        sync at the end waits for the last bytes only. A file read later drops its pages, so that the
+        page cache does not fill with the store; one read soon keeps them for its reader."""
+        if self.direct:
+            return
+        if self.read_soon:
+            if (sync_file_range := _sync_file_range()) is not None:  # a hint: close's fsync does the rest
+                sync_file_range(self.file.fileno(), 0, 0, _SYNC_FILE_RANGE_WRITE)
+        elif hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> str:
@@ -190,11 +218,11 @@ class SafetensorsStream:
             pass
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> str:
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], *, read_soon: bool = False) -> str:
     """Write ``tensors`` as a safetensors file, fsync it, and return its checksum; the bytes equal
     ``safetensors.torch.save``'s (its order: larger elements first, then by name)."""
     items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-    stream = SafetensorsStream(path, [(name, t.dtype, tuple(t.shape)) for name, t in items])
+    stream = SafetensorsStream(path, [(name, t.dtype, tuple(t.shape)) for name, t in items], read_soon=read_soon)
     try:
         for _, tensor in items:
             stream.write(tensor)

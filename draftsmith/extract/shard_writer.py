@@ -88,16 +88,19 @@ class PartStore:
 
     ``fingerprint`` identifies what the shards are made from (model, samples, layers, dtype):
     a store holding shards of another fingerprint is cleared rather than resumed, since mixing
-    them would hand training states that belong to other tokens.
+    them would hand training states that belong to other tokens. ``read_soon``: each shard is read
+    back soon after it is written (the online window), so its files are left in the page cache
+    (``SafetensorsStream``).
     """
 
     def __init__(self, root: str | Path, part: int, *, fingerprint: str, dtype: str,
-                 hidden_size: int, layer_ids: Sequence[int]) -> None:
+                 hidden_size: int, layer_ids: Sequence[int], read_soon: bool = False) -> None:
         if dtype not in STORAGE_DTYPES:
             raise ExtractionError(f"unknown storage dtype {dtype!r}", where="extraction.dtype",
                                   fix=f"use one of {sorted(STORAGE_DTYPES)}")
         self.root = Path(root)
         self.part = part
+        self.read_soon = read_soon
         self.dir = self.root / part_dir_name(part)
         self.meta = {
             "fingerprint": fingerprint, "dtype": dtype, "hidden_size": hidden_size,
@@ -198,7 +201,8 @@ class ShardWriter:
             layout = [("hidden_states", STORAGE_DTYPES[store.meta["dtype"]], (num_tokens, hidden))]
             if self.fp8:
                 layout.append(("scales", torch.float32, (num_tokens,)))
-            self.files = {i: SafetensorsStream(self.tmp / layer_file(i), layout) for i in store.layer_ids}
+            self.files = {i: SafetensorsStream(self.tmp / layer_file(i), layout, read_soon=store.read_soon)
+                          for i in store.layer_ids}
         except BaseException:
             self.abort()
             raise
@@ -270,7 +274,8 @@ class ShardWriter:
                                       f"(the shard was opened for {self.num_tokens})",
                                       where=f"part {self.store.part} shard {self.shard}")
             checksums = {TOKENS_FILE: write_safetensors(self.tmp / TOKENS_FILE,
-                                                        _tokens_tensors(input_ids, loss_masks, lengths))}
+                                                        _tokens_tensors(input_ids, loss_masks, lengths),
+                                                        read_soon=self.store.read_soon)}
             checksums.update(zip(map(layer_file, self.store.layer_ids), self.pool.map(close, self.store.layer_ids)))
             store = self.store
             info = ShardInfo(

@@ -45,7 +45,8 @@ class Producer:
         self.units = self.plan.units(steps)
         self.store = PartStore(self.plan.window, PART, fingerprint=self.plan.fingerprint, dtype=self.extraction.dtype,
                                hidden_size=self.target_info["hidden_size"],
-                               layer_ids=self.target_info["captured_layer_ids"])
+                               layer_ids=self.target_info["captured_layer_ids"],
+                               read_soon=True)  # the trainer reads each shard from the page cache
         self.parent = os.getppid()
         self.peak = 0
         self.made = self.made_tokens = 0
