@@ -8,7 +8,7 @@ repeated batches), peak memory, and achieved FLOP/s against the bf16 dense peak.
 
     python bench/train_throughput.py                 # H200, 8B-class shapes
     python bench/train_throughput.py --tiny          # CPU smoke test, seconds
-    python bench/train_throughput.py --profile DIR   # then each trainer's kernels and GPU time by kind of work
+    python bench/train_throughput.py --profile DIR   # then each trainer's kernels, GPU time by kind of work, where the GPU waits
     python bench/train_throughput.py --speculators-default   # also speculators' own default recipe (Muon)
 
 speculators runs its own ``Eagle3DraftModel.forward`` (torch.compile'd on CUDA, flex attention)
@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_idle import idle_report, load_trace  # noqa: E402
 from trainer_quality import SPECULATORS_DEFAULT_OPTIMIZER  # noqa: E402  (one definition of speculators' defaults)
 
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token  # noqa: E402
@@ -197,6 +200,15 @@ def profiled(run_step, args, device, name, timed_step_s):
     print(f"{name}: {timed_step_s * 1e3:.1f} ms a timed step ({profiled_step_s * 1e3:.1f} profiled), {kernels_ms:.1f} ms "
           f"of kernels ({kernels_ms / (timed_step_s * 1e3):.0%} of the timed step): "
           + ", ".join(f"{k} {v / args.profile_steps:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    if cuda:  # the trace (for Perfetto), and where in it the GPU waited (bench/gpu_idle.py)
+        raw = args.profile / f"{name}-trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as out:
+            shutil.copyfileobj(f, out)
+        raw.unlink()
+        idle_ms, report = idle_report(load_trace(Path(f"{raw}.gz")), args.profile_steps)
+        (args.profile / f"{name}-idle.txt").write_text(report)
+        print(f"{name}: the GPU idle {idle_ms:.1f} ms a profiled step ({name}-idle.txt says where)")
 
 
 def timed(run_step, args, device, name):
@@ -217,6 +229,7 @@ def timed(run_step, args, device, name):
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     losses = [float(x) for x in losses]
+    print(f"{name}: {args.steps} timed steps in {elapsed:.3f} s")  # kept should the profile below fail
     if args.profile is not None:
         profiled(run_step, args, device, name, elapsed / args.steps)
     return elapsed, losses, peak
