@@ -335,9 +335,10 @@ def test_train_lm_head_trains_the_heads_rows_and_frozen_keeps_the_targets(inputs
 @pytest.mark.gpu
 @pytest.mark.parametrize("hard, noise", [(0.0, 0.0), (0.5, 0.0), (0.0, 0.1)])
 def test_compiled_objective_equals_eager(inputs, hard, noise):
-    """compile_steps (the GPU configuration: compiled draft step and loss kernels) gives the eager
-    loss, stats and gradients, on batches of different lengths and loss-position counts, for the
-    KL, for a mix with the cross-entropy on the teacher's top token, and with feature noise."""
+    """compile_steps (the GPU configuration: the TTT steps compiled as one graph, compiled loss
+    kernels) gives the eager loss, stats and gradients, on batches of different lengths and
+    loss-position counts, for the KL, for a mix with the cross-entropy on the teacher's top token,
+    and with feature noise."""
     import torch._dynamo
 
     torch._dynamo.reset()
