@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from train_throughput import document_lengths, sync  # noqa: E402  (the training bench's documents)
+
 from draftsmith.train import PAD_MULTIPLE  # noqa: E402
 from draftsmith.train.attention import TTTAttention  # noqa: E402
 
@@ -66,11 +68,7 @@ def parse_args(argv=None):
 def documents(args) -> tuple[torch.Tensor, list[int]]:
     """Document ids of one packed micro-batch, padded to the block size with a document of its own,
     and the documents' lengths."""
-    g = torch.Generator().manual_seed(0)
-    lengths: list[int] = []
-    while sum(lengths) < args.seq_len:
-        lengths.append(min(max(16, int(torch.empty(1).exponential_(1 / args.doc_len, generator=g))),
-                           args.seq_len - sum(lengths)))
+    lengths = document_lengths(args.seq_len, args.doc_len, torch.Generator().manual_seed(0))
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     extra = -(-args.seq_len // PAD_MULTIPLE) * PAD_MULTIPLE - args.seq_len
     return torch.nn.functional.pad(doc, (0, extra), value=len(lengths)).int(), lengths
@@ -102,11 +100,6 @@ def run(fn, block_mask, q, k, v, grads, iters, device) -> tuple[float, float]:
         sync(device)
         timings[i] = (time.perf_counter() - start) / iters * 1e3
     return timings[0], timings[1]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main(argv=None) -> None:

@@ -87,14 +87,18 @@ def idle_report(events: list[dict], steps: int, min_gap_us: float = 20.0, top: i
         by_cause[cause][1] += 1
 
     # Late launches: what the launching thread was inside when the GPU went idle.
+    ranges, syncs = defaultdict(list), defaultdict(list)
+    for e in events:
+        thread = (e.get("pid"), e.get("tid"))
+        if thread in late and e.get("cat") in HOST_RANGES:
+            ranges[thread].append(e)
+        elif thread in late and e.get("cat") in LAUNCHES and "Synchronize" in e["name"]:
+            syncs[thread].append(e)
     for thread, gaps in late.items():
-        ranges = [e for e in events if e.get("cat") in HOST_RANGES and (e["pid"], e["tid"]) == thread]
-        syncs = [e for e in events if e.get("cat") in LAUNCHES and "Synchronize" in e["name"]
-                 and (e["pid"], e["tid"]) == thread]
-        open_at = _open_ranges(ranges, [t for t, _ in gaps])
+        open_at = _open_ranges(ranges[thread], [t for t, _ in gaps])
         for gap_start, gap in gaps:
             stack = open_at[gap_start]
-            sync = next((e for e in syncs if e["ts"] <= gap_start < e["ts"] + e["dur"]), None)
+            sync = next((e for e in syncs[thread] if e["ts"] <= gap_start < e["ts"] + e["dur"]), None)
             if sync is not None:
                 cause = f"host synchronising ({sync['name']}) in " + (stack[-1]["name"] if stack else "?")
             elif stack:

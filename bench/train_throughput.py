@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import gzip
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -98,6 +96,16 @@ def parse_args(argv=None):
     return args
 
 
+def document_lengths(tokens: int, mean: int, generator: torch.Generator) -> list[int]:
+    """The lengths of the documents packed into one micro-batch of ``tokens``: exponential around
+    ``mean``, at least 16, the last cut to fit."""
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(max(16, int(torch.empty(1).exponential_(1 / mean, generator=generator))),
+                           tokens - sum(lengths)))
+    return lengths
+
+
 def synthetic(args, device, dtype):
     """Packed batches shared by both trainers, plus the target's embeddings and lm_head."""
     g = torch.Generator().manual_seed(0)
@@ -108,10 +116,7 @@ def synthetic(args, device, dtype):
     final_norm = 1 + 0.1 * torch.randn(h, generator=g)
     batches = []
     for _ in range(args.batches):
-        lengths = []
-        while sum(lengths) < t:
-            lengths.append(min(max(16, int(torch.empty(1).exponential_(1 / args.doc_len, generator=g))),
-                               t - sum(lengths)))
+        lengths = document_lengths(t, args.doc_len, g)
         doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         pos = torch.cat([torch.arange(1, n + 1) for n in lengths])
         tokens = torch.randint(0, args.vocab, (t,), generator=g)
@@ -201,12 +206,9 @@ def profiled(run_step, args, device, name, timed_step_s):
           f"of kernels ({kernels_ms / (timed_step_s * 1e3):.0%} of the timed step): "
           + ", ".join(f"{k} {v / args.profile_steps:.1f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     if cuda:  # the trace (for Perfetto), and where in it the GPU waited (bench/gpu_idle.py)
-        raw = args.profile / f"{name}-trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as out:
-            shutil.copyfileobj(f, out)
-        raw.unlink()
-        idle_ms, report = idle_report(load_trace(Path(f"{raw}.gz")), args.profile_steps)
+        trace = args.profile / f"{name}-trace.json.gz"
+        prof.export_chrome_trace(str(trace))  # gzipped by the profiler for the .gz name
+        idle_ms, report = idle_report(load_trace(trace), args.profile_steps)
         (args.profile / f"{name}-idle.txt").write_text(report)
         print(f"{name}: the GPU idle {idle_ms:.1f} ms a profiled step ({name}-idle.txt says where)")
 
