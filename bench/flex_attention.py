@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_throughput import document_lengths, sync  # noqa: E402  (the training bench's documents)
+from train_throughput import document_lengths, mean_ms  # noqa: E402  (the training bench's documents)
 
 from draftsmith.train import PAD_MULTIPLE  # noqa: E402
 from draftsmith.train.attention import TTTAttention  # noqa: E402
@@ -89,17 +89,7 @@ def run(fn, block_mask, q, k, v, grads, iters, device) -> tuple[float, float]:
         out, lse = forward()
         torch.autograd.backward((out, lse), grads)
 
-    timings = [float("nan")] * 2
-    for i, step in enumerate((forward, both) if grads is not None else (forward,)):
-        for _ in range(3):
-            step()
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        sync(device)
-        timings[i] = (time.perf_counter() - start) / iters * 1e3
-    return timings[0], timings[1]
+    return mean_ms(forward, iters, device), mean_ms(both, iters, device) if grads is not None else float("nan")
 
 
 def main(argv=None) -> None:

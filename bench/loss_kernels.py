@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_throughput import sync  # noqa: E402
+from train_throughput import mean_ms  # noqa: E402
 
 from draftsmith.train.objective import LossKernels  # noqa: E402
 from draftsmith.train.settings import TrainSettings  # noqa: E402
@@ -42,18 +41,6 @@ def parse_args(argv=None):
     if args.tiny:
         args.rows, args.teacher_rows, args.vocab, args.iters = 64, 64, 512, 2
     return args
-
-
-def timed(fn, iters, device) -> float:
-    """Milliseconds per call, the mean of ``iters`` after three warm-ups (the compiles among them)."""
-    for _ in range(3):
-        fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def main(argv=None) -> None:
@@ -86,7 +73,7 @@ def main(argv=None) -> None:
           f"{dtype}, hard_label_weight {args.hard}")
     print(f"{'kernel':<45} {'ms':>8} {'GB moved at least':>18} {'GB/s':>8} {'of peak':>8}")
     for name, (fn, nbytes) in rows.items():
-        ms = timed(fn, args.iters, device)
+        ms = mean_ms(fn, args.iters, device)
         rate = nbytes / ms / 1e6
         print(f"{name:<45} {ms:>8.3f} {nbytes / 1e9:>18.3f} {rate:>8.0f} {rate / args.peak_gbs:>8.0%}")
 

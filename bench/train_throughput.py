@@ -156,6 +156,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def mean_ms(fn, iters: int, device) -> float:
+    """Milliseconds per call of ``fn``, the mean of ``iters`` after three warm-ups (compiles among them)."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
 # What a kernel's name says it does, first match wins: how a step's GPU time splits by kind of work.
 KERNEL_KINDS = (
     ("attention", ("flash", "fmha", "attention", "flex")),
