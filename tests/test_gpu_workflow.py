@@ -5,9 +5,10 @@ extraction, evaluation), on a GPU, for two targets:
   (``eval.hf_check``): vLLM and the HF loop must agree exactly, as in test_vllm_serving;
 - a random-init DeepSeek-V3 (MLA with DeepSeek's head sizes, routed experts behind the ``noaux_tc``
   router) in bfloat16, evaluated in vLLM alone, as a DeepSeek-V3 or Kimi-K2.5 deployment is (the HF
-  loop cannot hold such a target): vLLM's greedy decoding is the reference and outputs that differ
-  from it are counted, not raised. A random-init MoE's router sits near ties, which bfloat16 tips
-  either way, so the HF loop is no exact reference for it.
+  loop cannot hold such a target): one engine, every served token checked against the target's own
+  argmax from that engine's logits, the n-gram baseline replayed on the same text. A random-init
+  MoE's router sits near ties, which bfloat16 tips either way, so the HF loop is no exact reference
+  for it.
 
 Each stage's seconds (Snakemake's benchmark files) and each job's target loads (its log) are printed,
 for docs/gpu-tests.md. On the CPU each of these vLLM paths has its own tests (test_regenerate,
@@ -81,19 +82,17 @@ def test_the_workflow_runs_every_target_stage_in_vllm(tmp_path, case):
     if hf_check:
         served = acceptance["vllm"]
         assert served["speculative_config"]["method"] == "eagle3"
-        assert served["prompts_identical_to_vllm_greedy"] == served["num_prompts"] > 0  # vLLM with the draft = greedy
-        assert served["tau"] == pytest.approx(served["hf_loop"]["tau"])
+        assert served["num_prompts"] > 0 and served["tau"] == pytest.approx(served["hf_loop"]["tau"])
         assert lossless["checked_generations"] > 0 and lossless["numerical_ties"] == []
-        assert len(loads["evaluate_draft"]) == 3  # vLLM greedy, vLLM with the draft, the HF loop's check
+        assert len(loads["evaluate_draft"]) == 2  # vLLM with the draft, the HF loop's check
     else:
-        assert acceptance["reference"] == "vllm" and acceptance["num_prompts"] == PROMPTS
+        assert acceptance["reference"] == "vllm_argmax" and acceptance["num_prompts"] == PROMPTS
         assert acceptance["vllm"]["speculative_config"]["method"] == "eagle3"
         assert acceptance["tau"] >= 1 and acceptance["baseline"]["tau"] >= 1
         assert acceptance["tau_by_k"]["k"] == [3] and len(acceptance["acceptance_rate_by_position"]) == 3
-        # both drafters checked against vLLM's greedy decoding, every prompt; what differs is listed
-        assert lossless["checked_generations"] == 2 * PROMPTS
-        assert lossless["differing_count"] == len(lossless["differing"]) <= 2 * PROMPTS
-        # vLLM greedy, vLLM with the draft, vLLM with the n-gram baseline; no HF load
-        assert len(loads["evaluate_draft"]) == 3 and all("vLLM" in what for what in loads["evaluate_draft"])
+        # every served token checked against the target's argmax, every prompt; near-ties are listed
+        assert lossless["checked_generations"] == PROMPTS and lossless["checked_tokens"] == acceptance["num_tokens"]
+        # one load: vLLM with the draft; no HF load
+        assert len(loads["evaluate_draft"]) == 1 and "vLLM" in loads["evaluate_draft"][0]
     print(json.dumps({"case": case, "stage_seconds": _stage_seconds(workdir), "target_loads": loads,
                       "tau": acceptance["tau"], "lossless": lossless}, indent=1))

@@ -172,7 +172,7 @@ def test_from_config_reads_each_field_from_its_key_and_the_schema_default_where_
 def test_acceptance_json_records_the_eval_section_alone():
     """The device, dtype and tensor parallel size EvalSettings carries stay out of acceptance.json's settings."""
     settings = EvalSettings(k=3, k_sweep=(1, 3), device="cpu", model_dtype="float32", tensor_parallel_size=2)
-    assert settings.section_values() == {"backend": "hf", "hf_check": False, "enforce_eager": False, "k": 3, "k_sweep": (1, 3), "max_prompts": 64,
+    assert settings.section_values() == {"backend": "hf", "hf_check": False, "separate_engines": False, "enforce_eager": False, "k": 3, "k_sweep": (1, 3), "max_prompts": 64,
                                          "max_new_tokens": 128, "ngram_max": 3, "sweep_max_prompts": 16}
 
 

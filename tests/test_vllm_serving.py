@@ -102,8 +102,8 @@ def llama_eval(llama, tmp_path_factory, in_process_engine):
 
 @vllm_test
 def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
-    """Both vLLM runs (the target alone, and with the draft) reproduced the HF loop's greedy
-    decoding (evaluate_draft raises otherwise); vLLM's figures sit beside the HF loop's and agree."""
+    """vLLM's run with the draft reproduced the HF loop's greedy decoding (evaluate_draft raises
+    otherwise), in one engine, the draft's; vLLM's figures sit beside the HF loop's and agree."""
     from draftsmith.plots import plot_evaluation
 
     written = json.loads(llama_eval.out.read_text())
@@ -120,7 +120,6 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
     assert v["num_drafts"] > 0 and 0 <= cut_short <= len(LLAMA_PROMPTS)
     assert v["tau"] == pytest.approx(1 + v["num_accepted_tokens"] / v["num_drafts"]) == pytest.approx(v["hf_loop"]["tau"])
     assert v["num_drafts"] == v["hf_loop"]["num_steps"]
-    assert v["prompts_identical_to_vllm_greedy"] == len(LLAMA_PROMPTS)
     if per_request_records():
         assert v["per_request"]["tau"] == pytest.approx(v["tau"])
         assert v["per_request"]["num_steps"] == v["num_drafts"]
@@ -128,11 +127,12 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
         assert v["engine"]["per_request_spec_decode_metrics"] == "detailed"
     else:
         assert v["per_request"]["tau"] is None and v["prompts_with_the_hf_loops_steps"] is None
-    assert v["seconds"] > 0 and v["greedy_seconds"] > 0 and v["speedup"] > 0
+    # one engine decodes: vLLM's greedy decoding is not timed beside it (eval.separate_engines)
+    assert v["seconds"] > 0 and v["greedy_seconds"] is None and v["speedup"] is None
     assert v["engine"]["dtype"] == "float32"
     # Checked: the HF loop's draft and baseline at k = 1 and 3 on 2 prompts and at k = 3 on the
-    # other 2, and vLLM's two runs on every prompt.
-    assert written["lossless"]["checked_generations"] == 2 * 2 * 2 + 2 * 2 + 2 * len(LLAMA_PROMPTS)
+    # other 2, and vLLM's run on every prompt.
+    assert written["lossless"]["checked_generations"] == 2 * 2 * 2 + 2 * 2 + len(LLAMA_PROMPTS)
     assert written["lossless"]["numerical_ties"] == []
     plot_evaluation(llama_eval.out, tmp_path / "by_position.png", tmp_path / "tau.png", tmp_path / "sets.png")
     assert (tmp_path / "tau.png").stat().st_size > 0
@@ -314,12 +314,13 @@ def _vllm_run(prompts, greedy, draft):
     def gens(tokens):
         return [Generation(p.id, t, 0.0, [0] * len(t), [K] * len(t)) for p, t in zip(prompts, tokens)]
 
-    return VllmRun(gens(greedy), gens(draft), SpecCounters(), 1.0, 1.0, {}, {}, [])
+    return VllmRun(gens(draft), SpecCounters(), 1.0, {}, {}, [], greedy=gens(greedy), greedy_seconds=1.0)
 
 
 def test_a_served_output_off_greedy_is_named_by_prompt_and_position(llama, one_thread):
     """A token vLLM got wrong fails the evaluation with the prompt id and the generated position;
-    a difference already present without speculation is blamed on the engine, not the draft."""
+    a difference already present without speculation (vLLM's greedy run, eval.separate_engines) is
+    blamed on the engine, not the draft."""
     from draftsmith.evaluate import DrafterSpec, EvalSettings, HFDecoder, Prompt, run_evaluation, vllm_outside_runs
 
     prompts = [Prompt(pid, ids) for pid, ids in list(LLAMA_PROMPTS.items())[:2]]

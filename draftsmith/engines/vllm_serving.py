@@ -72,6 +72,17 @@ class SpecCounters:
 
 
 @dataclass
+class Scored:
+    """The target's own choice at each position of a served output (from the same engine's logits
+    over prompt + output), and its greedy tokens after the output."""
+
+    best: list[int]  # the argmax token at each output position
+    best_logit: list[float]
+    token_logit: list[float]  # the logit of the token the output holds there
+    continuation: list[int]
+
+
+@dataclass
 class Served:
     """One prompt's output: generated tokens (a stop token included), and per verification step
     the draft tokens vLLM accepted and proposed (empty without a speculator; None where the vLLM
@@ -80,6 +91,15 @@ class Served:
     tokens: list[int]
     accepted: list[int] | None
     proposed: list[int] | None
+
+
+def counters_from_records(accepted: Sequence[Sequence[int]], proposed: Sequence[Sequence[int]], k: int
+                          ) -> SpecCounters:
+    """The counters vLLM would have kept for these per-request step records (accepted and proposed
+    draft tokens per step that had a draft)."""
+    steps = [(a, n) for acc, prop in zip(accepted, proposed) for a, n in zip(acc, prop)]
+    return SpecCounters(len(steps), sum(n for _, n in steps), sum(a for a, _ in steps),
+                        [sum(a >= j for a, _ in steps) for j in range(1, k + 1)])
 
 
 def read_spec_counters(metrics) -> SpecCounters:
@@ -176,6 +196,33 @@ class VllmServer:
                 record = (None, None) if self.speculative_config else ([], [])
             served.append(Served([int(t) for t in completion.token_ids], *record))
         return served, self.counters() - before, seconds
+
+    def score(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], *,
+              extend: int) -> list[Scored]:
+        """The target's argmax and logits at every position of each ``outputs[i]`` after
+        ``prompts[i]``, and its next ``extend`` greedy tokens, in one prefill of the whole text per
+        prompt (vLLM's prompt logits: the engine needs ``logprobs_mode="raw_logits"``)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.settings.get("logprobs_mode") != "raw_logits":
+            raise EvaluationError("the engine returns log-probabilities, not the logits the lossless check compares",
+                                  where="VllmServer", fix='start the engine with logprobs_mode="raw_logits"')
+        params = SamplingParams(temperature=0.0, max_tokens=extend, ignore_eos=True, prompt_logprobs=1,
+                                detokenize=False)
+        texts = [[int(t) for t in (*p, *o)] for p, o in zip(prompts, outputs, strict=True)]
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in texts], params, use_tqdm=False)
+        scored = []
+        for prompt, output, result in zip(prompts, outputs, results):
+            best, best_logit, token_logit = [], [], []
+            for position, token in enumerate(output, start=len(prompt)):
+                entry = result.prompt_logprobs[position]  # {token id: Logprob(logit, rank)}, the text's token too
+                top = int(token) if entry[int(token)].rank == 1 else next(t for t, v in entry.items() if v.rank == 1)
+                best.append(int(top))
+                best_logit.append(float(entry[top].logprob))
+                token_logit.append(float(entry[int(token)].logprob))
+            scored.append(Scored(best, best_logit, token_logit, [int(t) for t in result.outputs[0].token_ids]))
+        return scored
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

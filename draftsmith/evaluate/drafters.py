@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from draftsmith.evaluate.prompt_lookup import propose
+
 log = logging.getLogger(__name__)
 
 
@@ -38,8 +40,8 @@ class Drafter(ABC):
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from
-    ``ngram_max`` down to 1) and propose what followed it."""
+    """Prompt lookup as vLLM's ``ngram`` speculator runs it (``prompt_lookup.propose``): what followed
+    the earliest earlier occurrence of the context's longest suffix of up to ``ngram_max`` tokens."""
 
     def __init__(self, ngram_max: int = 3) -> None:
         self.ngram_max = ngram_max
@@ -49,14 +51,7 @@ class NgramDrafter(Drafter):
         self.context = [*prompt_ids, first_token]
 
     def propose(self, k: int) -> list[int]:
-        ctx = self.context
-        end = len(ctx)
-        for n in range(min(self.ngram_max, end - 1), 0, -1):
-            suffix = ctx[end - n:]
-            for start in range(end - n - 1, -1, -1):
-                if ctx[start:start + n] == suffix:
-                    return ctx[start + n:start + n + k]
-        return []
+        return propose(self.context, k, ngram_max=self.ngram_max)
 
     def commit(self, new_tokens, aux_states) -> None:
         self.context.extend(new_tokens)

@@ -30,6 +30,7 @@ class EvalSettings(StageSettings):
 
     backend: str = from_schema("eval.backend")
     hf_check: bool = from_schema("eval.hf_check")
+    separate_engines: bool = from_schema("eval.separate_engines")  # vLLM's greedy and n-gram runs in engines of their own
     enforce_eager: bool = from_schema("eval.enforce_eager")  # vLLM without CUDA graphs on a GPU
     k: int = from_schema("eval.k")
     k_sweep: tuple[int, ...] = from_schema("eval.k_sweep")

