@@ -44,6 +44,8 @@ POLL_S = 2.0
 # reports usage to its authors by default (vllm/usage/usage_lib.py reads both).
 ENGINE_ENV_DEFAULTS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 ENGINE_RULES = ("regenerate_responses", "extract_hidden_states", "evaluate_draft", "train_draft_online")
+JOB_GPUS_ENV = "DRAFTSMITH_JOB_GPUS"  # the UUIDs of the job's GPUs: which warm engines it may attach to
+KEEP_WARM_ENV = "DRAFTSMITH_KEEP_WARM_S"  # seconds a warm target engine outlives its last job (draftsmith.engines.warm)
 
 
 class PlacementError(DraftsmithError):
@@ -201,13 +203,15 @@ def _slurm_claim(count: int) -> Claim:
     return Claim([Device(i, i) for i in ids[:count]], "slurm")
 
 
-def engine_env(section: Mapping | None, rule: str) -> dict[str, str]:
+def engine_env(config: Mapping, rule: str) -> dict[str, str]:
     """The environment of ``rule``'s engine: the defaults, the config's ``engine_env`` variables,
-    then that rule's own entries (``engine_env.<rule>``)."""
-    section = dict(section or {})
+    then that rule's own entries (``engine_env.<rule>``), and how long its engine stays warm after
+    the job (``warm_target.minutes``)."""
+    section = dict(config.get("engine_env") or {})
     env = dict(ENGINE_ENV_DEFAULTS)
     env.update({k: _text(v) for k, v in section.items() if k not in ENGINE_RULES})
     env.update({k: _text(v) for k, v in (section.get(rule) or {}).items()})
+    env[KEEP_WARM_ENV] = _text(60 * float((config.get("warm_target") or {}).get("minutes", 0)))
     return env
 
 
@@ -227,6 +231,7 @@ def engine_placement(gpus: int, env: Mapping[str, str] | None = None, *,
     if claim.devices:
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         os.environ["CUDA_VISIBLE_DEVICES"] = claim.visible
+        os.environ[JOB_GPUS_ENV] = ",".join(d.uuid for d in claim.devices)
         log.info("GPUs of this job (%s): CUDA_VISIBLE_DEVICES=%s; UUIDs %s", claim.source, claim.visible,
                  ", ".join(d.uuid for d in claim.devices))
     try:

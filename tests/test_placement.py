@@ -96,13 +96,20 @@ def test_placement_sets_the_devices_and_the_engine_environment(four_gpus, monkey
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the workflow was started on GPUs 2 and 3
     for key in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "NCCL_P2P_DISABLE"):
         monkeypatch.delenv(key, raising=False)
-    env = engine_env({"NCCL_P2P_DISABLE": 1, "extract_hidden_states": {"DO_NOT_TRACK": "0"}},
-                     "extract_hidden_states")
-    assert env == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "0", "NCCL_P2P_DISABLE": "1"}
+    for key in ("DRAFTSMITH_JOB_GPUS", "DRAFTSMITH_KEEP_WARM_S"):  # set below; gone again after the test
+        monkeypatch.setenv(key, "")
+    config = {"engine_env": {"NCCL_P2P_DISABLE": 1, "extract_hidden_states": {"DO_NOT_TRACK": "0"}},
+              "warm_target": {"minutes": 1.5}}
+    env = engine_env(config, "extract_hidden_states")
+    assert env == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "0", "NCCL_P2P_DISABLE": "1",
+                   "DRAFTSMITH_KEEP_WARM_S": "90.0"}
     with engine_placement(1, env) as claim:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == claim.visible == "2"
         assert os.environ["NCCL_P2P_DISABLE"] == "1" and os.environ["DO_NOT_TRACK"] == "0"
-    assert engine_env(None, "evaluate_draft") == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        # the warm engines a job may attach to are those on its own GPUs
+        assert os.environ["DRAFTSMITH_JOB_GPUS"] == claim.devices[0].uuid
+    assert engine_env({}, "evaluate_draft") == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                                                "DRAFTSMITH_KEEP_WARM_S": "0.0"}
 
 
 def test_too_many_gpus_are_refused_at_once(four_gpus):

@@ -12,7 +12,7 @@ from draftsmith.placement import engine_env, engine_placement
 if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
-    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config, snakemake.rule)):
         evaluate_draft(
             Path(snakemake.input.draft).parent,
             snakemake.input.target,

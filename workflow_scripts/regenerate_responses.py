@@ -12,7 +12,7 @@ if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     target = read_target_json(snakemake.input.target)
-    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)):
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config, snakemake.rule)):
         regenerate_responses(
             snakemake.input.sources,
             target["model_path"],

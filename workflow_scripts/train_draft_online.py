@@ -15,7 +15,7 @@ if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     params = snakemake.params
-    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config.get("engine_env"), snakemake.rule)) as claim:
+    with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config, snakemake.rule)) as claim:
         engine_devices, trainer_devices = split_devices(claim.devices, params.engine_gpus)
         run_online_training(
             snakemake.input.train,

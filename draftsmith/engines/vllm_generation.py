@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.engines.loads import target_load
+from draftsmith.engines.warm import open_llm
 from draftsmith.errors import TargetError
-from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class VllmGenerator:
 
     def __init__(self, model_path: str, **kwargs) -> None:
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401 - here, to say which environment to run in
         except ImportError as e:
             raise TargetError(f"vLLM cannot be imported: {e}", where="regenerate.backend",
                               fix="run in the vLLM environment (envs/vllm.yaml, or scripts/setup.sh --cuda) "
@@ -67,17 +67,19 @@ class VllmGenerator:
         self._set_num_threads = torch.set_num_threads
         graphs = "eager" if self.args.get("enforce_eager") else "CUDA graphs"
         try:
-            with target_load(f"vLLM generation engine (TP {self.args['tensor_parallel_size']}, {graphs})") as load:
-                self.llm = LLM(**self.args)
+            self.engine = open_llm(self.args, what=f"vLLM generation engine (TP {self.args['tensor_parallel_size']}, "
+                                                   f"{graphs})", set_num_threads=self._set_num_threads)
         except Exception as e:
             torch.set_num_threads = self._set_num_threads
             raise TargetError(f"vLLM cannot load {model_path}: {type(e).__name__}: {e}", where=str(model_path),
                               fix="see docs/adapting-a-target.md (vLLM versions and known limits), "
                                   "or set regenerate.backend: hf for a target that fits one device") from e
-        self.max_model_len = _max_model_len(self.llm, self.args.get("max_model_len"))
-        self.load_seconds = load.seconds
-        log.info("vLLM loaded %s in %.1fs (tensor_parallel_size %d, max_model_len %d)", model_path,
-                 self.load_seconds, self.args["tensor_parallel_size"], self.max_model_len)
+        self.llm = self.engine.llm
+        self.max_model_len = self.engine.max_model_len
+        self.load_seconds = self.engine.load_seconds
+        log.info("vLLM %s %s (tensor_parallel_size %d, max_model_len %d)",
+                 "loaded" if self.engine.loaded else "attached to", model_path, self.args["tensor_parallel_size"],
+                 self.max_model_len)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
                  temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None
@@ -111,9 +113,10 @@ class VllmGenerator:
         return out
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            shutdown_llm(llm, self._set_num_threads)
+        self.llm = None
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> VllmGenerator:
         return self
@@ -121,13 +124,3 @@ class VllmGenerator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _max_model_len(llm, asked: int | None) -> int:
-    """The context length the engine settled on (the model's own when none was asked for)."""
-    engine = getattr(llm, "llm_engine", None)
-    config = getattr(engine, "model_config", None) or getattr(getattr(engine, "vllm_config", None), "model_config", None)
-    value = getattr(config, "max_model_len", None) or asked
-    if value is None:
-        raise TargetError("cannot read the vLLM engine's max_model_len", where="vLLM engine",
-                          fix="set the engine's max_model_len explicitly")
-    return int(value)

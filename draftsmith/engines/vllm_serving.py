@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.engines.loads import target_load
+from draftsmith.engines.warm import open_llm
 from draftsmith.errors import EvaluationError
-from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm, spec_decode_record
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, spec_decode_record
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,6 @@ class VllmServer:
                  max_model_len: int | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, enforce_eager: bool = False, **llm_kwargs) -> None:
         try:
-            from vllm import LLM
             from vllm.platforms import current_platform
         except ImportError as e:
             raise EvaluationError(f"vLLM cannot be imported: {e}", where="eval.backend",
@@ -155,16 +154,17 @@ class VllmServer:
         graphs = "eager" if kwargs.get("enforce_eager") else "CUDA graphs"
         role = "with the speculator " + self.speculative_config["method"] if self.speculative_config else "greedy"
         try:
-            with target_load(f"vLLM serving engine, {role} (TP {kwargs.get('tensor_parallel_size', 1)}, {graphs})") as load:
-                self.llm = LLM(**kwargs)
+            self.engine = open_llm(kwargs, what=f"vLLM serving engine, {role} (TP {kwargs.get('tensor_parallel_size', 1)}, "
+                                                f"{graphs})", set_num_threads=self._set_num_threads)
         except Exception as e:
             torch.set_num_threads = self._set_num_threads
             what = f" with the speculator {self.speculative_config}" if self.speculative_config else ""
             raise EvaluationError(f"vLLM cannot serve {model_path}{what}: {type(e).__name__}: {e}",
                                   where=str(model_path),
                                   fix="see docs/adapting-a-target.md (vLLM versions and known limits)") from e
-        self.load_seconds = load.seconds
-        log.info("vLLM loaded %s in %.1fs (speculative_config %s)", model_path, self.load_seconds,
+        self.llm = self.engine.llm
+        self.load_seconds = self.engine.load_seconds
+        log.info("vLLM %s %s (speculative_config %s)", "loaded" if self.engine.loaded else "attached to", model_path,
                  self.speculative_config)
 
     def counters(self) -> SpecCounters:
@@ -225,9 +225,10 @@ class VllmServer:
         return scored
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            shutdown_llm(llm, self._set_num_threads)
+        self.llm = None
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> VllmServer:
         return self

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from draftsmith.engines.loads import target_load
+from draftsmith.engines.warm import open_llm
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.hidden_states import CapturedRows
-from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, shutdown_llm
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class VllmBackend(CaptureBackend):
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401 - here, to say which environment to run in
         except ImportError as e:
             raise ExtractionError(f"vLLM cannot be imported: {e}", where="extraction.backend",
                                   fix="install vLLM (envs/vllm.yaml) or use extraction.backend: hf") from e
@@ -102,12 +102,13 @@ class VllmBackend(CaptureBackend):
         self._set_num_threads = torch.set_num_threads
         self.spool = spool_folder()
         try:
-            with target_load(f"vLLM capture engine (TP {kwargs.get('tensor_parallel_size', 1)}, eager)") as load:
-                self.llm = LLM(**engine_kwargs(kwargs))
+            self.engine = open_llm(engine_kwargs(kwargs), set_num_threads=self._set_num_threads,
+                                   what=f"vLLM capture engine (TP {kwargs.get('tensor_parallel_size', 1)}, eager)")
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)
             raise
-        self.load_seconds = load.seconds
+        self.llm = self.engine.llm
+        self.load_seconds = self.engine.load_seconds
         try:
             infos = self.llm.collective_rpc("draftsmith_install",
                                             args=(self.layer_ids, self.spool, layers_path, budget, fp8))
@@ -209,6 +210,6 @@ class VllmBackend(CaptureBackend):
         if llm is not None:
             with contextlib.suppress(Exception):  # a dead engine cannot answer, and has no writer left
                 llm.collective_rpc("draftsmith_reset")  # no pass may still be on its way into the spool
-            shutdown_llm(llm, self._set_num_threads)
+            self.engine.close()
         if getattr(self, "spool", None):
             shutil.rmtree(self.spool, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""The warm engine's process: ``python -m draftsmith.engines.service FOLDER`` (started by
+``draftsmith.engines.warm``, never by hand).
+
+It takes FOLDER's lock for its whole life, loads ``vllm.LLM`` with the arguments of FOLDER's
+spec.json, then serves one attached job at a time over FOLDER's socket: each request names an
+``LLM`` method (``generate``, ``collective_rpc``, ``get_metrics``) and gets its result or the
+exception's text back. A job that detaches or dies ends its session; the capture hooks' state is
+reset (``draftsmith_reset``) and, where the engine was started with sleep mode, it sleeps until the
+next job attaches. With no job for ``keep_warm_s`` seconds, or on SIGTERM, it shuts the engine down
+and exits; an engine that vLLM reports dead exits at once, so the next job loads cold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from draftsmith.engines.loads import target_load
+from draftsmith.io import atomic_write_json, read_json
+
+log = logging.getLogger("draftsmith.engines.service")
+
+METHODS = ("generate", "collective_rpc", "get_metrics")
+# vLLM's exceptions after which its engine cannot serve another request
+FATAL = ("EngineDeadError", "EngineGenerateError")
+
+
+class _Stop(Exception):
+    """SIGTERM: shut down and exit."""
+
+
+def main(folder: Path) -> int:
+    lock = open(folder / "lock", "a")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.error("another engine process holds %s", folder / "lock")
+        return 1
+    spec = read_json(folder / "spec.json")
+    state = {"status": "loading", "pid": os.getpid(), "started": time.time(), "jobs": 0, "attached": None}
+    _write(folder, state)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    import torch
+
+    set_num_threads = torch.set_num_threads  # an in-process CPU engine replaces it; shutdown_llm puts it back
+    try:
+        from vllm import LLM
+
+        from draftsmith.engines.warm import engine_max_model_len
+
+        with target_load(spec["what"]) as load:
+            llm = LLM(**spec["kwargs"])
+    except BaseException as e:  # noqa: BLE001 - whatever stopped the load is what the job must say
+        _write(folder, {**state, "status": "failed", "error": {"type": type(e).__name__, "message": str(e)}})
+        log.exception("the engine did not load")
+        return 1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / "socket"))
+    listener.listen(8)
+    state.update(status="ready", load_seconds=round(load.seconds, 2),
+                 max_model_len=engine_max_model_len(llm, spec["kwargs"].get("max_model_len")))
+    _write(folder, state)
+    reason = "stopped (SIGTERM)"
+    try:
+        reason = _serve(folder, llm, listener, state, float(spec["keep_warm_s"]),
+                        sleeps=bool(spec["kwargs"].get("enable_sleep_mode")))
+    except _Stop:
+        pass
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            (folder / "socket").unlink()
+        _write(folder, {**state, "status": "exited", "attached": None, "reason": reason})
+        log.info("the engine exits: %s", reason)
+        with contextlib.suppress(Exception):  # the process ends either way
+            from draftsmith.targets.vllm_compat import shutdown_llm
+
+            shutdown_llm(llm, set_num_threads)
+    return 0
+
+
+def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s: float, sleeps: bool) -> str:
+    """Serve jobs one at a time until none comes for ``keep_warm_s`` seconds; why it stopped."""
+    asleep = False
+    while True:
+        listener.settimeout(keep_warm_s)
+        try:
+            conn_socket, _ = listener.accept()
+        except TimeoutError:
+            return f"idle for {keep_warm_s:.0f} s"
+        conn = Connection(conn_socket.detach())
+        if asleep:
+            started = time.monotonic()
+            llm.wake_up()
+            asleep = False
+            log.info("woke up in %.1f s", time.monotonic() - started)
+        fatal = _session(folder, llm, conn, state)
+        conn.close()
+        state.update(attached=None, last_job=time.time())
+        _write(folder, state)
+        if fatal:
+            return f"vLLM's engine died ({fatal})"
+        with contextlib.suppress(Exception):  # engines without the capture extension have nothing to reset
+            llm.collective_rpc("draftsmith_reset")
+        if sleeps:
+            started = time.monotonic()
+            llm.sleep(level=1)
+            asleep = True
+            log.info("asleep (weights in host memory) in %.1f s", time.monotonic() - started)
+
+
+def _session(folder: Path, llm, conn: Connection, state: dict) -> str | None:
+    """One attached job's requests until it detaches or goes; the fatal error's name, if vLLM died."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            log.info("job pid %s went without detaching", state.get("attached"))
+            return None
+        if message[0] == "detach":
+            log.info("job pid %s detached", state.get("attached"))
+            return None
+        if message[0] == "attach":
+            state.update(attached=message[1]["pid"], jobs=state["jobs"] + 1)
+            _write(folder, state)
+            log.info("job pid %s attached (%s)", message[1]["pid"], " ".join(message[1]["argv"]))
+            reply = ("ok", {"pid": os.getpid(), "load_seconds": state["load_seconds"], "jobs": state["jobs"] - 1,
+                            "max_model_len": state["max_model_len"]})
+            fatal = None
+        else:
+            reply, fatal = _call(llm, *message[1:])
+        try:
+            conn.send(reply)
+        except (OSError, EOFError):
+            log.info("job pid %s went before its answer", state.get("attached"))
+            return fatal
+        if fatal:
+            return fatal
+
+
+def _call(llm, name: str, args: tuple, kwargs: dict) -> tuple[tuple, str | None]:
+    if name not in METHODS:
+        return ("error", "ValueError", f"{name} is not served", ""), None
+    try:
+        return ("ok", getattr(llm, name)(*args, **kwargs)), None
+    except Exception as e:  # noqa: BLE001 - the job gets it and decides; the engine serves on
+        kind = type(e).__name__
+        return ("error", kind, str(e), traceback.format_exc()), (kind if kind in FATAL else None)
+
+
+def _write(folder: Path, state: dict) -> None:
+    atomic_write_json(folder / "state.json", state)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise _Stop()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(main(Path(sys.argv[1])))

@@ -1,0 +1,410 @@
+"""The warm target: a vLLM engine that outlives the job that started it, so that a retried stage, a
+stage rerun after a patch, and the next stage that needs the same engine attach to it in seconds
+instead of loading the target again (about half an hour for a 1T model).
+
+A job asks for an engine by its exact arguments (``open_llm``). Without ``KEEP_WARM_ENV`` set (the
+Python API, tests, benches) it gets ``vllm.LLM`` in its own process, as before. With it (the
+workflow sets it from ``warm_target.minutes``) the engine runs in a process of its own
+(``draftsmith.engines.service``), found by its key in a per-user folder of this machine:
+
+    <root>/<key>/spec.json    what the engine runs: LLM arguments, identity, lifetime
+                 lock         flock-ed by the engine process for its whole life (alive = locked)
+                 start.lock   flock-ed by the job starting it (one start at a time)
+                 state.json   loading | ready | failed (with the error), pid, load seconds, who is attached
+                 socket       where jobs attach (the folder is the user's alone: mode 0700)
+                 engine.log   the engine's own output
+
+The key hashes everything that decides what the engine computes: every ``LLM`` argument, the
+content fingerprint of each folder they name (the target's weights, config and tokenizer; a draft
+served as speculator), the vLLM release, the GPUs (the UUIDs the job claimed), the engine's
+environment variables and the Python running it. A job attaches only to an engine of its own key,
+so a changed target, draft, setting, release or GPU set never meets a stale engine. One job at a
+time is attached (others queue at the socket; the GPU claims make that rare); a job that dies
+leaves the engine serving the next one. Between jobs a CUDA engine sleeps (vLLM's sleep mode: its
+weights in host memory, its GPU memory free for training) and wakes in seconds when a job attaches;
+an engine left idle for ``KEEP_WARM_ENV`` seconds exits. Before a new engine starts, idle engines
+on the same GPUs are stopped, so that they hold neither GPU nor host memory a new one needs. If the
+engine a job expected is gone (exited, crashed), the job loads cold and says so in its log.
+``python -m draftsmith.engines`` lists and stops them. docs/design.md ("The warm target") says how
+this fits Snakemake's model of jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import getpass
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from draftsmith.engines.loads import target_load
+from draftsmith.errors import DraftsmithError
+from draftsmith.io import atomic_write_json, read_json
+from draftsmith.placement import JOB_GPUS_ENV, KEEP_WARM_ENV
+
+log = logging.getLogger(__name__)
+
+ENGINE_DIR_ENV = "DRAFTSMITH_ENGINE_DIR"  # the registry's folder (default: <tmp>/draftsmith-engines-<user>)
+# The environment an engine's numerics or placement depend on; the rest (OMP_NUM_THREADS, which
+# Snakemake sets per rule, paths) is the job's, not the engine's.
+ENGINE_ENV_PREFIXES = ("VLLM_", "NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVSHMEM_", "HF_", "TRANSFORMERS_")
+WAIT_LOG_S = 60.0
+POLL_S = 0.25
+
+
+class EngineStartError(DraftsmithError):
+    """The engine process could not load the target; ``cause`` names the exception it raised."""
+
+    def __init__(self, what: str, *, cause: str, where: str | None = None, fix: str | None = None) -> None:
+        super().__init__(what, where=where, fix=fix)
+        self.cause = cause
+
+
+class EngineGone(DraftsmithError):
+    """The warm engine stopped while this job was attached."""
+
+
+def keep_warm_seconds() -> float:
+    """How long an idle engine stays, from ``KEEP_WARM_ENV``; 0 when engines die with their job
+    (also under SLURM, which ends every process of a job with it)."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return 0.0
+    try:
+        return max(float(os.environ.get(KEEP_WARM_ENV) or 0), 0.0)
+    except ValueError:
+        return 0.0
+
+
+def registry() -> Path:
+    """This user's folder of warm engines on this machine (mode 0700: attaching is controlling)."""
+    root = Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"draftsmith-engines-{_user()}")
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+# ---------------------------------------------------------------------------------------------
+# What an engine is
+
+
+def engine_identity(kwargs: dict) -> dict:
+    """Everything that decides what an engine with these ``LLM`` arguments computes, as JSON."""
+    from draftsmith.targets.identity import weights_fingerprint
+    from draftsmith.targets.vllm_support import installed_vllm_version
+
+    folders = {"model": kwargs.get("model"), "tokenizer": kwargs.get("tokenizer")}
+    speculator = kwargs.get("speculative_config") or {}
+    if isinstance(speculator, dict) and speculator.get("model"):
+        folders["speculator"] = speculator["model"]
+    return {
+        "arguments": kwargs,
+        "content": {name: weights_fingerprint(path) for name, path in folders.items() if path},
+        "vllm": installed_vllm_version(),
+        "gpus": os.environ.get(JOB_GPUS_ENV) or os.environ.get("CUDA_VISIBLE_DEVICES") or "all",
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENGINE_ENV_PREFIXES)},
+        "python": sys.executable,
+        "host": socket.gethostname(),
+    }
+
+
+def engine_key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine a job holds
+
+
+@dataclass
+class Engine:
+    """A job's handle on the target loaded in vLLM: ``llm`` is ``vllm.LLM`` (in this process) or a
+    ``RemoteLLM`` (a warm engine); ``loaded`` is False when the job attached to a warm one."""
+
+    llm: Any
+    load_seconds: float
+    loaded: bool
+    max_model_len: int
+    _close: Any = field(repr=False, default=None)
+
+    def close(self) -> None:
+        close, self._close = self._close, None
+        if close is not None:
+            close()
+
+
+def open_llm(kwargs: dict, *, what: str, set_num_threads) -> Engine:
+    """The engine for ``vllm.LLM(**kwargs)``: a warm one of the same key when one runs, else a new
+    one (kept warm after this job when ``KEEP_WARM_ENV`` says so). ``what`` describes it in the logs
+    (``engines.loads``). A load that fails raises; ``EngineStartError`` for one in an engine process."""
+    keep_warm = keep_warm_seconds()
+    if not keep_warm:
+        return _in_process(kwargs, what, set_num_threads)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        # Between jobs the engine sleeps: its weights in host memory, the GPU free for training.
+        kwargs = {**kwargs, "enable_sleep_mode": True}
+    identity = engine_identity(kwargs)
+    key = engine_key(identity)
+    folder = registry() / key
+    folder.mkdir(exist_ok=True, mode=0o700)
+    return _attach_or_start(folder, key, {"kwargs": kwargs, "what": what, "identity": identity,
+                                          "keep_warm_s": keep_warm})
+
+
+def _in_process(kwargs: dict, what: str, set_num_threads) -> Engine:
+    from vllm import LLM
+
+    from draftsmith.targets.vllm_compat import shutdown_llm
+
+    with target_load(what) as load:
+        llm = LLM(**kwargs)
+    return Engine(llm, load.seconds, True, engine_max_model_len(llm, kwargs.get("max_model_len")),
+                  lambda: shutdown_llm(llm, set_num_threads))
+
+
+def engine_max_model_len(llm, asked: int | None) -> int:
+    """The context length an engine settled on (the model's own when none was asked for)."""
+    engine = getattr(llm, "llm_engine", None)
+    config = getattr(engine, "model_config", None) or getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    value = getattr(config, "max_model_len", None) or asked
+    if value is None:
+        raise DraftsmithError("cannot read the vLLM engine's max_model_len", where="vLLM engine",
+                              fix="set the engine's max_model_len explicitly")
+    return int(value)
+
+
+def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
+    with _held(folder / "start.lock"):
+        state = engine_state(folder)
+        if state.get("alive"):
+            return _attach(folder, key, spec["what"], state)
+        if state.get("status") in ("ready", "loading"):
+            log.warning("the warm target engine %s (pid %s) is gone (%s): loading the target cold; its log: %s",
+                        key, state.get("pid"), _exit_reason(state), folder / "engine.log")
+        for other in idle_engines(overlapping=spec["identity"]["gpus"]):
+            if other["key"] != key:
+                log.info("stopping the idle warm engine %s (pid %s) on the same devices before this one starts",
+                         other["key"], other["pid"])
+                stop_engine(Path(other["folder"]))
+        with target_load(f"{spec['what']} in a warm engine process") as load:
+            started = _start(folder, key, spec)
+            engine = _attach(folder, key, spec["what"], started, cold=True)
+        engine.load_seconds = load.seconds
+        return engine
+
+
+def _start(folder: Path, key: str, spec: dict) -> dict:
+    """Start the engine process of ``folder`` and wait until it is ready; its state."""
+    for stale in ("state.json", "socket"):
+        with contextlib.suppress(FileNotFoundError):
+            (folder / stale).unlink()
+    atomic_write_json(folder / "spec.json", spec)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    with open(folder / "engine.log", "ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "draftsmith.engines.service", str(folder)],
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+                                   env=env, start_new_session=True, close_fds=True)
+    log.info("starting the warm target engine %s (pid %d; it stays %.0f s after its last job; its log: %s)",
+             key, process.pid, spec["keep_warm_s"], folder / "engine.log")
+    started = last_log = time.monotonic()
+    while True:
+        state = engine_state(folder)
+        if state.get("status") == "ready":
+            return state
+        if state.get("status") == "failed" or process.poll() is not None:
+            error = state.get("error") or {"type": "exit", "message": f"the engine process exited ({process.poll()})"}
+            raise EngineStartError(f"{error['type']}: {error['message']}", cause=error["type"],
+                                   where=str(folder / "engine.log"),
+                                   fix="the engine's log (above, and in the file) says why it stopped")
+        if time.monotonic() - last_log >= WAIT_LOG_S:
+            log.info("the warm target engine %s is loading (%.0f s so far)", key, time.monotonic() - started)
+            last_log = time.monotonic()
+        time.sleep(POLL_S)
+
+
+def _attach(folder: Path, key: str, what: str, state: dict, *, cold: bool = False) -> Engine:
+    started = time.monotonic()
+    if state.get("attached"):
+        log.info("the warm target engine %s serves job pid %s: waiting for it", key, state["attached"])
+    remote = RemoteLLM(folder, key)
+    info = remote.attach()
+    seconds = time.monotonic() - started
+    if not cold:
+        log.info("attached to the warm target engine %s in %.1f s: %s (pid %s, loaded in %.1f s, %d job(s) before "
+                 "this one; no load of the target)", key, seconds, what, info["pid"], info["load_seconds"],
+                 info["jobs"])
+    return Engine(remote, 0.0 if not cold else info["load_seconds"], cold, info["max_model_len"], remote.detach)
+
+
+# ---------------------------------------------------------------------------------------------
+# Talking to an engine process
+
+
+class RemoteLLM:
+    """The part of ``vllm.LLM`` the stages use (``generate``, ``collective_rpc``, ``get_metrics``),
+    run by a warm engine process over its socket."""
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.folder, self.key = folder, key
+        self._conn: Connection | None = None
+
+    def attach(self) -> dict:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.folder / "socket"))
+        except OSError as e:
+            sock.close()
+            raise EngineGone(f"cannot reach the warm target engine {self.key}: {e}", where=str(self.folder),
+                             fix="rerun the job: it loads the target cold") from e
+        self._conn = Connection(sock.detach())
+        return self._request("attach", {"pid": os.getpid(), "argv": sys.argv[:3]})
+
+    def detach(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(OSError, EOFError):
+                conn.send(("detach",))
+            conn.close()
+
+    def generate(self, *args, **kwargs):
+        return self._request("call", "generate", args, kwargs)
+
+    def collective_rpc(self, *args, **kwargs):
+        return self._request("call", "collective_rpc", args, kwargs)
+
+    def get_metrics(self):
+        return self._request("call", "get_metrics", (), {})
+
+    def _request(self, *message):
+        if self._conn is None:
+            raise EngineGone("not attached to the warm target engine", where=str(self.folder))
+        try:
+            self._conn.send(message)
+            reply = self._conn.recv()
+        except (OSError, EOFError) as e:
+            state = engine_state(self.folder)
+            raise EngineGone(f"the warm target engine {self.key} stopped during {message[1]!r}: {_exit_reason(state)}",
+                             where=str(self.folder / "engine.log"),
+                             fix="rerun the job: it loads the target cold (the engine's log says why it stopped)") from e
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, text, trace = reply
+        raise RuntimeError(f"{kind} in the warm target engine: {text}\n{trace}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+
+def engine_state(folder: Path) -> dict:
+    """What ``folder``'s engine wrote of itself, and whether its process holds the lock (``alive``)."""
+    try:
+        state = read_json(folder / "state.json")
+    except (FileNotFoundError, ValueError):
+        state = {}
+    state["alive"] = _locked(folder / "lock")
+    return state
+
+
+def list_engines() -> list[dict]:
+    """Every engine folder of this user on this machine, live or not, with its spec's description."""
+    found = []
+    for folder in sorted(p for p in registry().iterdir() if p.is_dir()):
+        state = engine_state(folder)
+        try:
+            spec = read_json(folder / "spec.json")
+        except (FileNotFoundError, ValueError):
+            spec = {}
+        found.append({**state, "key": folder.name, "folder": str(folder), "what": spec.get("what"),
+                      "gpus": (spec.get("identity") or {}).get("gpus"),
+                      "model": ((spec.get("kwargs") or {}).get("model"))})
+    return found
+
+
+def idle_engines(*, overlapping: str | None = None) -> list[dict]:
+    """Live engines no job is attached to; with ``overlapping``, those sharing a GPU with it
+    ("all" and a CPU engine overlap everything)."""
+    def shares(gpus: str | None) -> bool:
+        if overlapping is None or "all" in (gpus, overlapping):
+            return True
+        return bool(set(str(gpus).split(",")) & set(overlapping.split(",")))
+
+    return [e for e in list_engines() if e["alive"] and not e.get("attached") and shares(e.get("gpus"))]
+
+
+def stop_engine(folder: Path, *, timeout: float = 120.0) -> bool:
+    """Ask ``folder``'s engine to exit (SIGTERM) and wait until its lock is free; whether it was alive."""
+    state = engine_state(folder)
+    if not state["alive"] or not state.get("pid"):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(state["pid"]), signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _locked(folder / "lock"):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(state["pid"]), signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+        time.sleep(POLL_S)
+    return True
+
+
+def forget_engine(folder: Path) -> None:
+    """Remove the folder of an engine that is gone, unless a job is starting it again."""
+    with open(folder / "start.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        if not _locked(folder / "lock"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _exit_reason(state: dict) -> str:
+    if state.get("status") == "exited":
+        return state.get("reason") or "it exited"
+    return "its process is gone (killed, or it crashed: see its log)"
+
+
+def _locked(path: Path) -> bool:
+    """Whether another process holds an flock on ``path``."""
+    try:
+        f = open(path, "a")
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield

@@ -1,0 +1,178 @@
+"""The warm target: engines that outlive their job, attached to by the next job of the same key.
+
+Each "job" here is a process of its own that opens the target's engine the way the stages do
+(``VllmServer``) with ``DRAFTSMITH_KEEP_WARM_S`` set, as the workflow sets it: the first loads the
+target in an engine process, the next attaches to it; a changed target, a dead engine or a crashed
+job are what a user's runs meet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tiny
+from draftsmith.engines import warm
+from tiny_vllm import ENGINE_ARGS, HAS_VLLM, vllm_test
+
+JOB = textwrap.dedent("""
+    import json, logging, os, sys
+    sys.path.insert(0, {tests!r})
+    from draftsmith.logs import setup_logging
+    from draftsmith.engines.vllm_serving import VllmServer
+    if __name__ == "__main__":
+        setup_logging({log!r})
+        with VllmServer({model!r}, dtype="float32", max_model_len=64, **{engine_args!r}) as server:
+            if os.environ.get("CRASH_AFTER_ATTACH"):
+                os._exit(3)  # a job killed while attached (no detach, no clean-up)
+            served, _, _ = server.generate([[5, 6, 7, 8], [40, 41]], max_new_tokens=8)
+            print("RESULT", json.dumps({{"tokens": [s.tokens for s in served], "loaded": server.engine.loaded}}))
+""")
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A registry of this test's own, every engine in it stopped afterwards."""
+    folder = tmp_path / "engines"
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(folder))
+    yield folder
+    for engine in warm.list_engines():
+        warm.stop_engine(Path(engine["folder"]))
+
+
+def run_job(model: Path, log: Path, *, keep_warm: float = 120, crash: bool = False) -> dict | None:
+    """One job's process: its result, or None when it was made to crash."""
+    script = JOB.format(tests=str(Path(__file__).parent), log=str(log), model=str(model), engine_args=ENGINE_ARGS)
+    env = {**os.environ, "DRAFTSMITH_KEEP_WARM_S": str(keep_warm), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", **({"CRASH_AFTER_ATTACH": "1"} if crash else {})}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    if crash:
+        assert out.returncode == 3, out.stderr[-3000:]
+        return None
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("RESULT", 1)[1])
+
+
+def loads_in(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "target load" in line]
+
+
+@vllm_test
+def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_path, registry):
+    model = tiny.build_llama(tmp_path / "target", num_layers=2)
+    first = run_job(model, tmp_path / "first.log")
+    assert first["loaded"] and len(loads_in(tmp_path / "first.log")) == 1
+    [engine] = warm.list_engines()
+    assert engine["alive"] and engine["status"] == "ready" and engine["attached"] is None
+
+    again = run_job(model, tmp_path / "again.log")
+    assert not again["loaded"] and again["tokens"] == first["tokens"]
+    assert loads_in(tmp_path / "again.log") == []  # no load of the target, and the log says what it did instead
+    assert "attached to the warm target engine" in (tmp_path / "again.log").read_text()
+
+    run_job(model, tmp_path / "crashed.log", crash=True)
+    after = run_job(model, tmp_path / "after.log")
+    assert not after["loaded"] and after["tokens"] == first["tokens"]
+    [engine] = warm.list_engines()
+    assert engine["jobs"] == 4 and engine["pid"] == warm.engine_state(Path(engine["folder"]))["pid"]
+
+
+@vllm_test
+def test_changed_weights_never_meet_a_stale_engine(tmp_path, registry):
+    """Weights rewritten in place: another key, so a cold load with the new weights (and the idle
+    engine of the old ones, on the same devices, stopped first)."""
+    model = tiny.build_llama(tmp_path / "target", num_layers=2)
+    first = run_job(model, tmp_path / "first.log")
+    [old] = warm.list_engines()
+    weights = load_file(model / "model.safetensors")
+    weights = {name: (-w if name.endswith("lm_head.weight") else w) for name, w in weights.items()}
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    changed = run_job(model, tmp_path / "changed.log")
+    assert changed["loaded"] and changed["tokens"] != first["tokens"]
+    assert "stopping the idle warm engine " + old["key"] in (tmp_path / "changed.log").read_text()
+    engines = {e["key"]: e for e in warm.list_engines()}
+    assert not engines[old["key"]]["alive"] and engines[old["key"]]["status"] == "exited"
+    assert [e["alive"] for k, e in engines.items() if k != old["key"]] == [True]
+
+
+@vllm_test
+def test_a_dead_engine_means_a_cold_load_said_in_the_log(tmp_path, registry):
+    model = tiny.build_llama(tmp_path / "target", num_layers=2)
+    first = run_job(model, tmp_path / "first.log")
+    [engine] = warm.list_engines()
+    os.kill(engine["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while warm.engine_state(Path(engine["folder"]))["alive"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    again = run_job(model, tmp_path / "again.log")
+    assert again["loaded"] and again["tokens"] == first["tokens"]
+    text = (tmp_path / "again.log").read_text()
+    assert f"the warm target engine {engine['key']} (pid {engine['pid']}) is gone" in text and "loading the target cold" in text
+    assert len(loads_in(tmp_path / "again.log")) == 1
+
+
+@vllm_test
+def test_an_idle_engine_exits(tmp_path, registry):
+    model = tiny.build_llama(tmp_path / "target", num_layers=2)
+    run_job(model, tmp_path / "first.log", keep_warm=2)
+    [engine] = warm.list_engines()
+    deadline = time.monotonic() + 60
+    while warm.engine_state(Path(engine["folder"]))["alive"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    state = warm.engine_state(Path(engine["folder"]))
+    assert not state["alive"] and state["status"] == "exited" and state["reason"] == "idle for 2 s"
+
+
+def test_an_engines_key_follows_what_it_computes(tmp_path, monkeypatch):
+    """The key changes with the target's content, a draft's, any engine argument, the GPUs and the
+    engine's environment; not with the job's own thread count."""
+    for name in ("DRAFTSMITH_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "VLLM_ATTENTION_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    model = tiny.build_llama(tmp_path / "target", num_layers=1)
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    save_file({"w": torch.zeros(2)}, draft / "model.safetensors")
+    args = {"model": str(model), "dtype": "float32", "max_model_len": 64,
+            "speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}}
+
+    def key(**changes) -> str:
+        return warm.engine_key(warm.engine_identity({**args, **changes}))
+
+    base = key()
+    assert key() == base
+    assert key(max_model_len=128) != base
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert key() == base
+    monkeypatch.setenv("DRAFTSMITH_JOB_GPUS", "GPU-1")
+    on_gpu_1 = key()
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
+    assert len({base, on_gpu_1, key()}) == 3
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND")
+    save_file({"w": torch.ones(3)}, draft / "model.safetensors")  # a draft trained again, same folder
+    assert key() != on_gpu_1
+    retrained = key()
+    (model / "config.json").write_text((model / "config.json").read_text().replace("}", ', "x": 1}', 1))
+    assert key() != retrained
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_without_keep_warm_the_engine_is_the_jobs_own(monkeypatch):
+    """The Python API, tests and benches (no DRAFTSMITH_KEEP_WARM_S) and SLURM jobs (which end every
+    process of theirs) load in their own process."""
+    monkeypatch.delenv("DRAFTSMITH_KEEP_WARM_S", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert warm.keep_warm_seconds() == 0
+    monkeypatch.setenv("DRAFTSMITH_KEEP_WARM_S", "600")
+    assert warm.keep_warm_seconds() == 600
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert warm.keep_warm_seconds() == 0
