@@ -176,3 +176,77 @@ def test_without_keep_warm_the_engine_is_the_jobs_own(monkeypatch):
     assert warm.keep_warm_seconds() == 600
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     assert warm.keep_warm_seconds() == 0
+
+
+SHARED_JOB = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    from draftsmith.engines.shared import SharedEngine
+    from draftsmith.evaluate import EvalSettings, Prompt
+    from draftsmith.evaluate.vllm import evaluate_in_vllm
+    from draftsmith.extract.vllm_backend import VllmBackend
+    from draftsmith.io import read_json
+    from draftsmith.logs import setup_logging
+    from tiny_vllm import ENGINE_ARGS
+    if __name__ == "__main__":
+        setup_logging({log!r})
+        config, target = json.loads({config!r}), read_json({target_json!r})
+        shared = SharedEngine.from_config(config, {target_json!r}) if {shared!r} else None
+        if {stage!r} == "capture":
+            with VllmBackend(target["model_path"], target["captured_layer_ids"], dtype="float32", max_model_len=16,
+                             shared=shared, **ENGINE_ARGS) as backend:
+                states = backend.capture([[20, 21, 22, 23], [30, 31]])
+            print("RESULT", json.dumps({{"rows": [len(s[target["final_layer_id"]]) for s in states]}}))
+        else:
+            settings = EvalSettings(backend="vllm", k=3, max_new_tokens=20, model_dtype="float32", device="cpu")
+            prompts = [Prompt(name, ids) for name, ids in json.loads({prompts!r}).items()]
+            result = evaluate_in_vllm(target, {draft!r}, prompts, settings, dtype="float32", stop_ids=[],
+                                      shared=shared, **ENGINE_ARGS)
+            print("RESULT", json.dumps(result))
+""")
+
+
+@vllm_test
+def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
+    """Extraction starts the engine with evaluation's speculator slot; evaluation attaches to it, loads
+    the trained draft into the slot in place and serves it: no second load of the target, and the same
+    figures as the draft served by an engine of its own (the cycle target's, known in advance)."""
+    from test_vllm_serving import CYCLE_PROMPTS, CYCLE_STEPS, build_cycle_draft, build_cycle_target
+
+    from draftsmith.targets.inspect import inspect_target, write_target_json
+
+    build_cycle_target(tmp_path / "target")
+    write_target_json(tmp_path / "target.json", tmp_path / "target")
+    target = inspect_target(tmp_path / "target")
+    draft = build_cycle_draft(target, tmp_path / "draft")
+    config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
+              "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 16},
+              "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
+              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": target["hidden_size"]}}
+
+    def job(stage: str, name: str, *, shared: bool = True) -> dict:
+        log = tmp_path / f"{name}.log"
+        script = SHARED_JOB.format(tests=str(Path(__file__).parent), log=str(log), config=json.dumps(config),
+                                   target_json=str(tmp_path / "target.json"), shared=shared, stage=stage,
+                                   prompts=json.dumps(CYCLE_PROMPTS), draft=str(draft))
+        env = {**os.environ, "DRAFTSMITH_KEEP_WARM_S": "120" if shared else "0",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return {**json.loads(out.stdout.split("RESULT", 1)[1]), "log": log.read_text()}
+
+    captured = job("capture", "capture")
+    assert captured["rows"] == [4, 2] and len(loads_in(tmp_path / "capture.log")) == 1
+    assert "with evaluation's speculator slot" in captured["log"]
+    shared = job("evaluate", "evaluate")
+    assert loads_in(tmp_path / "evaluate.log") == [], shared["log"]  # no load of the target: attached
+    assert "loaded into the speculator slot of the engine shared with capture" in shared["log"]
+    own = job("evaluate", "own-engine", shared=False)
+    assert len(loads_in(tmp_path / "own-engine.log")) == 1
+    for key in ("tau", "acceptance_rate_by_position", "num_tokens", "lossless"):
+        assert shared[key] == own[key], key
+    steps = sum(CYCLE_STEPS.values(), [])
+    assert shared["tau"] == pytest.approx(1 + sum(steps) / len(steps))
+    assert shared["vllm"]["speculative_config"]["model"] == str(draft)
+    [engine] = [e for e in warm.list_engines() if e["alive"]]
+    assert engine["jobs"] == 2

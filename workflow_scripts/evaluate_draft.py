@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.evaluate import EvalSettings, evaluate_draft
 from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
@@ -20,4 +21,5 @@ if __name__ == "__main__":
             snakemake.output.acceptance,
             EvalSettings.from_config(snakemake.params.config),
             sources=dict(zip(snakemake.params.sources, snakemake.input.sources, strict=True)),
+            shared_engine=SharedEngine.from_config(snakemake.config, snakemake.input.target),
         )

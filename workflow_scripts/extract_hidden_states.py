@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.extract.extract import extract_part
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.gate import gate_for_run, wait_for_preflight
@@ -21,4 +22,5 @@ if __name__ == "__main__":
             ExtractionSettings.from_config(snakemake.params.config),
             store_root=Path(snakemake.output.manifest).parent,
             manifest_path=snakemake.output.manifest,
+            shared_engine=SharedEngine.from_config(snakemake.config, snakemake.input.target),
         )

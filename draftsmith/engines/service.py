@@ -57,8 +57,13 @@ def main(folder: Path) -> int:
 
         from draftsmith.engines.warm import engine_max_model_len
 
+        kwargs = dict(spec["kwargs"])
+        if spec.get("speculator_slot"):
+            state["slot"] = str(_slot_draft(folder, spec["speculator_slot"]))
+            kwargs["speculative_config"] = {"method": "eagle3", "model": state["slot"],
+                                            "num_speculative_tokens": spec["speculator_slot"]["num_speculative_tokens"]}
         with target_load(spec["what"]) as load:
-            llm = LLM(**spec["kwargs"])
+            llm = LLM(**kwargs)
     except BaseException as e:  # noqa: BLE001 - whatever stopped the load is what the job must say
         _write(folder, {**state, "status": "failed", "error": {"type": type(e).__name__, "message": str(e)}})
         log.exception("the engine did not load")
@@ -86,6 +91,22 @@ def main(folder: Path) -> int:
 
             shutdown_llm(llm, set_num_threads)
     return 0
+
+
+def _slot_draft(folder: Path, slot: dict) -> Path:
+    """The speculator slot's draft (draftsmith.engines.shared): the architecture training will
+    produce for this run, with random weights until a job loads the trained ones in place. Its
+    embedding is random too, so vLLM never shares the target's with it: every tensor a trained
+    draft brings can be loaded into the slot."""
+    import torch
+
+    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
+
+    out = folder / "slot-draft"
+    config = Eagle3DraftConfig.from_target(slot["slot"]["target"], draft_vocab_size=slot["slot"]["draft_vocab_size"],
+                                           **slot["slot"]["draft"])
+    torch.manual_seed(0)
+    return save_speculators(Eagle3Draft(config), out)
 
 
 def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s: float, sleeps: bool) -> str:
@@ -134,7 +155,7 @@ def _session(folder: Path, llm, conn: Connection, state: dict) -> str | None:
             _write(folder, state)
             log.info("job pid %s attached (%s)", message[1]["pid"], " ".join(message[1]["argv"]))
             reply = ("ok", {"pid": os.getpid(), "load_seconds": state["load_seconds"], "jobs": state["jobs"] - 1,
-                            "max_model_len": state["max_model_len"]})
+                            "max_model_len": state["max_model_len"], "slot": state.get("slot")})
             fatal = None
         else:
             reply, fatal = _call(llm, *message[1:])

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -120,11 +121,14 @@ def _add(a: list[int], b: list[int]) -> list[int]:
 
 
 class VllmServer:
-    """The target loaded once in vLLM (``LLM``), with ``speculative_config`` or without."""
+    """The target loaded once in vLLM (``LLM``), with ``speculative_config`` or without; or, given
+    ``slot_engine`` (complete engine arguments and the slot of ``engines.shared``), the run's shared
+    engine, whose speculator slot ``load_draft`` fills."""
 
     def __init__(self, model_path: str, *, speculative_config: dict | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False, enforce_eager: bool = False, **llm_kwargs) -> None:
+                 trust_remote_code: bool = False, enforce_eager: bool = False,
+                 slot_engine: tuple[dict, dict] | None = None, **llm_kwargs) -> None:
         try:
             from vllm.platforms import current_platform
         except ImportError as e:
@@ -146,6 +150,11 @@ class VllmServer:
             kwargs["speculative_config"] = self.speculative_config
             kwargs["per_request_spec_decode_metrics"] = "detailed"  # each output's accepted/proposed per step
         kwargs = engine_kwargs({**kwargs, **llm_kwargs})
+        slot = None
+        if slot_engine is not None:
+            kwargs, slot = slot_engine
+            self.speculative_config = {"method": "eagle3", "model": None,
+                                       "num_speculative_tokens": slot["num_speculative_tokens"]}
         self.settings = {"platform": current_platform.device_type,
                          **{k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}}
         # In-process CPU engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) replace torch.set_num_threads
@@ -153,9 +162,11 @@ class VllmServer:
         self._set_num_threads = torch.set_num_threads
         graphs = "eager" if kwargs.get("enforce_eager") else "CUDA graphs"
         role = "with the speculator " + self.speculative_config["method"] if self.speculative_config else "greedy"
+        if slot is not None:
+            role = "with a speculator slot, shared with capture"
         try:
             self.engine = open_llm(kwargs, what=f"vLLM serving engine, {role} (TP {kwargs.get('tensor_parallel_size', 1)}, "
-                                                f"{graphs})", set_num_threads=self._set_num_threads)
+                                                f"{graphs})", set_num_threads=self._set_num_threads, speculator_slot=slot)
         except Exception as e:
             torch.set_num_threads = self._set_num_threads
             what = f" with the speculator {self.speculative_config}" if self.speculative_config else ""
@@ -169,6 +180,12 @@ class VllmServer:
 
     def counters(self) -> SpecCounters:
         return read_spec_counters(self.llm.get_metrics())
+
+    def load_draft(self, draft_dir: str | Path) -> None:
+        """Load the trained draft in ``draft_dir`` into the speculator slot, in place (its
+        architecture must be the slot's: ``engine.slot`` holds the slot's draft folder)."""
+        self.llm.collective_rpc("draftsmith_load_draft", args=(str(draft_dir),))
+        self.speculative_config["model"] = str(draft_dir)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  stop_ids: Sequence[int] = ()) -> tuple[list[Served], SpecCounters, float]:

@@ -145,6 +145,7 @@ class Engine:
     loaded: bool
     max_model_len: int
     _close: Any = field(repr=False, default=None)
+    slot: str | None = None  # the folder of the speculator slot's draft (draftsmith.engines.shared)
 
     def close(self) -> None:
         close, self._close = self._close, None
@@ -152,24 +153,28 @@ class Engine:
             close()
 
 
-def open_llm(kwargs: dict, *, what: str, set_num_threads) -> Engine:
+def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict | None = None) -> Engine:
     """The engine for ``vllm.LLM(**kwargs)``: a warm one of the same key when one runs, else a new
     one (kept warm after this job when ``KEEP_WARM_ENV`` says so). ``what`` describes it in the logs
-    (``engines.loads``). A load that fails raises; ``EngineStartError`` for one in an engine process."""
+    (``engines.loads``). ``speculator_slot`` ({"slot": ..., "num_speculative_tokens": k}, from
+    ``engines.shared``) adds an EAGLE-3 speculator whose draft the engine process builds; it needs a
+    warm engine. A load that fails raises; ``EngineStartError`` for one in an engine process."""
     keep_warm = keep_warm_seconds()
     if not keep_warm:
+        if speculator_slot is not None:
+            raise ValueError("a speculator slot is built by a warm engine's process: set DRAFTSMITH_KEEP_WARM_S")
         return _in_process(kwargs, what, set_num_threads)
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike():
         # Between jobs the engine sleeps: its weights in host memory, the GPU free for training.
         kwargs = {**kwargs, "enable_sleep_mode": True}
-    identity = engine_identity(kwargs)
+    identity = {**engine_identity(kwargs), "speculator_slot": speculator_slot}
     key = engine_key(identity)
     folder = registry() / key
     folder.mkdir(exist_ok=True, mode=0o700)
     return _attach_or_start(folder, key, {"kwargs": kwargs, "what": what, "identity": identity,
-                                          "keep_warm_s": keep_warm})
+                                          "speculator_slot": speculator_slot, "keep_warm_s": keep_warm})
 
 
 def _in_process(kwargs: dict, what: str, set_num_threads) -> Engine:
@@ -198,6 +203,9 @@ def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
     with _held(folder / "start.lock"):
         state = engine_state(folder)
         if state.get("alive"):
+            if state.get("status") == "loading":  # started by a job that is gone: it loads on
+                log.info("the warm target engine %s (pid %s) is still loading: waiting for it", key, state.get("pid"))
+                state = _wait_ready(folder, key, None)
             return _attach(folder, key, spec["what"], state)
         if state.get("status") in ("ready", "loading"):
             log.warning("the warm target engine %s (pid %s) is gone (%s): loading the target cold; its log: %s",
@@ -228,13 +236,19 @@ def _start(folder: Path, key: str, spec: dict) -> dict:
                                    env=env, start_new_session=True, close_fds=True)
     log.info("starting the warm target engine %s (pid %d; it stays %.0f s after its last job; its log: %s)",
              key, process.pid, spec["keep_warm_s"], folder / "engine.log")
+    return _wait_ready(folder, key, process)
+
+
+def _wait_ready(folder: Path, key: str, process: subprocess.Popen | None) -> dict:
+    """Wait until ``folder``'s engine is ready (its state); raise if it fails or its process ends."""
     started = last_log = time.monotonic()
     while True:
         state = engine_state(folder)
         if state.get("status") == "ready":
             return state
-        if state.get("status") == "failed" or process.poll() is not None:
-            error = state.get("error") or {"type": "exit", "message": f"the engine process exited ({process.poll()})"}
+        ended = process.poll() is not None if process is not None else not state["alive"]
+        if state.get("status") == "failed" or ended:
+            error = state.get("error") or {"type": "exit", "message": "the engine process ended while loading"}
             raise EngineStartError(f"{error['type']}: {error['message']}", cause=error["type"],
                                    where=str(folder / "engine.log"),
                                    fix="the engine's log (above, and in the file) says why it stopped")
@@ -255,7 +269,8 @@ def _attach(folder: Path, key: str, what: str, state: dict, *, cold: bool = Fals
         log.info("attached to the warm target engine %s in %.1f s: %s (pid %s, loaded in %.1f s, %d job(s) before "
                  "this one; no load of the target)", key, seconds, what, info["pid"], info["load_seconds"],
                  info["jobs"])
-    return Engine(remote, 0.0 if not cold else info["load_seconds"], cold, info["max_model_len"], remote.detach)
+    return Engine(remote, 0.0 if not cold else info["load_seconds"], cold, info["max_model_len"], remote.detach,
+                  slot=info.get("slot"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import EvaluationError
 from draftsmith.evaluate.decoding import make_decoder
 from draftsmith.evaluate.metrics import evaluate_runs
@@ -17,11 +18,12 @@ log = logging.getLogger(__name__)
 
 def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path,
                    out_path: str | Path, settings: EvalSettings, *, engine_kwargs: dict | None = None,
-                   sources: dict[str, str | Path] | None = None) -> dict:
+                   sources: dict[str, str | Path] | None = None, shared_engine: SharedEngine | None = None) -> dict:
     """Evaluate the EAGLE-3 draft in ``draft_dir`` against the n-gram baseline on the held-out
     prompts and write acceptance.json to ``out_path``; ``engine_kwargs`` go to vLLM's engines.
     ``sources`` (name -> prompts in heldout.jsonl's format, from prepare_eval_prompts) are evaluated
-    the same way, each reported on its own under ``sources``.
+    the same way, each reported on its own under ``sources``. ``shared_engine``: the draft is served
+    in the engine capture ran in (draftsmith.engines.shared).
 
     One of three modes runs: the HF loop alone (``eval.backend: hf``, ``_in_hf_loop``); vLLM alone
     (``eval.backend: vllm``, ``_in_vllm_alone``); or with ``eval.hf_check`` the draft served by vLLM
@@ -45,9 +47,9 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
                   "tensor_parallel_size": settings.tensor_parallel_size,
                   "enforce_eager": settings.enforce_eager, **(engine_kwargs or {})}
         if settings.hf_check and _hf_loop_holds(target, settings):
-            result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine)
+            result = _served_and_in_hf_loop(target, draft_dir, prompts, settings, sources, engine, shared_engine)
         else:
-            result = _in_vllm_alone(target, draft_dir, prompts, settings, sources, engine)
+            result = _in_vllm_alone(target, draft_dir, prompts, settings, sources, engine, shared_engine)
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
     atomic_write_json(out_path, result)
     return result
@@ -91,22 +93,23 @@ def _stop_ids(target: dict) -> list[int]:
 
 
 def _in_vllm_alone(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
-                   sources: dict[str, str | Path], engine: dict) -> dict:
-    """vLLM's greedy decoding as the reference, both drafters as vLLM speculators at ``k``."""
+                   sources: dict[str, str | Path], engine: dict, shared: SharedEngine | None) -> dict:
+    """The draft served by vLLM at ``k``, each served token checked against the target's argmax, the
+    n-gram baseline replayed on the same text (or both as separate vLLM engines)."""
     sets = {name: read_prompts(path, settings.max_prompts) for name, path in sources.items()}
     result = evaluate_in_vllm(target, draft_dir, prompts, settings, stop_ids=_stop_ids(target), sources=sets,
-                              **engine)
+                              shared=shared, **engine)
     for name, path in sources.items():
         result["sources"][name] = source_section(result["sources"][name], path)
     return result
 
 
 def _served_and_in_hf_loop(target: dict, draft_dir: str | Path, prompts: list, settings: EvalSettings,
-                           sources: dict[str, str | Path], engine: dict) -> dict:
-    """The draft served by vLLM (its engines closed before the HF loop loads the target, so the two
-    never share the GPU), its outputs checked against the HF loop's greedy decoding; vLLM's figures
-    go under ``vllm``."""
-    served = serve_with_vllm(target, draft_dir, prompts, settings, stop_ids=_stop_ids(target), **engine)
+                           sources: dict[str, str | Path], engine: dict, shared: SharedEngine | None) -> dict:
+    """The draft served by vLLM (its engines closed, or asleep, before the HF loop loads the target,
+    so the two never share the GPU), its outputs checked against the HF loop's greedy decoding;
+    vLLM's figures go under ``vllm``."""
+    served = serve_with_vllm(target, draft_dir, prompts, settings, stop_ids=_stop_ids(target), shared=shared, **engine)
     return _in_hf_loop(target, draft_dir, prompts, settings, sources, served=served)
 
 

@@ -12,6 +12,7 @@ target, and the timed speedup over greedy decoding, which one engine cannot meas
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import EvaluationError
 from draftsmith.evaluate.decoding import check_draft_fits
 from draftsmith.evaluate.metrics import (
@@ -95,12 +97,13 @@ def check_servable(target: dict, draft_dir: str | Path) -> None:
 
 def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
                     dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1, baseline: bool = False,
-                    **engine_kwargs) -> VllmRun:
+                    shared: SharedEngine | None = None, **engine_kwargs) -> VllmRun:
     """Decode ``prompts`` greedily in vLLM with the draft in ``draft_dir`` as its EAGLE-3 speculator
     at ``settings.k``, and score every served token with the same engine (the target's argmax there);
-    with ``baseline``, the n-gram baseline replayed on that text. With ``settings.separate_engines``
-    the target alone and (with ``baseline``) vLLM's n-gram speculator run in engines of their own
-    instead, one at a time. Each timed call follows a short warm-up request."""
+    with ``baseline``, the n-gram baseline replayed on that text. With ``shared`` the draft is loaded
+    into the speculator slot of the engine capture ran in (draftsmith.engines.shared). With
+    ``settings.separate_engines`` the target alone and (with ``baseline``) vLLM's n-gram speculator
+    run in engines of their own instead, one at a time. Each timed call follows a short warm-up request."""
     from draftsmith.engines.vllm_serving import VllmServer, counters_from_records
 
     check_servable(target, draft_dir)
@@ -129,8 +132,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
             found, _, greedy_seconds = server.generate(ids, **decode)
         greedy = generations(found)
     speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
-    scoring = {} if settings.separate_engines else {"logprobs_mode": "raw_logits"}
-    with VllmServer(target["model_path"], speculative_config=speculative_config, **scoring, **common) as server:
+    with _draft_server(target, draft_dir, settings, shared, common) as server:
         server.generate(ids[:1], **warm)
         served, counters, draft_seconds = server.generate(ids, **decode)
         # the lossless check in vLLM alone, and the baseline's replay (the greedy text k + 1 tokens
@@ -162,6 +164,66 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     run.baseline_counters = counters_from_records([g.accepted for g in run.baseline],
                                                   [g.proposed for g in run.baseline], settings.k)
     return run
+
+
+def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, shared: SharedEngine | None,
+                  common: dict):
+    """vLLM serving the draft: the engine shared with capture, the draft loaded into its slot; or,
+    where there is none or the draft does not fit it, an engine of its own (scoring the served
+    tokens' logits unless vLLM's greedy decoding is the reference)."""
+    from draftsmith.engines.vllm_serving import VllmServer
+
+    model_path = target["model_path"]
+    if shared is not None:
+        reason = None
+        if common["max_model_len"] > shared.max_model_len:
+            reason = (f"the prompts and answers need {common['max_model_len']} positions, the engine holds "
+                      f"{shared.max_model_len}")
+        else:
+            from draftsmith.extract.vllm_backend import capture_engine_args, speculator_slot
+
+            extra = {k: v for k, v in common.items()
+                     if k not in ("dtype", "max_model_len", "tensor_parallel_size", "trust_remote_code", "enforce_eager")}
+            kwargs = capture_engine_args(model_path, tensor_parallel_size=common["tensor_parallel_size"],
+                                         dtype=common["dtype"], max_model_len=shared.max_model_len,
+                                         trust_remote_code=common["trust_remote_code"], shared=shared, **extra)
+            server = VllmServer(model_path, slot_engine=(kwargs, speculator_slot(shared)))
+            reason = draft_misfit(server.engine.slot, draft_dir)
+            if reason is None:
+                server.load_draft(draft_dir)
+                log.info("the draft in %s is loaded into the speculator slot of the engine shared with capture",
+                         draft_dir)
+                return server
+            server.close()
+        log.warning("the draft is not served in the engine shared with capture (%s): an engine of its own loads "
+                    "the target", reason)
+    speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
+    scoring = {} if settings.separate_engines else {"logprobs_mode": "raw_logits"}
+    return VllmServer(model_path, speculative_config=speculative_config, **scoring, **common)
+
+
+def draft_misfit(slot_dir: str | Path | None, draft_dir: str | Path) -> str | None:
+    """Why the draft in ``draft_dir`` cannot be loaded into the speculator slot whose draft is in
+    ``slot_dir`` (another shape, tensors of other names or shapes), or None when it can."""
+    from safetensors import safe_open
+
+    from draftsmith.draft import Eagle3DraftConfig
+    from draftsmith.io import read_json
+
+    if slot_dir is None:
+        return "the engine has no speculator slot"
+    slot, draft = (Eagle3DraftConfig.from_speculators(read_json(Path(d) / "config.json")) for d in (slot_dir, draft_dir))
+    differing = [f.name for f in dataclasses.fields(slot) if getattr(slot, f.name) != getattr(draft, f.name)]
+    if differing:
+        return f"its configuration differs from the slot's in {', '.join(differing)}"
+    shapes = []
+    for folder in (slot_dir, draft_dir):
+        with safe_open(Path(folder) / "model.safetensors", "pt") as f:
+            shapes.append({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    if shapes[0] != shapes[1]:
+        names = sorted(set(shapes[0]) ^ set(shapes[1])) or sorted(n for n in shapes[0] if shapes[0][n] != shapes[1][n])
+        return f"its tensors differ from the slot's ({', '.join(names[:5])})"
+    return None
 
 
 def check_served_tokens(prompts: Sequence[Prompt], draft: Sequence[Generation], scores: Sequence,
@@ -275,7 +337,8 @@ def vllm_section(run: VllmRun, hf_result: dict, hf_runs: Sequence[Generation], k
 
 def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prompt], settings: EvalSettings, *,
                      dtype: str, stop_ids: Sequence[int], tensor_parallel_size: int = 1,
-                     sources: dict[str, Sequence[Prompt]] | None = None, **engine_kwargs) -> dict:
+                     sources: dict[str, Sequence[Prompt]] | None = None, shared: SharedEngine | None = None,
+                     **engine_kwargs) -> dict:
     """acceptance.json's figures from vLLM alone, for a target the HF loop cannot hold: the draft
     (EAGLE-3) served by vLLM at ``settings.k``, each served token checked against the target's own
     argmax there, the n-gram baseline replayed on the same text (``serve_with_vllm``), the figures
@@ -301,7 +364,7 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
     sets = {"": list(prompts), **{name: list(found) for name, found in (sources or {}).items()}}
     everything = [Prompt(f"{name}/{p.id}" if name else p.id, p.ids) for name, found in sets.items() for p in found]
     run = serve_with_vllm(target, draft_dir, everything, settings, dtype=dtype, stop_ids=stop_ids,
-                          tensor_parallel_size=tensor_parallel_size, baseline=True, **engine_kwargs)
+                          tensor_parallel_size=tensor_parallel_size, baseline=True, shared=shared, **engine_kwargs)
     k = settings.k
     figures, begin = {}, 0
     for name, found in sets.items():

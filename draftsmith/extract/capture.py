@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import DraftsmithError, ExtractionError, StorageError
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.hidden_states import STORAGE_DTYPES, CapturedRows, Fp8Rows, ShardInfo, quantize_fp8
@@ -49,7 +50,8 @@ def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
 # Backends
 
 
-def make_backend(name: str, target_info: dict, settings: ExtractionSettings, longest_sample: int) -> CaptureBackend:
+def make_backend(name: str, target_info: dict, settings: ExtractionSettings, longest_sample: int, *,
+                 shared: SharedEngine | None = None) -> CaptureBackend:
     """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers,
     for samples of up to ``longest_sample`` tokens."""
     from draftsmith.engines.hf_model import model_dtype_name, resolve_device
@@ -81,7 +83,7 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
             dtype=model_dtype_name(settings.model_dtype, device),
             # vLLM samples one token after each prompt: the context must hold the longest sample plus one.
             max_model_len=settings.max_model_len or longest_sample + 1,
-            trust_remote_code=trust, layers_path=target_info["layers_path"], fp8=fp8)
+            trust_remote_code=trust, layers_path=target_info["layers_path"], fp8=fp8, shared=shared)
     raise ExtractionError(f"unknown extraction backend {name!r}", where="extraction.backend",
                           fix=f"use one of {', '.join(BACKENDS)}")
 

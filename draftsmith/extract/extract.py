@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.engines.hf_model import model_dtype_name, resolve_device
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.capture import extract_shards, make_backend
 from draftsmith.extract.hidden_states import (
@@ -224,15 +225,16 @@ class _Progress:
 
 
 def extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, settings: ExtractionSettings,
-                 store_root: str | Path, manifest_path: str | Path) -> dict:
+                 store_root: str | Path, manifest_path: str | Path, shared_engine: SharedEngine | None = None) -> dict:
     """Extract one part's shards (resuming any already complete) and write its manifest, as the
-    part's only writer: a second writer of the same part stops at once (``part_lock``)."""
+    part's only writer: a second writer of the same part stops at once (``part_lock``).
+    ``shared_engine``: the vLLM engine is also evaluation's (draftsmith.engines.shared)."""
     with part_lock(store_root, part):
-        return _extract_part(train_jsonl, target_json, part, settings, store_root, manifest_path)
+        return _extract_part(train_jsonl, target_json, part, settings, store_root, manifest_path, shared_engine)
 
 
 def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, settings: ExtractionSettings,
-                  store_root: str | Path, manifest_path: str | Path) -> dict:
+                  store_root: str | Path, manifest_path: str | Path, shared_engine: SharedEngine | None) -> dict:
     from draftsmith.targets.inspect import read_target_json
 
     target_info = read_target_json(target_json)
@@ -265,7 +267,7 @@ def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, s
             log.warning("part %d: samples of up to %d tokens exceed extraction.batch_tokens (%d); each such "
                         "sample runs as a batch of its own", part, longest, settings.batch_tokens)
         started = time.perf_counter()
-        with make_backend(settings.backend, target_info, settings, longest) as backend:
+        with make_backend(settings.backend, target_info, settings, longest, shared=shared_engine) as backend:
             log.info("part %d: %s backend ready in %.1f s", part, backend.name, time.perf_counter() - started)
             with _Progress(part, shards, done, todo_tokens) as progress:
                 written = extract_shards(backend, store, todo, batch_tokens=settings.batch_tokens,

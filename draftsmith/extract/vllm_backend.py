@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.engines.warm import open_llm
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
@@ -58,16 +59,52 @@ class _Ran:
     result: dict[str, Any]  # the worker's draftsmith_collect answer
 
 
+def capture_engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                        max_model_len: int, trust_remote_code: bool = False, language_model_only: bool = True,
+                        max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, shared: SharedEngine | None = None,
+                        **llm_kwargs) -> dict:
+    """The ``LLM`` arguments of a capture engine, as the installed vLLM takes them. With ``shared``
+    it is also the evaluation's engine (draftsmith.engines.shared): sized for both, recording what
+    serving reads (spec-decode metrics, raw logits); evaluation builds its arguments here too, so
+    that both stages name the same engine."""
+    if shared is not None:
+        max_model_len = max(int(max_model_len), shared.max_model_len)
+    kwargs = dict(
+        model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+        max_model_len=int(max_model_len), trust_remote_code=trust_remote_code,
+        enforce_eager=True,                 # hooks must run as Python, not be traced by torch.compile
+        enable_prefix_caching=False,        # every prompt row must be computed
+        enable_chunked_prefill=False,       # a prompt's rows all lie in one forward pass
+        max_num_batched_tokens=max(int(max_num_batched_tokens), int(max_model_len)),
+        async_scheduling=False,             # no speculative extra steps beside the prefills
+        worker_extension_cls=WORKER_EXTENSION,
+        language_model_only=language_model_only,  # text-only capture: no vision encoder in memory
+        seed=0,
+    )
+    if shared is not None:
+        kwargs.update(disable_log_stats=False, per_request_spec_decode_metrics="detailed", logprobs_mode="raw_logits")
+    kwargs.update(platform_workarounds(dtype))
+    kwargs.update(llm_kwargs)
+    return engine_kwargs(kwargs)
+
+
+def speculator_slot(shared: SharedEngine) -> dict:
+    """``open_llm``'s description of the shared engine's speculator slot."""
+    return {"slot": shared.slot, "num_speculative_tokens": shared.speculative_tokens}
+
+
 class VllmBackend(CaptureBackend):
-    """Loads the target once in vLLM; ``capture`` returns per sample {layer id: [len, hidden] CPU
-    tensor, or ``Fp8Rows`` with ``fp8``}."""
+    """Loads the target once in vLLM (or attaches to it warm); ``capture`` returns per sample
+    {layer id: [len, hidden] CPU tensor, or ``Fp8Rows`` with ``fp8``}. With ``shared`` the engine
+    is the one evaluation will serve the draft in (draftsmith.engines.shared)."""
 
     name = "vllm"
 
     def __init__(self, model_path: str, capture_layer_ids: list[int], *, tensor_parallel_size: int = 1,
                  dtype: str = "bfloat16", max_model_len: int, trust_remote_code: bool = False,
                  layers_path: str | None = None, language_model_only: bool = True,
-                 max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, fp8: bool = False, **llm_kwargs) -> None:
+                 max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, fp8: bool = False,
+                 shared: SharedEngine | None = None, **llm_kwargs) -> None:
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
         try:
@@ -82,28 +119,20 @@ class VllmBackend(CaptureBackend):
             raise ExtractionError("expert parallelism with tensor_parallel_size > 1 splits the residual stream "
                                   "across ranks (sequence-parallel MoE); the capture hooks need every row",
                                   where="vLLM engine arguments", fix="leave enable_expert_parallel off for extraction")
-        budget = max(int(max_num_batched_tokens), self.max_model_len)
-        kwargs = dict(
-            model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-            max_model_len=self.max_model_len, trust_remote_code=trust_remote_code,
-            enforce_eager=True,                 # hooks must run as Python, not be traced by torch.compile
-            enable_prefix_caching=False,        # every prompt row must be computed
-            enable_chunked_prefill=False,       # a prompt's rows all lie in one forward pass
-            max_num_batched_tokens=budget,
-            async_scheduling=False,             # no speculative extra steps beside the prefills
-            worker_extension_cls=WORKER_EXTENSION,
-            language_model_only=language_model_only,  # text-only capture: no vision encoder in memory
-            seed=0,
-        )
-        kwargs.update(platform_workarounds(dtype))
-        kwargs.update(llm_kwargs)
+        kwargs = capture_engine_args(model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                     max_model_len=self.max_model_len, trust_remote_code=trust_remote_code,
+                                     language_model_only=language_model_only,
+                                     max_num_batched_tokens=max_num_batched_tokens, shared=shared, **llm_kwargs)
+        budget = kwargs["max_num_batched_tokens"]
         # With VLLM_ENABLE_V1_MULTIPROCESSING=0 the CPU worker runs in this process and replaces
         # torch.set_num_threads with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
         self.spool = spool_folder()
+        role = ", with evaluation's speculator slot" if shared is not None else ""
         try:
-            self.engine = open_llm(engine_kwargs(kwargs), set_num_threads=self._set_num_threads,
-                                   what=f"vLLM capture engine (TP {kwargs.get('tensor_parallel_size', 1)}, eager)")
+            self.engine = open_llm(kwargs, set_num_threads=self._set_num_threads,
+                                   speculator_slot=speculator_slot(shared) if shared is not None else None,
+                                   what=f"vLLM capture engine (TP {tensor_parallel_size}, eager{role})")
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)
             raise
@@ -119,9 +148,9 @@ class VllmBackend(CaptureBackend):
                                       "(e.g. language_model.model.layers)") from e
         self.info = infos[0]
         self.stalled_s = 0.0  # seconds the forward passes waited for the spool writer (the worker's count)
-        log.info("vLLM loaded %s in %.1fs; hooked %s (%d layers, hidden %d, %s) for layer ids %s%s",
-                 model_path, self.load_seconds, self.info["layers_path"], self.info["num_layers"],
-                 self.info["hidden_size"], self.info["runner"], self.layer_ids,
+        log.info("vLLM %s %s; hooked %s (%d layers, hidden %d, %s) for layer ids %s%s",
+                 "loaded" if self.engine.loaded else "attached to", model_path, self.info["layers_path"],
+                 self.info["num_layers"], self.info["hidden_size"], self.info["runner"], self.layer_ids,
                  " as fp8, quantised on the device" if fp8 else "")
 
     def capture(self, batch: list[list[int]]) -> list[dict[int, CapturedRows]]:

@@ -163,7 +163,34 @@ def _layout_bytes(layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> int:
 
 
 class CaptureWorkerExtension:
-    """Mixed into vLLM's worker class; every method the driver calls starts with ``draftsmith_``."""
+    """Mixed into vLLM's worker class; every method the driver calls starts with ``draftsmith_``.
+    Besides the capture hooks, ``draftsmith_load_draft`` loads a trained draft into the engine's
+    speculator slot (draftsmith.engines.shared)."""
+
+    def draftsmith_load_draft(self, folder: str) -> dict[str, Any]:
+        """Load ``folder``'s model.safetensors (speculators format) into this worker's draft model in
+        place, as vLLM reloads a model's weights (``model_loader.reload``): through the model's own
+        ``load_weights`` (its names, its tensor-parallel split), then the platform's processing of
+        each layer (the CPU build repacks linear weights), copied into the tensors the engine
+        already holds, so its CUDA graphs stay valid."""
+        from safetensors.torch import load_file
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.get_draft_model()
+        if model is None:
+            raise RuntimeError("this engine runs no draft model to load weights into")
+        tensors = load_file(os.path.join(folder, "model.safetensors"))
+        target = {id(p) for p in self.model_runner.get_model().parameters()}  # vLLM shares by the module itself
+        shared = [name for name, p in model.named_parameters() if id(p) in target]
+        if shared:  # a draft tensor vLLM shares with the target: loading it would change the target
+            raise RuntimeError(f"the draft model shares {shared} with the target; it cannot be loaded in place")
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(tensors.items()))
+        finalize_layerwise_reload(model, self.model_runner.vllm_config.speculative_config.draft_model_config)
+        return {"tensors": len(tensors), "rank": self.rank}
 
     def draftsmith_install(self, layer_ids: list[int], spool_dir: str, layers_path: str | None = None,
                            max_rows: int = 0, fp8: bool = False) -> dict[str, Any]:
