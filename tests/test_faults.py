@@ -512,7 +512,7 @@ def test_corrupted_shards_are_caught_before_training_and_regenerated_alone(world
         def __exit__(self, *exc):
             self.inner.close()
 
-    monkeypatch.setattr(extract, "make_backend", lambda *a: wrappers.append(Counting(real(*a))) or wrappers[-1])
+    monkeypatch.setattr(extract, "make_backend", lambda *a, **k: wrappers.append(Counting(real(*a, **k))) or wrappers[-1])
     cases = _corruptions(world, rng)
     detected = 0
     for n, (shard, name, how) in enumerate(cases):

@@ -6,6 +6,7 @@ code (to prove that caching follows it) without touching the checkout.
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import shutil
@@ -90,3 +91,57 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, dict]:
             "resources": {k: int(v) if v.isdigit() else v for k, v in pairs},
         }
     return jobs
+
+
+# The GPU lane's whole-workflow cases (tests/test_gpu_workflow.py, bench/target_loads.py): target
+# builder, its dtype, and whether the HF loop checks vLLM token for token.
+VLLM_CASES = {
+    "llama": ("build_llama", "float32", True),
+    # the issue's trial target: DeepSeek's head sizes (on CUDA), 16 routed experts, 6 layers
+    "deepseek_v3": ("build_deepseek_v3", "bfloat16", False),
+}
+VLLM_PROMPTS, VLLM_NEW_TOKENS = 4, 16
+
+
+def vllm_workflow(tmp_path: Path, case: str, **overrides: dict) -> tuple[Path, Path, dict]:
+    """``tiny_workflow`` with every stage that runs the target in vLLM on a GPU: 40 conversations
+    regenerated at 16 tokens, 2 epochs, 4 prompts evaluated at k = 3 (the k sweep runs in the HF loop
+    only); ``overrides`` replace whole config sections. Returns the workdir, the config file and
+    the config."""
+    import tiny
+    import tiny_vllm
+
+    builder, dtype, hf_check = VLLM_CASES[case]
+    if builder == "build_llama":
+        model = tiny.build_llama(tmp_path / "vllm-target")
+    else:
+        model = tiny_vllm.build_deepseek_v3_for_platform(tmp_path / "vllm-target", n_routed_experts=16,
+                                                         num_hidden_layers=6)
+    workdir, config = tiny_workflow(tmp_path)
+    config.update(
+        device="cuda", target={"source": "path", "path": str(model), "dtype": dtype},
+        regenerate={"enabled": True, "backend": "vllm", "max_new_tokens": VLLM_NEW_TOKENS, "enforce_eager": True},
+        extraction={"backend": "vllm"}, vocab={"draft_vocab_size": 64}, train={"epochs": 2, "batch_tokens": 256},
+        eval={"backend": "vllm", "hf_check": hf_check, "enforce_eager": True, "max_prompts": VLLM_PROMPTS,
+              "max_new_tokens": VLLM_NEW_TOKENS, "k_sweep": [1, 3], "sweep_max_prompts": 2})
+    for section, value in overrides.items():
+        config[section] = {**config.get(section, {}), **value}
+    return workdir, write_config(workdir, config), config
+
+
+def stage_seconds(workdir: Path, run: str = "t") -> dict[str, float]:
+    """Each job's wall seconds, from Snakemake's benchmark files."""
+    seconds, root = {}, workdir / "benchmarks" / run
+    for path in sorted(root.rglob("*.tsv")):
+        with open(path) as f:
+            seconds[str(path.relative_to(root).with_suffix(""))] = float(next(csv.DictReader(f, delimiter="\t"))["s"])
+    return seconds
+
+
+def target_loads(workdir: Path, run: str = "t") -> dict[str, list[tuple[str, float]]]:
+    """Each job's target loads and their seconds, as engines.loads logs them ("target load N of this
+    job: ... in S s")."""
+    root = workdir / "logs" / run
+    return {str(path.relative_to(root).with_suffix("")):
+            [(what, float(s)) for what, s in re.findall(r"target load \d+ of this job: (.*) in ([\d.]+) s", path.read_text())]
+            for path in sorted(root.rglob("*.log"))}

@@ -124,11 +124,9 @@ def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s:
             llm.wake_up()
             asleep = False
             log.info("woke up in %.1f s", time.monotonic() - started)
-        fatal = _session(folder, llm, conn, state)
-        conn.close()
-        state.update(attached=None, last_job=time.time())
-        _write(folder, state)
+        fatal, detached = _session(folder, llm, conn, state)
         if fatal:
+            conn.close()
             return f"vLLM's engine died ({fatal})"
         with contextlib.suppress(Exception):  # engines without the capture extension have nothing to reset
             llm.collective_rpc("draftsmith_reset")
@@ -137,19 +135,26 @@ def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s:
             llm.sleep(level=1)
             asleep = True
             log.info("asleep (weights in host memory) in %.1f s", time.monotonic() - started)
+        state.update(attached=None, last_job=time.time())
+        _write(folder, state)
+        if detached:  # the job waits for this: its GPU memory is free when it goes on
+            with contextlib.suppress(OSError, EOFError):
+                conn.send(("ok", None))
+        conn.close()
 
 
-def _session(folder: Path, llm, conn: Connection, state: dict) -> str | None:
-    """One attached job's requests until it detaches or goes; the fatal error's name, if vLLM died."""
+def _session(folder: Path, llm, conn: Connection, state: dict) -> tuple[str | None, bool]:
+    """One attached job's requests until it detaches or goes: the fatal error's name if vLLM died,
+    and whether the job detached (and waits for the engine to be put away)."""
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             log.info("job pid %s went without detaching", state.get("attached"))
-            return None
+            return None, False
         if message[0] == "detach":
             log.info("job pid %s detached", state.get("attached"))
-            return None
+            return None, True
         if message[0] == "attach":
             state.update(attached=message[1]["pid"], jobs=state["jobs"] + 1)
             _write(folder, state)
@@ -163,9 +168,9 @@ def _session(folder: Path, llm, conn: Connection, state: dict) -> str | None:
             conn.send(reply)
         except (OSError, EOFError):
             log.info("job pid %s went before its answer", state.get("attached"))
-            return fatal
+            return fatal, False
         if fatal:
-            return fatal
+            return fatal, False
 
 
 def _call(llm, name: str, args: tuple, kwargs: dict) -> tuple[tuple, str | None]:

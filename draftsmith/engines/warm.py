@@ -297,10 +297,13 @@ class RemoteLLM:
         return self._request("attach", {"pid": os.getpid(), "argv": sys.argv[:3]})
 
     def detach(self) -> None:
+        """End this job's session; returns once the engine has reset and gone to sleep, so that the
+        GPU memory it frees is free for what the job does next."""
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(OSError, EOFError):
                 conn.send(("detach",))
+                conn.recv()
             conn.close()
 
     def generate(self, *args, **kwargs):

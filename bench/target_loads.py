@@ -1,0 +1,106 @@
+"""Target loads of a whole run: the workflow through Snakemake with every stage that runs the target
+in vLLM (regeneration, extraction, evaluation), on one GPU, reporting per stage the loads of the
+target, their seconds and the stage's seconds, then the same for a rerun of ``evaluate_draft``.
+
+Two ways to run it, each in a workdir of its own:
+
+- ``before``: every job loads and closes its own engine (``warm_target.minutes: 0``) and evaluation
+  runs three engines (``eval.separate_engines: true``): the workflow as it loaded the target before
+  the warm target;
+- ``after``: the defaults: engines stay warm between jobs, capture and evaluation share one engine.
+
+    python bench/target_loads.py --case deepseek_v3 --modes before after --out /tmp/loads.json
+
+The cases are the GPU lane's (``tests/workflow_helpers.py``: ``VLLM_CASES``); the summary (JSON, also
+on stdout) holds each mode's per-stage figures and the totals, and a Markdown table goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from workflow_helpers import VLLM_CASES, snakemake, stage_seconds, target_loads, vllm_workflow  # noqa: E402
+
+MODES = {
+    "before": {"warm_target": {"minutes": 0}, "eval": {"separate_engines": True}},
+    "after": {},
+}
+STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "train_draft", "evaluate_draft")
+
+
+def run_mode(work: Path, case: str, mode: str) -> dict:
+    """One workflow run and a rerun of evaluate_draft; the figures of each job that runs the target."""
+    from draftsmith.engines import warm
+
+    os.environ[warm.ENGINE_DIR_ENV] = str(work / "engines")  # the run's jobs inherit it
+    try:
+        workdir, configfile, _ = vllm_workflow(work, case, **MODES[mode])
+        started = time.monotonic()
+        snakemake(workdir, "--resources", "gpu=1", configfile=configfile, timeout=3600)
+        run = {"wall_seconds": round(time.monotonic() - started, 1),
+               "stages": _figures(workdir)}
+        started = time.monotonic()
+        snakemake(workdir, "--resources", "gpu=1", "--forcerun", "evaluate_draft", "--until", "evaluate_draft",
+                  configfile=configfile, timeout=3600)
+        run["rerun_evaluate_draft"] = {"wall_seconds": round(time.monotonic() - started, 1),
+                                       **_figures(workdir)["evaluate_draft"]}
+        return run
+    finally:
+        for engine in warm.list_engines():
+            warm.stop_engine(Path(engine["folder"]))
+
+
+def _figures(workdir: Path) -> dict:
+    seconds, loads = stage_seconds(workdir), target_loads(workdir)
+    return {stage: {"loads": len(loads.get(stage, [])), "load_seconds": round(sum(s for _, s in loads.get(stage, [])), 1),
+                    "stage_seconds": seconds.get(stage), "what": [w for w, _ in loads.get(stage, [])]}
+            for stage in STAGES}
+
+
+def table(summary: dict) -> str:
+    lines = ["| mode | stage | target loads | load seconds | stage seconds |", "| --- | --- | ---: | ---: | ---: |"]
+    for mode, run in summary["modes"].items():
+        rows = [*run["stages"].items(), ("rerun of evaluate_draft", run["rerun_evaluate_draft"])]
+        for stage, f in rows:
+            lines.append(f"| {mode} | {stage} | {f['loads']} | {f['load_seconds']} | {f['stage_seconds']} |")
+        total = run["stages"].values()
+        lines.append(f"| {mode} | **the run** | **{sum(f['loads'] for f in total)}** | "
+                     f"**{round(sum(f['load_seconds'] for f in total), 1)}** | {run['wall_seconds']} (wall) |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=list(VLLM_CASES), default="deepseek_v3")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=None, help="the summary as JSON")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="target-loads-"))
+    summary = {"case": args.case, "modes": {}}
+    for mode in args.modes:
+        folder = work / mode
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        summary["modes"][mode] = run_mode(folder, args.case, mode)
+        print(table(summary), file=sys.stderr)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
