@@ -184,7 +184,8 @@ class VllmServer:
     def load_draft(self, draft_dir: str | Path) -> None:
         """Load the trained draft in ``draft_dir`` into the speculator slot, in place (its
         architecture must be the slot's: ``engine.slot`` holds the slot's draft folder)."""
-        self.llm.collective_rpc("draftsmith_load_draft", args=(str(draft_dir),))
+        # the engine process has a working directory of its own
+        self.llm.collective_rpc("draftsmith_load_draft", args=(str(Path(draft_dir).resolve()),))
         self.speculative_config["model"] = str(draft_dir)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

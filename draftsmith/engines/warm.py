@@ -166,6 +166,9 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
         return _in_process(kwargs, what, set_num_threads)
     from vllm.platforms import current_platform
 
+    # the engine process has a working directory of its own, and its key must not depend on the job's
+    kwargs = {**kwargs, **{k: str(Path(kwargs[k]).resolve()) for k in ("model", "tokenizer")
+                           if kwargs.get(k) and Path(kwargs[k]).exists()}}
     if current_platform.is_cuda_alike():
         # Between jobs the engine sleeps: its weights in host memory, the GPU free for training.
         kwargs = {**kwargs, "enable_sleep_mode": True}
