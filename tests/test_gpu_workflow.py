@@ -75,12 +75,12 @@ def test_the_workflow_runs_every_target_stage_in_vllm(tmp_path, case, engines):
         assert loads["evaluate_draft"] == []  # no load: the capture engine, the draft loaded into its slot
     evaluation = (workdir / "logs/t/evaluate_draft.log").read_text()
     assert "attached to the warm target engine" in evaluation and "into the speculator slot" in evaluation
-    first = {"stage_seconds": stage_seconds(workdir), "target_loads": loads}
+    first = {"stage_seconds": stage_seconds(workdir), "target_loads": target_loads(workdir)}
     # the evaluation again (after a patch, say): the warm engine, the draft loaded again, no load of the target
     snakemake(workdir, "--resources", "gpu=1", "--forcerun", "evaluate_draft", "--until", "evaluate_draft",
               configfile=configfile, timeout=300)
-    again = [what for what, _ in target_loads(workdir)["evaluate_draft"]]
-    assert [what for what in again if "vLLM" in what] == []
+    again = target_loads(workdir)["evaluate_draft"]
+    assert [what for what, _ in again if "vLLM" in what] == []
     assert json.loads((workdir / "results/t/eval/acceptance.json").read_text())["tau"] == acceptance["tau"]
     print(json.dumps({"case": case, **first, "rerun_evaluate_draft": {"seconds": stage_seconds(workdir)["evaluate_draft"],
                                                                       "target_loads": again},
