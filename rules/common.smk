@@ -7,6 +7,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from draftsmith.config import uses_gpu
+from draftsmith.engines.warm import say_warm_engines
 from draftsmith.fingerprint import script_fingerprint
 from draftsmith.gate import gate_for_run, mark_planned
 from draftsmith.preflight import PreflightSettings
@@ -23,6 +24,15 @@ onstart:
     # Before any job starts: when this plan runs check_setup, the jobs that load the target wait
     # for its verdict (draftsmith/gate.py; docs/design.md says why this is no file edge).
     mark_planned(gate_for_run(RUN), any(job.rule.name == "check_setup" for job in workflow.dag.needrun_jobs()))
+
+
+onsuccess:
+    say_warm_engines()
+
+
+onerror:
+    # a failed job's engine stays warm for the rerun: say so
+    say_warm_engines()
 
 
 def stage_config(*keys, leave_out=()):

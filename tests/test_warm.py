@@ -250,3 +250,19 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
     assert shared["vllm"]["speculative_config"]["model"] == str(draft)
     [engine] = [e for e in warm.list_engines() if e["alive"]]
     assert engine["jobs"] == 2
+
+
+def test_the_end_of_a_run_says_which_engines_stay_up(tmp_path, monkeypatch, capsys):
+    import fcntl
+
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(tmp_path / "engines"))
+    warm.say_warm_engines()
+    assert capsys.readouterr().err == ""
+    folder = warm.registry() / "0123456789abcdef"
+    folder.mkdir()
+    (folder / "state.json").write_text(json.dumps({"status": "ready", "pid": os.getpid()}))
+    with open(folder / "lock", "a") as lock:  # held as an engine process holds it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        warm.say_warm_engines()
+    said = capsys.readouterr().err
+    assert "1 warm target engine(s) stay up" in said and "python -m draftsmith.engines list | stop" in said

@@ -392,6 +392,15 @@ def stop_engine(folder: Path, *, timeout: float = 120.0) -> bool:
     return True
 
 
+def say_warm_engines() -> None:
+    """At the end of a Snakemake run: which target engines stay up for the next one, and how to stop
+    them (they hold the target's weights in host memory while they sleep)."""
+    live = [e for e in list_engines() if e["alive"]]
+    if live:
+        print(f"{len(live)} warm target engine(s) stay up for the next run (each until it has been idle for "
+              "warm_target.minutes): python -m draftsmith.engines list | stop", file=sys.stderr)
+
+
 def forget_engine(folder: Path) -> None:
     """Remove the folder of an engine that is gone, unless a job is starting it again."""
     with open(folder / "start.lock", "a") as f:
