@@ -1,16 +1,19 @@
-"""Settings that cannot fit, refused at preflight (check_setup) before any job: a training batch
-whose memory exceeds the trainer's device, and generation that runs past the target's context.
+"""Settings that cannot fit: a training batch whose memory exceeds the trainer's device and
+generation that runs past the target's context, refused at preflight (check_setup) before any job;
+a training step and a warmup that do not fit the run, refused by train_draft before any weight is read.
 
-Both read the target's text config (config.json, no weights) and check_setup's settings
+Preflight's checks read the target's text config (config.json, no weights) and check_setup's settings
 (``draftsmith.preflight.PreflightSettings``: device, data.max_seq_len, vocab.draft_vocab_size,
 train.batch_tokens, train.ttt_steps, draft.num_layers, eval.max_new_tokens, regenerate.enabled
-and max_new_tokens).
+and max_new_tokens). Before extraction the store's size is unknown, so train_draft checks the
+step again against the batches its plan makes, and the warmup against the plan's step count.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Protocol
 
 from draftsmith.errors import ConfigError
@@ -85,33 +88,113 @@ def trainer_memory(device: str) -> tuple[str, int] | None:
     return "sdpa", host_memory_bytes()
 
 
+_MEMORY = {"sdpa": "the CPU's memory (cgroup limit included)", "flex": "one GPU's memory"}
+
+
+def process_memory(device) -> tuple[int, str]:
+    """The bytes one training process on ``device`` (a torch.device) can use, and what they are: its
+    GPU's memory, or its share of the host's among the training processes of this node (torchrun's
+    LOCAL_WORLD_SIZE)."""
+    import torch
+
+    from draftsmith.targets.inspect import host_memory_bytes
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, _MEMORY["flex"]
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if processes == 1:
+        return host_memory_bytes(), _MEMORY["sdpa"]
+    return host_memory_bytes() // processes, f"a 1/{processes} share of {_MEMORY['sdpa']}, one per training process"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one training step's memory depends on beside its positions (``train_step_bytes``)."""
+
+    ttt_steps: int
+    heads: int
+    num_layers: int
+    draft_vocab: int
+    attention: str  # "sdpa" (the CPU's dense path) or "flex"
+
+    def bytes(self, positions: int) -> int:
+        dtype_bytes = 4 if self.attention == "sdpa" else 2  # float32 on the CPU, bfloat16 autocast on a GPU
+        return train_step_bytes(positions, self.ttt_steps, self.heads, self.num_layers, self.draft_vocab,
+                                self.attention, dtype_bytes)
+
+    def most_positions(self, have: int) -> int:
+        """The most positions whose step fits in ``have`` bytes (0 if none)."""
+        lo, hi = 0, 1
+        while self.bytes(hi) <= have:  # the bytes grow at least linearly: this ends
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.bytes(mid) <= have else (lo, mid)
+        return lo
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 10**8 else f"{n / 1e6:,.1f} MB"
+
+
+def check_step_fits(positions: int, basis: str, shape: StepShape, memory: tuple[int, str], where: str) -> dict:
+    """Refuse a training step of ``positions`` positions (``basis`` says where that number comes
+    from) whose memory exceeds ``memory`` (bytes, what they are); the fix names the train.batch_tokens
+    that fits."""
+    have, what = memory
+    need = shape.bytes(positions)
+    report = {"attention": shape.attention, "positions": positions, "estimated_bytes": need, "device_bytes": have}
+    if need <= have:
+        return report
+    path = ("dense attention: the CPU's sdpa path holds heads x T x (j+1)T float32 scores per TTT step j"
+            if shape.attention == "sdpa" else "the draft's and the teacher's logits of every TTT step")
+    fits = shape.most_positions(have)
+    fix = (f"lower train.batch_tokens to {fits} or less (keep it >= data.max_seq_len, lowering that too if needed)"
+           if fits >= 2 else
+           "train on a device with more memory, or lower vocab.draft_vocab_size")
+    raise ConfigError(
+        f"one training step of {positions:,} positions ({basis}; ttt_steps {shape.ttt_steps}, {shape.heads} draft "
+        f"heads, draft vocabulary {shape.draft_vocab}) needs about {_size(need)} ({path}), more than "
+        f"{what}, {_size(have)}", where=where,
+        fix=fix + ("; or train on a GPU (device: cuda), whose flex attention never builds the dense scores"
+                   if shape.attention == "sdpa" else ""))
+
+
 def check_train_fits(text: dict, settings: FitSettings, memory: tuple[str, int] | None) -> dict | None:
-    """Refuse a train.batch_tokens whose step (``train_step_bytes``) exceeds the trainer's memory."""
+    """Refuse a train.batch_tokens whose step (``train_step_bytes``) exceeds the trainer's memory.
+
+    Before extraction the store's size is unknown, so this assumes full batches of train.batch_tokens
+    positions: an upper bound (a batch never holds more than the store, nor than one mixed group of
+    its shards). train_draft checks again with the plan's largest batch (``check_step_fits``).
+    """
     if memory is None:
         return None
     attention, have = memory
-    heads = _draft_heads(text, settings)
-    dtype_bytes = 4 if attention == "sdpa" else 2  # float32 on the CPU, bfloat16 autocast on a GPU
-    need = train_step_bytes(settings.batch_tokens, settings.ttt_steps, heads, settings.num_layers,
-                            settings.draft_vocab_size, attention, dtype_bytes)
-    report = {"attention": attention, "estimated_bytes": need, "device_bytes": have}
-    if need <= have:
-        return report
-    where = "the CPU's memory (cgroup limit included)" if attention == "sdpa" else "one GPU's memory"
-    fits = settings.batch_tokens
-    while fits > 2 and train_step_bytes(fits, settings.ttt_steps, heads, settings.num_layers,
-                                        settings.draft_vocab_size, attention, dtype_bytes) > have:
-        fits //= 2
-    path = ("dense attention: the CPU's sdpa path holds heads x T x (j+1)T float32 scores per TTT step j"
-            if attention == "sdpa" else "the draft's and the teacher's logits of every TTT step")
+    shape = StepShape(settings.ttt_steps, _draft_heads(text, settings), settings.num_layers,
+                      settings.draft_vocab_size, attention)
+    basis = (f"train.batch_tokens={settings.batch_tokens}, an upper bound: it assumes full batches, and the store, "
+             "not extracted yet, may hold fewer tokens")
+    return check_step_fits(settings.batch_tokens, basis, shape, (have, _MEMORY[attention]),
+                           where=f"config keys train.batch_tokens, device ({settings.device})")
+
+
+def check_warmup(warmup_steps: int, steps: int, plan: str) -> None:
+    """Refuse a warmup longer than the run's ``steps`` optimizer steps (``plan`` says where they come from).
+
+    The schedule (``train.loop._lr_at``) ramps to train.lr over the warmup: such a run never
+    reaches it (1,000 warmup steps of a 40-step run peak at 4%, and its draft learnt nothing).
+    The step count needs the store, so train_draft checks it against its plan. Only train.max_steps
+    bounds it before any data exists: check_setup could refuse a warmup above it, were the two
+    keys among those its rule passes (rules/target.smk).
+    """
+    if warmup_steps <= steps:
+        return
     raise ConfigError(
-        f"one training step of train.batch_tokens={settings.batch_tokens} (ttt_steps {settings.ttt_steps}, "
-        f"{heads} draft heads, draft vocabulary {settings.draft_vocab_size}) needs about "
-        f"{need / 1e9:,.1f} GB ({path}), more than {where}, {have / 1e9:,.1f} GB",
-        where=f"config keys train.batch_tokens, device ({settings.device})",
-        fix=f"lower train.batch_tokens to {fits} or less (and data.max_seq_len with it)"
-            + ("; or train on a GPU (device: cuda), whose flex attention never builds the dense scores"
-               if attention == "sdpa" else ""))
+        f"train.warmup_steps is {warmup_steps}, longer than the run ({plan}): the learning rate would still be "
+        f"warming up at the last step, at {steps / warmup_steps:.0%} of train.lr",
+        where="config key train.warmup_steps",
+        fix=f"set train.warmup_steps to at most {steps}, or to null (a twentieth of the run, {max(1, steps // 20)} here), "
+            "or train for more steps (raise train.epochs or train.max_steps, or lower train.batch_tokens)")
 
 
 def check_context(text: dict, settings: FitSettings) -> dict:

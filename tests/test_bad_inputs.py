@@ -645,6 +645,37 @@ def _(tmp, env):
         holder.wait()
 
 
+def _train(tmp: Path, env: dict, **settings) -> None:
+    """train_draft, as its rule calls it, on a store extracted from 8 random rows of the tiny target
+    (about 180 tokens)."""
+    from draftsmith.extract.hidden_states import merge_parts
+    from draftsmith.train import TrainSettings, train_draft
+
+    train = tiny.write_jsonl(tmp / "train.jsonl", tiny.random_train_rows(8))
+    extract_part(train, env["target"], 0, ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs",
+                 tmp / "hs" / "part-0.json")
+    merge_parts([tmp / "hs" / "part-0.json"], tmp / "hs" / "index.json")
+    build_vocab_mapping(train, 384, 128, tmp / "mapping.safetensors", tmp / "vocab_stats.json")
+    train_draft(tmp / "hs" / "index.json", tmp / "mapping.safetensors", env["target"], tmp / "draft", tmp / "work",
+                TrainSettings(device="cpu", progress=False, **settings))
+
+
+@case("train-warmup-longer-than-the-run", ConfigError, "train.warmup_steps is 1000, longer than the run (",
+      "draft/model.safetensors")
+def _(tmp, env):
+    _train(tmp, env, batch_tokens=96, epochs=5, warmup_steps=1000)
+
+
+@case("train-step-too-large-for-memory", ConfigError, "positions (the largest micro-batch this run packs from the",
+      "draft/model.safetensors")
+def _(tmp, env):
+    from unittest import mock
+
+    # train.batch_tokens a million, on a store of about 180 tokens and a 1 MB machine
+    with mock.patch("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**6):
+        _train(tmp, env, batch_tokens=1_000_000, warmup_steps=0)
+
+
 @case("preflight-failed-before-a-load", PreflightGateError, "check_setup failed, so this job did not load the target")
 def _(tmp, env):
     # check_setup failed beside a job that loads the target (--keep-going, or started beside it)

@@ -5,6 +5,7 @@ from the rows the store reads, and prefetch them on a thread and a side CUDA str
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import dataclasses
 import math
@@ -193,6 +194,27 @@ def plan_steps(metas: list[ShardMeta], settings: TrainSettings, processes: int) 
     return steps
 
 
+def plan_summary(steps: list[Step], settings: TrainSettings, store_tokens: int) -> str:
+    """Where the plan's step count comes from, for the messages that ask to change it."""
+    per_epoch = sorted(collections.Counter(step.epoch for step in steps).values())
+    each = f"{per_epoch[0]}" if per_epoch[0] == per_epoch[-1] else f"{per_epoch[0]} to {per_epoch[-1]}"
+    text = (f"{len(steps)} optimizer steps: {settings.epochs:g} epoch(s) (train.epochs) of {each} steps over the "
+            f"{store_tokens:,}-token store, in micro-batches of up to train.batch_tokens={settings.batch_tokens} "
+            f"positions, {len(steps[0].packs)} per step")
+    if settings.max_steps is not None and len(steps) == settings.max_steps:
+        text += f", cut at train.max_steps={settings.max_steps}"
+    return text
+
+
+def batch_positions(steps: list[Step], device: torch.device) -> int:
+    """Positions of the plan's largest micro-batch as ``device`` computes it: never more than
+    train.batch_tokens, nor than one mixed group's samples (a sample is never split, a batch never
+    spans groups). On GPU every batch is padded to it, rounded up to PAD_MULTIPLE: one compiled
+    shape, and no padding past what a batch can hold."""
+    largest = max(pack.tokens for step in steps for pack in step.packs)
+    return -(-largest // PAD_MULTIPLE) * PAD_MULTIPLE if device.type == "cuda" else largest
+
+
 def _padded_length(tokens: int, pad_to: int, fixed: int | None) -> int:
     if fixed is not None:
         return fixed
@@ -378,15 +400,16 @@ class BatchFeed:
     computes. With a ``source``, each shard is waited for before it is opened."""
 
     def __init__(self, index: HiddenStateIndex, metas: list[ShardMeta], steps: list[Step], settings: TrainSettings,
-                 *, rank: int, device: torch.device, attention: str, dtype: torch.dtype,
+                 *, rank: int, device: torch.device, attention: str, dtype: torch.dtype, positions: int,
                  source: StateSource | None = None) -> None:
         self.index, self.metas, self.settings, self.device, self.dtype = index, metas, settings, device, dtype
         self.source = source
         self.aux_ids, self.final_id = list(index.aux_layer_ids), index.final_layer_id
-        # On GPU every batch has the same padded length, so the compiled step, the compiled flex
-        # kernel and its block mask are built once; the best-fit packing keeps the padding small.
+        # On GPU every batch has the same padded length, ``positions`` (``batch_positions`` of the whole
+        # run, so a resumed run has it too): the compiled step, the compiled flex kernel and its block
+        # mask are built once.
         self.pad_to = PAD_MULTIPLE if attention == "flex" else 1
-        self.fixed = -(-settings.batch_tokens // PAD_MULTIPLE) * PAD_MULTIPLE if device.type == "cuda" else None
+        self.fixed = positions if device.type == "cuda" else None
         self.open_rows: dict[int, ShardRows] = {}
         self.open_group: tuple[int, int] | None = None
         accum = settings.grad_accum_steps

@@ -25,8 +25,19 @@ from torch import nn
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
 from draftsmith.errors import TrainingError, out_of_memory_as
 from draftsmith.extract.hidden_states import HiddenStateIndex
+from draftsmith.fits import StepShape, check_step_fits, check_warmup, process_memory
 from draftsmith.io import atomic_write_json, read_json
-from draftsmith.train.batches import BatchFeed, ShardMeta, ShardVerifier, StateSource, Step, plan_run, step_group
+from draftsmith.train.batches import (
+    BatchFeed,
+    ShardMeta,
+    ShardVerifier,
+    StateSource,
+    Step,
+    batch_positions,
+    plan_run,
+    plan_summary,
+    step_group,
+)
 from draftsmith.train.checkpoints import (
     CHECKPOINT_FORMAT,
     checkpoint_key,
@@ -105,7 +116,8 @@ def _train(index_path: Path | None, mapping_path: Path, target_json: Path, out_d
     if source is not None:
         source.start(run.steps, run.start, ddp.main)
     feed = BatchFeed(run.index, run.metas, run.steps[run.start:], settings, rank=ddp.rank, device=run.device,
-                     attention=run.attention, dtype=run.dtype, source=source)
+                     attention=run.attention, dtype=run.dtype, positions=batch_positions(run.steps, run.device),
+                     source=source)
     verifier = None
     if settings.verify_shards and source is None:  # online shards are checked as they arrive
         verifier = ShardVerifier(run.index, [s for i, s in enumerate(run.index.shards) if i % ddp.world == ddp.rank])
@@ -223,9 +235,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: li
 
 def _lr_at(step: int, settings: TrainSettings, total: int) -> float:
     """Linear warm-up, then linear decay to zero at the last step (speculators' default schedule)."""
-    if step < settings.warmup_steps:
-        return settings.lr * (step + 1) / settings.warmup_steps
-    return settings.lr * max(0.0, (total - step) / max(total - settings.warmup_steps, 1))
+    warmup = settings.warmup_for(total)
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    return settings.lr * max(0.0, (total - step) / max(total - warmup, 1))
 
 
 def _logged_stats(acc_stats: torch.Tensor, bad_step: torch.Tensor, ddp: Dist, verifier: ShardVerifier | None,
@@ -290,10 +303,11 @@ def _prepare(index_path: Path | None, mapping_path: Path, target_json: Path, wor
     index = HiddenStateIndex.load(index_path) if source is None else source.index
     where = index_path or index.root
     target = read_json(target_json)
-    config, draft, objective = _build(index, target, where, mapping_path, target_json, settings, device,
-                                      dtype, attention, compile_)
+    config, d2t, t2d = _draft_config(index, target, where, mapping_path, target_json, settings)
     metas = None if source is None else source.metas(settings)
     metas, steps = plan_run(index, settings, ddp.world, where, metas)
+    _check_plan(steps, settings, index, config, device, attention, where)
+    draft, objective = _build(config, d2t, t2d, target_json, settings, device, dtype, attention, compile_)
 
     states = None if source is None else source.fingerprint
     key = checkpoint_key(settings, index_path, mapping_path, target, step_group(settings, ddp.world), states)
@@ -330,20 +344,41 @@ def _resolve(settings: TrainSettings, device: torch.device) -> tuple[torch.dtype
     return dtype, attention, compile_
 
 
-def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path: Path, target_json: Path,
-           settings: TrainSettings, device: torch.device, dtype: torch.dtype, attention: str,
-           compile_: bool) -> tuple[Eagle3DraftConfig, Eagle3Draft, TTTObjective]:
-    """The draft (seeded init, the target's embedding and lm_head rows frozen in) and its objective, on ``device``."""
-    from draftsmith.engines.weights import load_embedding_and_head
-
+def _draft_config(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path: Path, target_json: Path,
+                  settings: TrainSettings) -> tuple[Eagle3DraftConfig, torch.Tensor, torch.Tensor]:
+    """The draft's config and the vocabulary mapping (d2t, t2d), once the inputs agree with each other."""
     mapping = load_file(str(mapping_path))
     d2t, t2d = mapping["d2t"].long(), mapping["t2d"].bool()
     _check_inputs(index, target, t2d, index_path, target_json, mapping_path)
-
     config = Eagle3DraftConfig.from_target(
         target, draft_vocab_size=int(d2t.shape[0]), num_layers=settings.num_layers, variant=settings.variant,
         norm_before_residual=settings.norm_before_residual, speculative_tokens=settings.ttt_steps,
         aux_layer_ids=index.aux_layer_ids)
+    return config, d2t, t2d
+
+
+def _check_plan(steps: list[Step], settings: TrainSettings, index: HiddenStateIndex, config: Eagle3DraftConfig,
+                device: torch.device, attention: str, index_path: Path) -> None:
+    """Refuse a run whose plan cannot train, before any weight is read: the step count and the batches
+    depend on the store, so this is the first place they are known (check_setup, before the store
+    exists, checks full batches of train.batch_tokens against memory, an upper bound)."""
+    if settings.warmup_steps is not None:  # the automatic one fits any run
+        check_warmup(settings.warmup_steps, len(steps), plan_summary(steps, settings, index.num_tokens))
+    positions = batch_positions(steps, device)
+    shape = StepShape(settings.ttt_steps, config.num_attention_heads, config.num_layers,
+                      config.draft_vocab_size, attention)
+    basis = (f"the largest micro-batch this run packs from the {index.num_tokens:,}-token store with "
+             f"train.batch_tokens={settings.batch_tokens}" + (", padded for the GPU" if device.type == "cuda" else ""))
+    check_step_fits(positions, basis, shape, process_memory(device),
+                    where=f"config keys train.batch_tokens, device ({device.type}); the store {index_path}")
+
+
+def _build(config: Eagle3DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor, target_json: Path,
+           settings: TrainSettings, device: torch.device, dtype: torch.dtype, attention: str,
+           compile_: bool) -> tuple[Eagle3Draft, TTTObjective]:
+    """The draft (seeded init, the target's embedding and lm_head rows frozen in) and its objective, on ``device``."""
+    from draftsmith.engines.weights import load_embedding_and_head
+
     torch.manual_seed(settings.seed)
     draft = Eagle3Draft(config)
     embed, head = load_embedding_and_head(target_json)
@@ -366,7 +401,7 @@ def _build(index: HiddenStateIndex, target: dict, index_path: Path, mapping_path
     objective.to_device(device, dtype)
     if compile_:
         objective.compile_steps()
-    return config, draft, objective
+    return draft, objective
 
 
 def _check_inputs(index: HiddenStateIndex, target: dict, t2d: torch.Tensor, index_path: Path, target_json: Path,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from draftsmith.settings import StageSettings, bad_setting, check_settings, config_value, from_schema
 
+AUTO_WARMUP_MAX = 50  # train.warmup_steps: null warms up a twentieth of the run, at most this
+
 
 @dataclass(frozen=True)
 class TrainSettings(StageSettings):
@@ -31,7 +33,7 @@ class TrainSettings(StageSettings):
     packing: str = from_schema("train.packing")
     grad_accum_steps: int = 1
     lr: float = from_schema("train.lr")
-    warmup_steps: int = from_schema("train.warmup_steps")
+    warmup_steps: int | None = from_schema("train.warmup_steps")  # None: warmup_for's share of the run
     weight_decay: float = from_schema("train.weight_decay")
     max_grad_norm: float = from_schema("train.max_grad_norm")
     checkpoint_every: int = from_schema("train.checkpoint_every")
@@ -48,6 +50,14 @@ class TrainSettings(StageSettings):
     verify_shards: bool = True
     progress: bool = True
     device: str = from_schema("device")  # "auto" (cuda when present), "cuda" or "cpu"
+
+    def warmup_for(self, steps: int) -> int:
+        """The warmup of a run of ``steps`` optimizer steps: ``warmup_steps``, or when it is None a
+        twentieth of the run, at most ``AUTO_WARMUP_MAX`` steps (so a short run still reaches its
+        learning rate, and a long one warms up as it always did)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return min(AUTO_WARMUP_MAX, max(1, steps // 20))
 
     SECTION = "train"
     NOT_SETTINGS = {**{key: "launch, not math: run_training's arguments (launch_from_config)"
