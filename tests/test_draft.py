@@ -430,6 +430,16 @@ def test_variants_from_the_target_and_refusals():
     assert make_draft(norm_before_fc=True, norm_output=True).config.variant is None  # speculators' default
 
 
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_pytorch_tanh", "relu"])
+def test_the_draft_runs_silu_whatever_the_targets_activation(activation):
+    """vLLM's EAGLE-3 Llama draft builds LlamaMLP, which takes SiLU only: a draft that copied GPT-2's
+    gelu or Gemma's tanh gelu could be trained but not served."""
+    target = {"hidden_size": HIDDEN, "vocab_size": VOCAB, "aux_layer_ids": [1, 2, 3],
+              "text_config": {"num_attention_heads": 2, "hidden_act": activation, "hidden_activation": activation}}
+    config = Eagle3DraftConfig.from_target(target, draft_vocab_size=DRAFT_VOCAB)
+    assert config.hidden_act == "silu" and config.transformer_layer_config()["hidden_act"] == "silu"
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_save_load_roundtrip(tmp_path, variant):
     draft = make_draft(2, False, variant=variant).float()

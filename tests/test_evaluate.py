@@ -163,6 +163,67 @@ def test_hand_computed_acceptance(backend, references):
     assert stats["proposal_rate_by_position"] == pytest.approx([5 / 6, 4 / 6, 3 / 6])
 
 
+def _sliding_window_model(kind: str, window: int | None = 8) -> torch.nn.Module:
+    """A tiny random-init target whose attention sees the last ``window`` tokens only: Mistral
+    (every layer sliding) or Gemma 2 (sliding and full layers in turn)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
+                 max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config, cls = ((MistralConfig(tie_word_embeddings=False, **shape), MistralForCausalLM) if kind == "mistral"
+                   else (Gemma2Config(**shape), Gemma2ForCausalLM))
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    tiny._spread_weights(model)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_target_decodes_past_its_window(kind):
+    """Rejected drafts are cropped from the KV cache long after the window (8) is full: the loop
+    still gives ``generate``'s greedy tokens, one for one."""
+    model = _sliding_window_model(kind)
+    prompt = Prompt("long", [12, 40, 7, 99, 3, 250, 17, 5, 6])
+    ids = torch.tensor([prompt.ids])
+    truth = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    rng = random.Random(0)
+
+    def noisy(context, k):
+        done = len(context) - len(prompt.ids)
+        return [t if rng.random() > 0.4 else (t + 1) % 384 for t in (truth[done:] + [0] * k)[:k]]
+
+    backend = HFDecoder(model, [], 30)
+    assert backend.greedy(prompt).tokens == truth
+    for k in (1, 3):
+        run = backend.speculate(prompt, ScriptedDrafter(noisy), k)
+        assert run.tokens == truth, k
+        assert 0 in run.accepted and k in run.accepted  # rejections, and whole drafts kept
+    assert backend.speculate(prompt, DrafterSpec("target"), 3).tokens == truth
+    if kind == "mistral":
+        # The window changes this model's output, so the equality shows the loop kept the window.
+        unwindowed = _sliding_window_model(kind, window=None)
+        again = unwindowed.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert again[0, ids.shape[1]:].tolist() != truth
+
+
+def test_the_loop_keeps_layers_with_state_of_their_own():
+    """Only plain sliding-window layers become full ones: a linear-attention hybrid keeps its
+    recurrent state, which a full key/value layer would drop."""
+    from transformers.cache_utils import DynamicLayer
+    from transformers.models.zaya.configuration_zaya import ZayaConfig
+
+    gemma2 = HFTarget(_sliding_window_model("gemma2")).new_cache()
+    assert [type(layer) for layer in gemma2.layers] == [DynamicLayer, DynamicLayer]
+    stub = torch.nn.Linear(1, 1)
+    stub.config = ZayaConfig(num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"], sliding_window=8)
+    hybrid = HFTarget(stub).new_cache()
+    assert [type(layer).__name__ for layer in hybrid.layers] == ["LinearAttentionAndSlidingWindowAttentionLayer",
+                                                                 "LinearAttentionAndFullAttentionLayer"]
+
+
 def _cycle_model(vocab: int = 32, cycle=(1, 2, 3, 4, 5)) -> LlamaForCausalLM:
     """A bigram target: it predicts the next token of ``cycle`` after each of its tokens (and the
     same token after any other), with attention and MLP outputs zeroed so each layer passes the

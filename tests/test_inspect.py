@@ -197,3 +197,28 @@ def test_the_hf_stages_follow_the_backends(monkeypatch):
     assert hf_stages(config, gpu=False) == {"regenerate_responses": 0, "extract_hidden_states": 0, "evaluate_draft": 0}
     config["regenerate"]["backend"] = config["extraction"]["backend"] = config["eval"]["backend"] = "vllm"
     assert hf_stages(config, gpu=True) == {}
+
+
+def test_a_refused_target_leaves_what_was_learned_beside_target_json(llama_dir, tmp_path, monkeypatch):
+    """A target this machine cannot hold: target.json is not written (Snakemake would delete it anyway),
+    target.refused.json says what preflight learned and the error says where it is; a later pass
+    removes it."""
+    from draftsmith.targets.inspect import write_target_json
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**6)  # a 1 MB machine
+    out = tmp_path / "results" / "target.json"
+    with pytest.raises(TargetError) as error:
+        write_target_json(out, llama_dir, hf_stages={"extract_hidden_states": 0})
+    refused = tmp_path / "results" / "target.refused.json"
+    assert f"What the preflight learned of the target (layers, quantization, weight bytes) is in {refused}" \
+        in error.value.what
+    assert "into this machine's memory" in error.value.what and error.value.where and error.value.fix
+    assert not out.exists()
+    learned = json.loads(refused.read_text())
+    assert learned["num_hidden_layers"] == 8 and learned["quantization"] is None and learned["weight_bytes"] > 0
+    assert learned["refused"]["where"] == error.value.where and "into this machine's memory" in learned["refused"]["what"]
+
+    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**12)
+    write_target_json(out, llama_dir, hf_stages={"extract_hidden_states": 0})
+    assert out.exists() and not refused.exists()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +66,21 @@ def test_an_untested_vllm_is_refused_for_the_stages_that_use_it(target, tmp_path
         check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, extraction_backend="vllm", eval_backend="hf"))
     assert "outside the supported releases" in str(error.value) and "extraction.backend" in str(error.value)
     check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, extraction_backend="hf"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_serving_of_a_class_without_eagle3_is_refused_before_training(target, tmp_path):
+    """vLLM runs Gemma 3 but its class cannot feed an EAGLE-3 speculator: eval.backend: vllm is refused
+    at preflight (not after training); extraction through vLLM stays allowed."""
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    with pytest.raises(TargetError) as error:
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, eval_backend="vllm"))
+    assert "does not implement SupportsEagle3" in str(error.value) and error.value.where == "eval.backend"
+    assert "eval.backend: hf" in error.value.fix
+    check_setup(target, [source], tmp_path / "p.json",
+                _settings(draft_vocab_size=64, extraction_backend="vllm", eval_backend="hf"))
 
 
 @pytest.mark.slow
@@ -187,3 +205,147 @@ def test_a_damaged_target_config_is_named_not_a_traceback(target, tmp_path):
     with pytest.raises(TargetError, match="config.json is not valid JSON") as error:
         check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
     assert error.value.fix
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _agentic(i: int) -> dict:
+    """A row whose assistant calls a tool: the plain ChatML template drops the call."""
+    return {"tools": TOOLS, "messages": [
+        {"role": "user", "content": f"Weather in Paris? ({i})"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": f"It is sunny ({i})."}]}
+
+
+def _write_source(kind: str, path, rows: list[dict]):
+    """``rows`` as a data source of ``kind``: jsonl, jsonl.gz, json, parquet (row groups of 10 rows)
+    or a save_to_disk folder."""
+    import gzip
+
+    if kind == "jsonl":
+        return tiny.write_jsonl(path.with_suffix(".jsonl"), rows)
+    if kind == "jsonl.gz":
+        target = path.with_suffix(".jsonl.gz")
+        target.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+        return target
+    if kind == "json":
+        target = path.with_suffix(".json")
+        target.write_text(json.dumps(rows))
+        return target
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_struct_array(pa.array(rows))  # the columns of every row, not only of the first
+    if kind == "parquet":
+        pq.write_table(table, path.with_suffix(".parquet"), row_group_size=10)
+        return path.with_suffix(".parquet")
+    import datasets
+
+    datasets.Dataset(table).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "json", "parquet", "save_to_disk"])
+def test_a_kind_of_row_the_template_cannot_render_is_refused_wherever_it_is(target, tmp_path, kind):
+    """100 plain chats, then 30 tool-call rows (23%): the first rows render, prepare_dataset would drop
+    every tool-call row as template_error within data.max_bad_fraction; preflight samples the whole
+    source and refuses, naming one of the rows."""
+    source = _write_source(kind, tmp_path / "agentic", [CHATS[i % 4] for i in range(100)]
+                           + [_agentic(i) for i in range(30)])
+    with pytest.raises(DataError) as error:
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    e = error.value
+    assert "cannot render the chats with tool definitions, tool calls, tool results" in e.what, str(e)
+    assert "30 of the 130 rows sampled" in e.what and "template_error" in e.what
+    line = int(re.search(r"(?::|\[row )(\d+)", e.where.removeprefix(str(source))).group(1))
+    assert 100 <= line <= 130 and e.where.startswith(str(source)), e.where  # a tool-call row: 101-130 or 100-129
+    assert "tool-use chat template" in e.fix
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_million_row_source_is_sampled_to_its_end_without_being_read_whole(target, chatml_tools_tokenizer,
+                                                                             tmp_path, monkeypatch):
+    """A million rows, the last 2% with tool calls: a template that renders them passes reading about
+    a megabyte of the file; one that cannot is refused, naming the line of one of them."""
+    chat = b'{"messages": [{"role": "user", "content": "row %d"}, {"role": "assistant", "content": "fine"}]}\n'
+    agentic = (json.dumps(_agentic(0)).replace("(0)", "(%d)") + "\n").encode()
+    path = tmp_path / "million.jsonl"
+    with path.open("wb") as f:
+        f.write(b"".join(chat % i for i in range(980_000)))
+        f.write(b"".join(agentic % (i, i) for i in range(980_000, 1_000_000)))
+    tools = shutil.copytree(chatml_tools_tokenizer, tmp_path / "tools")
+    shutil.copy(target / "config.json", tools / "config.json")
+    before = _bytes_read()
+    report = check_setup(tools, [path], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    assert _bytes_read() - before < path.stat().st_size / 20
+    assert sum(report["sources"][0]["spread"]["kinds"].values()) >= 250
+
+    with pytest.raises(DataError) as error:
+        check_setup(target, [path], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    assert "cannot render the chats with tool definitions" in str(error.value)
+    line = int(error.value.where.split(":")[-1].split()[0])
+    assert 980_001 <= line <= 1_000_000, error.value.where
+    assert b"tool_calls" in path.read_bytes().split(b"\n")[line - 1]  # the line named is a row that failed
+    # further into a file than lines are counted, the row is named by the byte it starts at
+    monkeypatch.setattr("draftsmith.conversations.LINE_COUNT_BYTES", 1 << 20)
+    with pytest.raises(DataError) as error:
+        check_setup(target, [path], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    offset = int(error.value.where.split(" at byte ")[1].split()[0].replace(",", ""))
+    with path.open("rb") as f:
+        f.seek(offset - 1)
+        assert f.read(1) == b"\n" and b"tool_calls" in f.readline()
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read from files so far (Linux: /proc/self/io)."""
+    return int(re.search(r"^rchar: (\d+)", Path("/proc/self/io").read_text(), flags=re.M).group(1))
+
+
+def test_the_sample_and_its_kinds_are_reported(chatml_tools_tokenizer, tmp_path, monkeypatch):
+    folder = shutil.copytree(chatml_tools_tokenizer, tmp_path / "tools")
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 384}))
+    source = tiny.write_jsonl(tmp_path / "mixed.jsonl", [CHATS[i % 4] for i in range(100)]
+                              + [_agentic(i) for i in range(30)] + [{"broken": True}])
+    report = check_setup(folder, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    spread = report["sources"][0]["spread"]
+    assert spread["rows_sampled"] == 131 and spread["whole_source"] and spread["bad_rows"] == {"unknown_format": 1}
+    assert spread["kinds"] == {"plain chats": 100, "chats with tool definitions, tool calls, tool results, "
+                                                   "several answers": 30}
+    assert spread["rendered"] == 32 and spread["no_loss_within_max_seq_len"] == 0
+    monkeypatch.setattr("draftsmith.preflight.RENDER_SECONDS", 0)  # a slow template: one row of each kind
+    report = check_setup(folder, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    assert report["sources"][0]["spread"]["rendered"] == 2
+
+
+@pytest.mark.slow
+def test_a_refused_preflight_says_what_where_and_fix_and_keeps_the_traceback_in_the_log(tmp_path, monkeypatch):
+    """Both preflight jobs refused through snakemake (--keep-going): the console shows each error's
+    what, where and fix and no traceback; each job's log keeps the traceback (a chained one for a
+    folder that is not a save_to_disk folder); inspect_target leaves what it learned beside the
+    target.json it did not write."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    workdir, config = tiny_workflow(tmp_path)
+    # the tiny target's config grown to 34B parameters (preflight reads no weights): 137 GB in float32,
+    # more than this machine's memory for extraction on the hf backend
+    model_config = tmp_path / "model" / "config.json"
+    model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "hidden_size": 8192,
+                                        "intermediate_size": 32768, "num_hidden_layers": 40, "head_dim": 1024}))
+    (tmp_path / "not_a_dataset").mkdir()
+    config["data"]["sources"] = [str(tmp_path / "not_a_dataset")]
+    config.update(vocab={"draft_vocab_size": 64}, extraction={"backend": "hf"}, train={"batch_tokens": 256})
+    run = snakemake(workdir, "--keep-going", "preflight", configfile=write_config(workdir, config), check=False)
+    console = run.stdout + run.stderr
+    assert run.returncode != 0
+    refused = "results/t/target.refused.json"
+    for says in ("TargetError: the target's weights take", f"(layers, quantization, weight bytes) is in {refused}",
+                 "DataError: ", "is a folder but not one written by datasets' save_to_disk", "where:", "fix:"):
+        assert says in console, console[-6000:]
+    assert "Traceback" not in console, console[-6000:]
+    check_setup_log = (workdir / "logs/t/check_setup.log").read_text()
+    assert "Traceback" in check_setup_log and "The above exception was the direct cause" in check_setup_log
+    assert "Traceback" in (workdir / "logs/t/inspect_target.log").read_text()
+    assert not (workdir / "results/t/target.json").exists()
+    assert json.loads((workdir / refused).read_text())["num_hidden_layers"] == 40

@@ -115,7 +115,9 @@ class Eagle3DraftConfig:
             target_vocab_size=int(target["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
             aux_layer_ids=list(aux_layer_ids if aux_layer_ids is not None else target["aux_layer_ids"]),
             num_layers=num_layers, rms_norm_eps=float(tc.get("rms_norm_eps") or 1e-6),
-            hidden_act=tc.get("hidden_act") or "silu",
+            # SiLU whatever the target's activation (gelu for GPT-2, gelu_pytorch_tanh for Gemma): the
+            # draft is its own Llama-style model, and vLLM's EAGLE-3 Llama draft runs SiLU only (LlamaMLP)
+            hidden_act="silu",
             max_position_embeddings=int(tc.get("max_position_embeddings") or 4096),
             rope_parameters=rope, norm_before_residual=norm_before_residual,
             initializer_range=float(tc.get("initializer_range") or 0.02),

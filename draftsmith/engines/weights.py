@@ -30,12 +30,14 @@ def checkpoint_keys(model_path: Path) -> dict[str, Path]:
     return keys
 
 
-def resolve_key(keys: dict[str, Path], module_path: str, model_path: Path) -> str:
+def resolve_key(keys: dict[str, Path], module_path: str, model_path: Path, *, shaped_like: str | None = None) -> str:
     """The checkpoint name of ``<module_path>.weight``.
 
     Checkpoints of wrapped models often name tensors differently from the modules
     (``language_model.model.embed_tokens`` vs ``model.language_model.embed_tokens``), so fall back
-    to the one key that ends with the module's own name.
+    to the one key that ends with the module's own name. Some keep a tensor under a name that
+    transformers renames on load (GPT-NeoX's lm_head is ``embed_out.weight``): with
+    ``shaped_like`` (the embedding's key), the lm_head is then the one other tensor of its shape.
     """
     wanted = f"{module_path}.weight"
     if wanted in keys:
@@ -44,8 +46,22 @@ def resolve_key(keys: dict[str, Path], module_path: str, model_path: Path) -> st
     matches = [k for k in keys if k == leaf or k.endswith("." + leaf)]
     if len(matches) == 1:
         return matches[0]
+    if not matches and shaped_like is not None:
+        matches = _same_shape(keys, shaped_like)
+        if len(matches) == 1:
+            return matches[0]
+        leaf = f"{leaf}, nor another tensor shaped like {shaped_like}"
     raise TargetError(f"cannot find the weights of {module_path} in the checkpoint (keys ending in {leaf}: {matches})",
                       where=str(model_path), fix="check that the weights belong to this config")
+
+
+def _same_shape(keys: dict[str, Path], like: str) -> list[str]:
+    """The other tensors of ``like``'s shape, read from the files' headers (no tensor is loaded)."""
+    shapes = {}
+    for file in sorted(set(keys.values())):
+        with safe_open(file, "pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return [name for name in keys if name != like and shapes.get(name) == shapes[like]]
 
 
 def load_tensor(keys: dict[str, Path], name: str) -> torch.Tensor:
@@ -58,8 +74,9 @@ def load_embedding_and_head(target_json: str | Path) -> tuple[torch.Tensor, torc
     info = read_target_json(target_json)
     model_path = Path(info["model_path"])
     keys = checkpoint_keys(model_path)
-    embed = load_tensor(keys, resolve_key(keys, info["embed_path"], model_path))
+    embed_key = resolve_key(keys, info["embed_path"], model_path)
+    embed = load_tensor(keys, embed_key)
     if info["tie_word_embeddings"]:
         return embed, embed
-    head = load_tensor(keys, resolve_key(keys, info["lm_head_path"], model_path))
+    head = load_tensor(keys, resolve_key(keys, info["lm_head_path"], model_path, shaped_like=embed_key))
     return embed, head

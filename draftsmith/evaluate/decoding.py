@@ -70,9 +70,12 @@ class HFTarget:
             self._captured[layer_id] = states[0]
 
     def new_cache(self):
+        """A KV cache the loop can crop back after a rejected draft, at any length."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
+        _full_sliding_layers(cache)
+        return cache
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int], cache, *, last_only: bool,
@@ -131,6 +134,19 @@ class TargetDrafter(Drafter):
 
     def commit(self, new_tokens, aux_states) -> None:
         self.context.extend(new_tokens)
+
+
+def _full_sliding_layers(cache) -> None:
+    """Swap a cache's sliding-window layers for full ones. A sliding layer keeps only the last
+    window's keys, so once past the window it cannot be cropped back (transformers raises).
+    A full layer keeps every key, and the model's own mask still applies the window (it reads
+    the window from the config, not from the cache), so the outputs stay those of ``generate``.
+    Only the plain sliding class is swapped: its subclasses and linear-attention hybrids carry
+    state of their own that a full layer would drop."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer
+                    for layer in cache.layers]
 
 
 def _drop(cache, n: int) -> None:

@@ -209,6 +209,24 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> str:
         fix="set target.layers_path to the dotted path of the decoder layers, e.g. language_model.model.layers")
 
 
+def check_embedding_width(embed: nn.Module, head: nn.Module, hidden_size: int, model_path: Path) -> None:
+    """Refuse a target whose token embedding or lm_head is narrower or wider than its hidden states
+    (OPT-350m projects 512-wide embeddings to 1024: project_in/project_out). The draft takes its
+    input embedding and its lm_head from the target and runs them on hidden-width states, and the
+    final state captured (the lm_head's input) would not be hidden-width either."""
+    widths = {"token embedding": getattr(embed, "embedding_dim", None), "lm_head": getattr(head, "in_features", None)}
+    odd = {name: width for name, width in widths.items() if width is not None and width != hidden_size}
+    if odd:
+        widths = " and ".join(sorted({str(width) for width in odd.values()}))
+        raise TargetError(f"the target's {' and '.join(odd)} {'are' if len(odd) > 1 else 'is'} {widths} wide, its "
+                          f"hidden states {hidden_size}: it projects between them (as OPT-350m's "
+                          "project_in/project_out do), and an EAGLE-3 draft runs the target's embedding and "
+                          "lm_head on hidden-width states", where=f"{model_path}/config.json",
+                          fix="use a target whose embedding is as wide as its hidden states (for OPT, "
+                              "word_embed_proj_dim equal to hidden_size: every OPT size but 350m); no setting "
+                              "changes this")
+
+
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     if len(set(layer_ids)) != len(layer_ids):
         raise TargetError(f"aux layer ids {list(layer_ids)} repeat a layer", where="target.aux_layer_ids",
@@ -275,6 +293,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     tokenizer = inspect_tokenizer(model_path, text_config.vocab_size, trust_remote_code)
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
+    check_embedding_width(embed, head, text_config.hidden_size, model_path)
     info = {
         "format": TARGET_FORMAT,
         "model_path": str(model_path),
@@ -297,7 +316,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
         "quantization": quantization,
         "trust_remote_code": trust_remote_code,
         **tokenizer,
-        "text_config": text_config.to_dict(),
+        "text_config": standard_names(text_config.to_dict()),
     }
     info["backends"] = backend_support(info, config)
     info["inspect_seconds"] = round(time.perf_counter() - started, 3)
@@ -307,6 +326,19 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
 def _text_key(raw: dict, text_model_type: str) -> str | None:
     """The key of a wrapper's config.json that holds its text model's config (text_config, ...)."""
     return next((k for k, v in raw.items() if isinstance(v, dict) and v.get("model_type") == text_model_type), None)
+
+
+def standard_names(config: dict) -> dict:
+    """A config as a dict (config.json's, or a config's ``to_dict()``) with transformers' standard
+    names added where the model names a field its own way: GPT-2 keeps its width in ``n_embd``, which
+    its config class maps to ``hidden_size`` (``attribute_map``) on the object only, never in the dict."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        attribute_map = CONFIG_MAPPING[config.get("model_type")].attribute_map
+    except KeyError:  # remote code, or no model_type: its own names are all there is
+        return config
+    return {**{name: config[own] for name, own in attribute_map.items() if own in config}, **config}
 
 
 def weight_bytes(info: dict, dtype: str = "auto") -> int:
@@ -450,17 +482,32 @@ def check_fits_host(info: dict, rules: list[str], *, dtype: str = "auto") -> Non
 
 def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: str = "auto",
                       hf_stages: dict[str, int] | None = None, **kwargs) -> dict:
-    """Inspect the target, refuse it where an HF stage cannot hold it, and write target.json."""
+    """Inspect the target, refuse it where an HF stage cannot hold it, and write target.json; a refused
+    target's description goes to ``refused_path(out_path)`` instead, which the error names."""
+    refused = refused_path(out_path)
+    refused.unlink(missing_ok=True)  # it describes the last run's refusal, if this run refuses too
     info = inspect_target(model_path, **kwargs)
     info["weight_bytes"] = weight_bytes(info, dtype)
-    check_fits_devices(info, dict(hf_stages or {}), dtype=dtype)
-    atomic_write_json(out_path, info)
     log.info("target %s: %s, %d layers at %s, hidden %d, vocab %d, aux layers %s (+ final %d), %.1fB parameters, "
              "%s; weights %.1f GB on a GPU", info["model_path"], info["architecture"], info["num_hidden_layers"],
              info["layers_path"], info["hidden_size"], info["vocab_size"], info["aux_layer_ids"],
              info["final_layer_id"], info["num_parameters"] / 1e9, quantization_summary(info),
              info["weight_bytes"] / 1e9)
+    try:
+        check_fits_devices(info, dict(hf_stages or {}), dtype=dtype)
+    except TargetError as e:
+        atomic_write_json(refused, {"refused": {"what": e.what, "where": e.where, "fix": e.fix}, **info})
+        raise TargetError(f"{e.what}. What the preflight learned of the target (layers, quantization, weight "
+                          f"bytes) is in {refused}", where=e.where, fix=e.fix) from None
+    atomic_write_json(out_path, info)
     return info
+
+
+def refused_path(out_path: str | Path) -> Path:
+    """Where write_target_json describes a target it refused: beside target.json, not in it, since
+    Snakemake deletes a failed job's outputs and a target.json must mean a target that passed."""
+    out_path = Path(out_path)
+    return out_path.with_name(f"{out_path.stem}.refused.json")
 
 
 def read_target_json(path: str | Path) -> dict:
