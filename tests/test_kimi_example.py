@@ -57,3 +57,19 @@ def test_snakemake_plans_the_example(kimi_dir, tmp_path):
     resolved = yaml.safe_load((ROOT / "config" / "examples" / "kimi-k2.5.yaml").read_text())
     assert resolved["regenerate"]["backend"] == resolved["extraction"]["backend"] == resolved["eval"]["backend"] \
         == "vllm"  # every stage that runs the target runs it in vLLM
+
+
+def test_snakemake_plans_the_gpu_demo(tmp_path):
+    """config/examples/demo-gpu.yaml: the embedded demo with every target stage in vLLM on one GPU,
+    planned from its config alone (the GPU lane runs it)."""
+    workdir = copy_workflow(tmp_path / "wf")
+    config = yaml.safe_load((ROOT / "config" / "examples" / "demo-gpu.yaml").read_text())
+    assert config["regenerate"]["backend"] == config["extraction"]["backend"] == config["eval"]["backend"] == "vllm"
+    plan = snakemake(workdir, "-n", "--cores", "4", "--resources", "gpu=1", configfile=write_config(workdir, config))
+    assert planned_rules(plan) == {
+        "demo_target", "demo_dataset", "inspect_target", "check_setup", "regenerate_responses", "prepare_dataset",
+        "extract_hidden_states", "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
+        "plot_training", "plot_evaluation", "estimate_payoff"}
+    jobs = planned_jobs(plan)
+    assert all(jobs[rule]["resources"]["gpu"] == 1 for rule in ("regenerate_responses", "extract_hidden_states",
+                                                                "evaluate_draft", "train_draft"))
