@@ -51,8 +51,8 @@ def require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:
     if not tokenizer.chat_template:
         raise DataError(f"the tokenizer in {tokenizer_dir} has no chat template, so conversations "
                         "cannot be rendered", where=str(tokenizer_dir),
-                        fix="use the tokenizer of an instruct/chat model, add a chat_template.jinja to "
-                            "the folder, or give plain text rows with data.format: text")
+                        fix="use the tokenizer of an instruct/chat model, or add a chat_template.jinja to "
+                            "the folder (evaluation decodes chat prompts, so plain text alone cannot do)")
 
 
 class ChatRenderer:

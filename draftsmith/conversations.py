@@ -3,8 +3,10 @@ gzip-compressed as .jsonl.gz/.json.gz; datasets' save_to_disk folders), normaliz
 messages (system, user, assistant with optional tool calls, tool results; plus the row's tool
 definitions) or plain text, or reported as a bad row with its reason.
 
-This is all that regeneration needs of the data; tokenising and masking live in
-``draftsmith.data`` (prepare_dataset), so a change there does not discard regenerated answers.
+This is all that regeneration needs of the data, the bad-row accounting the stages that read
+sources share (``Tally``: counts per reason, ``data.max_bad_fraction``) included; tokenising and
+masking live in ``draftsmith.data`` (prepare_dataset), so a change there does not discard
+regenerated answers.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import dataclasses
 import gzip
 import itertools
 import json
+import logging
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from draftsmith.errors import DataError
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "messages", "conversations", "text")
 
@@ -49,6 +55,8 @@ ROLES = {
 # Fields a prompt-only row (eval.sources) may hold its prompt in, in the order they are looked
 # for: MT-bench (turns), HumanEval (prompt), GSM8K (question), Alpaca (instruction), plain text.
 PROMPT_FIELDS = ("turns", "prompt", "question", "instruction", "text")
+# What completes an instruction in the same user turn: Alpaca's input, Dolly's context.
+INPUT_FIELDS = ("input", "context")
 ID_FIELDS = ("id", "question_id", "task_id")
 
 # The source file types read, each with its gzip-compressed form (parquet compresses inside).
@@ -196,7 +204,8 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
     are the prompt (the turns before the first answer; an answer is not needed), or a ``BadRow``.
 
     Besides conversations, a row may hold its prompt in one of ``PROMPT_FIELDS``, which becomes a
-    user turn; its id may be in one of ``ID_FIELDS``.
+    user turn (an instruction with its ``INPUT_FIELDS`` text); its id may be in one of ``ID_FIELDS``.
+    A row's ``system`` field becomes a system turn.
     """
     for source, line, raw in _rows(sources, max_line, "eval.sources"):
         if isinstance(raw, BadRow):
@@ -212,9 +221,11 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
             value = raw[field]
             if field == "turns" and isinstance(value, list) and value:
                 value = value[0]  # MT-bench: later turns follow the target's own first answer
+            if field == "instruction":
+                value = _with_input(value, raw)
             row_id = next((raw[f] for f in ID_FIELDS if raw.get(f) not in (None, "")), None)
-            raw = {"id": row_id, "messages": [{"role": "user", "content": value}]}
-        row = _normalize(raw, source, line, "auto", answer_required=False)
+            raw = {"id": row_id, "system": raw.get("system"), "messages": [{"role": "user", "content": value}]}
+        row = _normalize(_with_system_turn(raw), source, line, "auto", answer_required=False)
         if isinstance(row, Conversation):
             first = next((i for i, m in enumerate(row.messages) if m["role"] == "assistant"), len(row.messages))
             if first == 0:
@@ -222,6 +233,31 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
             else:
                 row = dataclasses.replace(row, messages=row.messages[:first])
         yield row
+
+
+def _with_input(instruction: Any, raw: dict) -> Any:
+    """An instruction followed by its input (Alpaca's ``input``, Dolly's ``context``) after a blank
+    line, as Alpaca's own prompt lays them out; without one, the instruction alone: the task is
+    often unanswerable without the text it is about."""
+    extra = next((raw[f] for f in INPUT_FIELDS if isinstance(raw.get(f), str) and raw[f].strip()), None)
+    if extra is None or not isinstance(instruction, str):
+        return instruction
+    return f"{instruction}\n\n{extra}"
+
+
+def _with_system_turn(raw: Any) -> Any:
+    """A row whose ``system`` field holds its system prompt (instruction sets, ShareGPT exports),
+    with that prompt as a first system turn, which the chat template renders; a row whose turns
+    already open with a system turn as it is."""
+    system = raw.get("system") if isinstance(raw, dict) else None
+    key = next((k for k in ("messages", "conversations") if isinstance(raw, dict) and raw.get(k) is not None), None)
+    if not isinstance(system, str) or not system.strip() or key is None or not isinstance(raw[key], list):
+        return raw
+    first = raw[key][0] if raw[key] else None
+    role = first.get("role", first.get("from")) if isinstance(first, dict) else None
+    if isinstance(role, str) and ROLES.get(role) == "system":
+        return raw
+    return {**raw, key: [{"role": "system", "content": system}, *raw[key]]}
 
 
 def _rows(sources: Sequence[str | Path], max_line: int, key: str) -> Iterator[tuple[str, int, Any]]:
@@ -342,6 +378,11 @@ def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
+    yield from enumerate(_load_saved_dataset(path))
+
+
+def _load_saved_dataset(path: Path):
+    """The dataset (its 'train' split) of a save_to_disk folder, memory-mapped: rows are read as used."""
     import datasets
 
     try:
@@ -357,7 +398,141 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
                             where=str(path),
                             fix=f"give the folder of the split to use, e.g. {path / sorted(ds)[0]}")
         ds = ds["train"]
-    yield from enumerate(ds)
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling sources (preflight): rows spread over the whole of a source, without reading all of it
+
+# A gzip stream cannot be seeked: its sample is spread over this much of its start.
+SAMPLE_STREAM_BYTES = 64 << 20
+# Bytes read past a seek to find where the next line starts: a longer line is found from an
+# offset before it instead.
+SEEK_SKIP_BYTES = 1 << 20
+# A line found by seeking is numbered by counting the newlines before it up to this far into the
+# file (a fraction of a second); further in, it is named by its byte offset.
+LINE_COUNT_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    """A row of a source's sample, as ``read_rows`` gives it; ``offset``: where a jsonl line found by
+    seeking starts (its ``line`` is 0 until counted: ``line_number`` reads the file up to it)."""
+
+    file: str
+    line: int
+    raw: Any
+    offset: int | None = None
+
+    @property
+    def raw_row(self) -> RawRow:
+        return self.file, self.line, self.raw
+
+    @property
+    def where(self) -> str:
+        """``row_where`` of the row, its line counted if seeking left it unknown and it is not too far
+        in to count; else the byte it starts at (``tail -c +<byte + 1> file | head -1`` shows it)."""
+        if self.offset is None:
+            return row_where(self.file, self.line)
+        if self.offset > LINE_COUNT_BYTES:
+            return f"{self.file} at byte {self.offset:,}"
+        return row_where(self.file, line_number(self.file, self.offset))
+
+
+def sample_rows(source: str | Path, n: int, max_line: int = MIN_MAX_LINE_BYTES) -> tuple[list[SampledRow], bool]:
+    """About ``n`` rows of ``source`` spread evenly from its first row to its end, and whether they
+    span all of it. A .jsonl file is read at ``n`` byte offsets, a parquet file in the row groups
+    that hold the rows, a save_to_disk folder by index, a .json file (parsed whole to be read at
+    all) by index; a .gz file cannot be seeked, so only its first SAMPLE_STREAM_BYTES are sampled."""
+    path = Path(source)
+    if path.is_dir():
+        dataset = _load_saved_dataset(path)
+        return [SampledRow(str(path), i, dataset[i]) for i in _spread(len(dataset), n)], True
+    if source_problem(path) is None and source_type(path) == ".jsonl":
+        return _sample_jsonl(path, n, max_line), True
+    if source_problem(path) is None and source_type(path) == ".parquet":
+        return _sample_parquet(path, n), True
+    return _sample_stream(path, n, max_line)  # _read_source names a source that cannot be read
+
+
+def line_number(file: str | Path, offset: int) -> int:
+    """The number of the jsonl line that starts at byte ``offset``: one more than the newlines before it."""
+    newlines, left = 0, offset
+    with _open_binary(Path(file)) as f:
+        while left > 0 and (chunk := f.read(min(left, 1 << 20))):
+            newlines += chunk.count(b"\n")
+            left -= len(chunk)
+    return newlines + 1
+
+
+def _spread(total: int, n: int) -> list[int]:
+    """``n`` row indexes evenly spaced over ``total`` rows, the first and the last among them."""
+    return sorted({k * total // n for k in range(n)} | {total - 1}) if total else []
+
+
+def _sample_jsonl(path: Path, n: int, max_line: int) -> list[SampledRow]:
+    """The line that starts first at or after each of ``n`` evenly spaced byte offsets of ``path``."""
+    file, size, found = str(path), path.stat().st_size, {}
+    with path.open("rb") as f:
+        for offset in sorted({k * size // n for k in range(n)}):
+            start = _next_line_start(f, offset)
+            if start is None or start in found:
+                continue
+            f.seek(start)
+            raw = f.readline(max_line + 1)
+            if len(raw) > max_line and not raw.endswith(b"\n"):
+                raw = BadRow(file, 0, "line_too_long", f"over the {max_line:,}-byte limit")
+            elif not raw.strip():
+                continue
+            found[start] = raw
+    return [SampledRow(file, 1, raw) if start == 0 else SampledRow(file, 0, raw, start) for start, raw in found.items()]
+
+
+def _next_line_start(f, offset: int) -> int | None:
+    """Where the first line that starts at or after ``offset`` begins; None at the end of the file,
+    or past SEEK_SKIP_BYTES of one line."""
+    if offset == 0:
+        return 0
+    f.seek(offset - 1)
+    rest = f.readline(SEEK_SKIP_BYTES)
+    return f.tell() if rest.endswith(b"\n") else None
+
+
+def _sample_parquet(path: Path, n: int) -> list[SampledRow]:
+    """``n`` rows of a parquet file spread evenly over it, reading only the row groups that hold them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    file, rows, first = str(path), [], 0  # first: the index of the next batch's first row in the file
+    try:
+        parquet = pq.ParquetFile(path)
+        wanted = _spread(parquet.metadata.num_rows, n)
+        for group in range(parquet.num_row_groups):
+            size = parquet.metadata.row_group(group).num_rows
+            if any(first <= i < first + size for i in wanted):
+                for batch in parquet.iter_batches(batch_size=1024, row_groups=[group]):
+                    local = [i - first for i in wanted if first <= i < first + batch.num_rows]
+                    rows += [SampledRow(file, first + i, row) for i, row in zip(local, batch.take(local).to_pylist())]
+                    first += batch.num_rows
+            else:
+                first += size
+    except (pa.ArrowException, OSError) as e:  # a codec this pyarrow lacks, a damaged page
+        raise DataError(f"{path} cannot be read as parquet near row {first}: {e}", where=str(path),
+                        fix="re-write the file with a codec pyarrow reads (snappy, gzip, zstd, brotli, lz4), "
+                            "or check it is complete") from e
+    return rows
+
+
+def _sample_stream(path: Path, n: int, max_line: int) -> tuple[list[SampledRow], bool]:
+    """``n`` rows spread over what is read in order: a .json file whole (parsed whole to be read at
+    all), a .gz file up to SAMPLE_STREAM_BYTES; and whether that was all of it."""
+    rows, size = [], 0
+    for line, raw in _read_source(path, max_line):
+        rows.append(SampledRow(str(path), line, raw))
+        size += len(raw) if isinstance(raw, bytes) else 0
+        if size >= SAMPLE_STREAM_BYTES:
+            return [rows[i] for i in _spread(len(rows), n)], False
+    return [rows[i] for i in _spread(len(rows), n)], True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,3 +687,72 @@ def _content_text(content: Any) -> str | tuple[str, str]:
         # Joined without a separator, as chat templates that accept parts render them.
         return "".join(texts)
     return "non_text_content", f"content is a {type(content).__name__}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad rows: counted per reason, the first ones logged, the stage refused past data.max_bad_fraction
+# (prepare_dataset, regenerate_responses and prepare_eval_prompts apply the same accounting)
+
+# How to fix the rows dropped for a reason, added to the error when too many rows are bad; the
+# reasons only prepare_dataset finds (rendering, tokenizing, length) included, so one table says it.
+REASON_FIXES = {
+    "line_too_long": "a jsonl row over the size limit (a file without newlines between rows?): split it, or "
+                     "raise data.max_seq_len (the limit is 64 bytes per token of it, at least 16 MiB)",
+    "not_utf8": "re-save the file as UTF-8",
+    "invalid_json": "repair the lines named in the log (one JSON object per line)",
+    "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
+    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations')",
+    "empty_turn": "fill or drop the empty turns (only a tool result may be empty)",
+    "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
+    "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
+    "no_assistant_turn": "every conversation needs an assistant turn to learn from",
+    "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
+                       "truncating tool: repair or drop them at the source",
+    "invalid_tool_call": "assistant tool_calls need a function name and JSON-object arguments (OpenAI's shape); "
+                         "'tools' must be a list of tool definitions",
+    "tokenizer_error": "the tokenizer rejected the text (the log names the rows and the error)",
+    "too_long_prompt": "raise data.max_seq_len",
+}
+
+MAX_LOGGED_BAD_ROWS = 10
+
+
+@dataclass
+class Tally:
+    """Counts of rows read and dropped, and the first bad rows (logged and kept for stats)."""
+
+    max_bad_fraction: float
+    read: int = 0
+    dropped: Counter = dataclasses.field(default_factory=Counter)
+    first_bad: list[dict] = dataclasses.field(default_factory=list)
+    fixes: dict[str, str] = dataclasses.field(default_factory=dict)  # reason -> how to fix, from the first such error
+
+    def bad(self, row: BadRow, fix: str | None = None) -> None:
+        """Count a bad row (``fix``: how to fix the rows of its reason, if the reason alone does not say)."""
+        self.dropped[row.reason] += 1
+        if fix:
+            self.fixes.setdefault(row.reason, fix)
+        if len(self.first_bad) < MAX_LOGGED_BAD_ROWS:
+            self.first_bad.append({"file": row.file, "line": row.line, "reason": row.reason,
+                                   "detail": row.detail})
+            log.warning("bad row %s: %s (%s)", row.where, row.reason, row.detail)
+            if len(self.first_bad) == MAX_LOGGED_BAD_ROWS:
+                log.warning("further bad rows are counted (stats.json), not logged")
+
+    def check(self) -> None:
+        """Raise ``DataError`` when more than ``max_bad_fraction`` of the rows read are bad."""
+        bad = sum(self.dropped.values())
+        if self.read == 0 or bad / self.read <= self.max_bad_fraction:
+            return
+        first = self.first_bad[0]
+        counts = ", ".join(f"{r}={n}" for r, n in self.dropped.most_common())
+        fix = "clean the data (the log lists the first bad rows and why) or raise data.max_bad_fraction"
+        for reason, how in {**REASON_FIXES, **self.fixes}.items():
+            if self.dropped[reason]:
+                fix += f"; {reason}: {how}"
+        raise DataError(
+            f"{bad} of {self.read} rows ({bad / self.read:.1%}) are unusable, more than "
+            f"data.max_bad_fraction={self.max_bad_fraction}: {counts}",
+            where=f"first bad row {row_where(first['file'], first['line'])} "
+                  f"({first['reason']}: {first['detail']})",
+            fix=fix)

@@ -3,14 +3,16 @@ assistant's tokens, and split off held-out prompts.
 
 Data flows top-down through this module: sources are read row by row
 (``draftsmith.conversations``: each row normalized to OpenAI-style messages or plain text, or
-reported as a bad row with its reason), ids are collected and split (``split_heldout``), and a
-second pass tokenizes the rows that are kept (``ChatRenderer``) and streams them to ``train.jsonl``
-and ``heldout.jsonl``. Both passes hand chunks of rows to worker processes (``draftsmith.parallel``)
+reported as a bad row with its reason), ids and prompts are collected and split (``split_heldout``:
+one row per held-out prompt, every other row asking it kept out of training), and a second pass
+tokenizes the rows that are kept (``ChatRenderer``) and streams them to ``train.jsonl`` and
+``heldout.jsonl``. Both passes hand chunks of rows to worker processes (``draftsmith.parallel``)
 and take the results back in row order: the main process alone counts, names bad rows and writes,
 so the output is the same for any number of workers.
 
-prepare_eval_prompts (``draftsmith.eval_prompts``) reads its prompt sets with this stage's
-bad-row accounting (``Tally``), output files (``PendingFile``) and id deduplication (``unique_id``).
+prepare_eval_prompts (``draftsmith.eval_prompts``) reads its prompt sets with the bad-row accounting
+this stage uses (``Tally``, from ``draftsmith.conversations``, which regeneration shares) and this
+stage's output files (``PendingFile``) and id deduplication (``unique_id``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,10 +44,12 @@ from draftsmith.chat import (
 )
 from draftsmith.conversations import (  # noqa: F401 - Conversation and load_conversations are part of this stage's API too
     READ_REASONS,
+    REASON_FIXES,
     BadRow,
     Conversation,
     RawRow,
     Row,
+    Tally,
     check_format,
     load_conversations,
     max_line_bytes,
@@ -63,29 +67,6 @@ log = logging.getLogger(__name__)
 # Every reason a row can be dropped for; stats.json lists them all, zeros included, so its
 # schema does not depend on the data.
 REASONS = (*READ_REASONS, "too_long_prompt", "template_error", "tokenizer_error")
-
-# How to fix the rows dropped for a reason, added to the error when too many rows are bad.
-REASON_FIXES = {
-    "line_too_long": "a jsonl row over the size limit (a file without newlines between rows?): split it, or "
-                     "raise data.max_seq_len (the limit is 64 bytes per token of it, at least 16 MiB)",
-    "not_utf8": "re-save the file as UTF-8",
-    "invalid_json": "repair the lines named in the log (one JSON object per line)",
-    "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
-    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations')",
-    "empty_turn": "fill or drop the empty turns (only a tool result may be empty)",
-    "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
-    "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
-    "no_assistant_turn": "every conversation needs an assistant turn to learn from",
-    "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
-                       "truncating tool: repair or drop them at the source",
-    "invalid_tool_call": "assistant tool_calls need a function name and JSON-object arguments (OpenAI's shape); "
-                         "'tools' must be a list of tool definitions",
-    "tokenizer_error": "the tokenizer rejected the text (the log names the rows and the error)",
-    "too_long_prompt": "raise data.max_seq_len",
-}
-
-
-MAX_LOGGED_BAD_ROWS = 10
 
 # Rows a worker takes at a time: at 700 tokens a row, 0.7 s of one core's rendering and tokenizing
 # (bench/data_stages.py), so handing them over costs little beside it; and at most CHUNK_BYTES of
@@ -131,21 +112,27 @@ def _score(seed: int, salt: str, row_id: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def _prompt_key(messages: list[dict], tools: list[dict] | None = None) -> bytes:
+def prompt_key(messages: list[dict], tools: list[dict] | None = None) -> bytes:
     """Identifies a conversation's prompt: its turns before the first assistant turn (and its tools)."""
     first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     prompt = messages[:first_answer] if tools is None else [tools, messages[:first_answer]]
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode("utf-8")).digest()[:16]
 
 
-def split_heldout(ids: Sequence[str], settings: DataSettings) -> set[str]:
-    """The ids held out for evaluation: round(heldout_fraction * len(ids)), at least 1, at most
-    max_heldout, chosen by a hash of seed and id, so the choice depends on neither row order
-    nor the other ids' presence beyond the count."""
-    if not ids:
+def split_heldout(prompt_keys: Mapping[str, bytes], settings: DataSettings) -> set[str]:
+    """The ids held out for evaluation, one row per held-out prompt (``prompt_keys``: each chat
+    row's id -> its prompt key): round(heldout_fraction * distinct prompts), at least 1, at most
+    max_heldout. The prompts, and each one's row, are chosen by a hash of the seed and the prompt
+    (the id), so the choice depends on neither row order nor the other rows beyond the count."""
+    rows_of: dict[bytes, list[str]] = {}
+    for row_id, key in prompt_keys.items():
+        rows_of.setdefault(key, []).append(row_id)
+    if not rows_of:
         return set()
-    n = min(settings.max_heldout, len(ids), max(1, round(settings.heldout_fraction * len(ids))))
-    return set(heapq.nsmallest(n, ids, key=lambda i: _score(settings.seed, "heldout", i)))
+    n = min(settings.max_heldout, len(rows_of), max(1, round(settings.heldout_fraction * len(rows_of))))
+    # A prompt asked in several rows is decoded once: evaluating it twice would weigh it twice.
+    prompts = heapq.nsmallest(n, rows_of, key=lambda key: _score(settings.seed, "heldout", key.hex()))
+    return {min(rows_of[key], key=lambda i: _score(settings.seed, "heldout", i)) for key in prompts}
 
 
 def _sample_train(ids: Iterable[str], settings: DataSettings) -> set[str] | None:
@@ -158,47 +145,6 @@ def _sample_train(ids: Iterable[str], settings: DataSettings) -> set[str] | None
 
 # ---------------------------------------------------------------------------------------------
 # The stage
-
-
-@dataclass
-class Tally:
-    """Counts of rows read and dropped, and the first bad rows (logged and kept for stats)."""
-
-    max_bad_fraction: float
-    read: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    first_bad: list[dict] = field(default_factory=list)
-    fixes: dict[str, str] = field(default_factory=dict)  # reason -> how to fix, from the first such error
-
-    def bad(self, row: BadRow, fix: str | None = None) -> None:
-        """Count a bad row (``fix``: how to fix the rows of its reason, if the reason alone does not say)."""
-        self.dropped[row.reason] += 1
-        if fix:
-            self.fixes.setdefault(row.reason, fix)
-        if len(self.first_bad) < MAX_LOGGED_BAD_ROWS:
-            self.first_bad.append({"file": row.file, "line": row.line, "reason": row.reason,
-                                   "detail": row.detail})
-            log.warning("bad row %s: %s (%s)", row.where, row.reason, row.detail)
-            if len(self.first_bad) == MAX_LOGGED_BAD_ROWS:
-                log.warning("further bad rows are counted in stats.json, not logged")
-
-    def check(self) -> None:
-        """Raise ``DataError`` when more than ``max_bad_fraction`` of the rows read are bad."""
-        bad = sum(self.dropped.values())
-        if self.read == 0 or bad / self.read <= self.max_bad_fraction:
-            return
-        first = self.first_bad[0]
-        counts = ", ".join(f"{r}={n}" for r, n in self.dropped.most_common())
-        fix = "clean the data (the log lists the first bad rows and why) or raise data.max_bad_fraction"
-        for reason, how in {**REASON_FIXES, **self.fixes}.items():
-            if self.dropped[reason]:
-                fix += f"; {reason}: {how}"
-        raise DataError(
-            f"{bad} of {self.read} rows ({bad / self.read:.1%}) are unusable, more than "
-            f"data.max_bad_fraction={self.max_bad_fraction}: {counts}",
-            where=f"first bad row {row_where(first['file'], first['line'])} "
-                  f"({first['reason']}: {first['detail']})",
-            fix=fix)
 
 
 def render_failure(row: Conversation, error: ChatTemplateError | TokenizerFailure) -> BadRow:
@@ -313,6 +259,29 @@ def _nothing_to_train(names: str, tally: Tally, counts: Counter, heldout: int,
                      fix=fix if reason else "give more usable rows")
 
 
+def _no_prompts(names: str, rows: int) -> DataError:
+    """Why nothing can be held out: no usable row is a conversation."""
+    return DataError(
+        f"no prompt to hold out for evaluation in {names}: all {rows} usable rows are plain text (data.format: "
+        "text, or rows with a 'text' field), which hold no prompt for evaluate_draft to answer", where=names,
+        fix="add conversation rows (user and assistant turns in 'messages') to data.sources, with data.format: auto "
+            "(or messages); text rows still train the draft beside them")
+
+
+def _no_heldout_prompt(names: str, bad_heldout: list[BadRow], tally: Tally) -> DataError:
+    """Why no held-out prompt is left: every row the split held out is a bad row (held-out rows are
+    rendered whole, as train rows are, so a row is bad wherever the split puts it)."""
+    counts = Counter(row.reason for row in bad_heldout)
+    reason, _ = counts.most_common(1)[0]
+    first = bad_heldout[0]
+    how = {**REASON_FIXES, **tally.fixes}.get(reason, "repair or drop the rows the log names")
+    return DataError(
+        f"no held-out prompt left in {names}: each of the {len(bad_heldout)} rows held out for evaluation is a bad "
+        f"row ({', '.join(f'{r}={n}' for r, n in counts.most_common())}), so evaluate_draft would have no prompt "
+        "to decode", where=f"first held-out bad row {first.where} ({first.reason}: {first.detail})",
+        fix=f"{reason}: {how}; or raise data.heldout_fraction (and data.max_heldout) so more prompts are held out")
+
+
 def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, out_dir: str | Path,
                     settings: DataSettings, workers: int = 1) -> dict:
     """Write ``out_dir``/train.jsonl, heldout.jsonl and stats.json from ``sources`` rendered with the
@@ -327,14 +296,16 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     max_line = max_line_bytes(settings.max_seq_len)
     check_format(settings.format)
     log.info("reading and tokenizing %s with %d worker process%s", names, workers, "es" if workers > 1 else "")
-    ids, bad_rows, chat_ids, prompt_keys, duplicates = _read_ids(sources, settings, max_line, tally, names, workers)
+    ids, bad_rows, prompt_keys, duplicates = _read_ids(sources, settings, max_line, tally, names, workers)
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    if chat_ids:
+    if prompt_keys:
         require_chat_template(tokenizer, tokenizer_dir)
     renderer = ChatRenderer(tokenizer)
 
-    heldout_ids = split_heldout(chat_ids, settings)
+    heldout_ids = split_heldout(prompt_keys, settings)
+    if not heldout_ids:  # before tokenizing anything: evaluate_draft would meet it after training
+        raise _no_prompts(names, len(ids))
     if len(heldout_ids) == len(ids):
         raise DataError(f"only {len(ids)} usable row in {names}: nothing is left to train on once a "
                         "prompt is held out for evaluation", where=names,
@@ -343,7 +314,7 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     # (and, after regeneration, the very answer) into training.
     heldout_prompts = {prompt_keys[i] for i in heldout_ids}
     leaked = {i for i, key in prompt_keys.items() if key in heldout_prompts and i not in heldout_ids}
-    del chat_ids, prompt_keys
+    del prompt_keys
     sampled = _sample_train((i for i in ids if i not in heldout_ids and i not in leaked), settings)
     counts = _write_rows(sources, out_dir, settings, max_line, tally, names, ids, bad_rows, heldout_ids, leaked,
                          sampled, renderer, workers)
@@ -369,9 +340,9 @@ def prepare_dataset(sources: Sequence[str | Path], tokenizer_dir: str | Path, ou
     }
     atomic_write_json(out_dir / "stats.json", stats)
     log.info("prepared %d train rows (%d tokens, %d with loss) and %d held-out prompts from %d rows; "
-             "dropped %s", stats["train_rows"], stats["tokens"], stats["loss_tokens"],
-             stats["heldout_rows"], stats["rows_read"],
-             {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
+             "%d rows kept out of training for a held-out prompt; dropped %s", stats["train_rows"],
+             stats["tokens"], stats["loss_tokens"], stats["heldout_rows"], stats["rows_read"],
+             stats["rows_same_prompt_as_heldout"], {r: n for r, n in stats["rows_dropped"].items() if n} or "none")
     return stats
 
 
@@ -398,19 +369,18 @@ class _ReadChunk:
             if isinstance(row, BadRow):
                 out.append(row)
             else:
-                key = _prompt_key(row.messages, row.tools) if row.is_chat else None
+                key = prompt_key(row.messages, row.tools) if row.is_chat else None
                 out.append(_Read(row.id, row.file, row.line, key))
         return out
 
 
 def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: int, tally: Tally,
-              names: str, workers: int) -> tuple[list[str], set[int], list[str], dict[str, bytes], int]:
+              names: str, workers: int) -> tuple[list[str], set[int], dict[str, bytes], int]:
     """Pass 1: read and normalize every row; return the kept ids (made unique, in row order), the
-    indexes of the bad rows among all rows read, the ids of the chat rows, each chat row's prompt
-    key, and how many ids were repeated."""
+    indexes of the bad rows among all rows read, each chat row's prompt key by id (in row order),
+    and how many ids were repeated."""
     ids: list[str] = []
     bad_rows: set[int] = set()
-    chat_ids: list[str] = []
     prompt_keys: dict[str, bytes] = {}
     seen: set[str] = set()
     duplicates = 0
@@ -431,7 +401,6 @@ def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: i
             seen.add(row_id)
             ids.append(row_id)
             if row.prompt_key is not None:
-                chat_ids.append(row_id)
                 prompt_keys[row_id] = row.prompt_key
     del seen
     tally.check()  # fail before tokenizing anything
@@ -443,7 +412,7 @@ def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: i
                               if tally.first_bad else names,
                         fix=REASON_FIXES.get(top, "check data.format and the rows' fields (see the bad rows in "
                                                   "the log)"))
-    return ids, bad_rows, chat_ids, prompt_keys, duplicates
+    return ids, bad_rows, prompt_keys, duplicates
 
 
 class _Made(NamedTuple):
@@ -456,6 +425,7 @@ class _Made(NamedTuple):
     truncated: bool = False
     bad: BadRow | None = None
     fix: str | None = None  # how to fix a row the template or the tokenizer could not render
+    heldout: bool = False  # a bad row the split had held out
 
 
 @dataclass(frozen=True)
@@ -504,10 +474,11 @@ class _RenderChunk:
                 if not any(loss_mask):
                     raise _TooLong()
         except (ChatTemplateError, TokenizerFailure) as e:
-            return _Made("bad", bad=render_failure(row, e), fix=e.fix)
+            return _Made("bad", bad=render_failure(row, e), fix=e.fix, heldout=use == "heldout")
         except _TooLong:
             return _Made("bad", bad=BadRow(row.file, row.line, "too_long_prompt",
-                                           f"the first answer starts after data.max_seq_len={self.max_seq_len} tokens"))
+                                           f"the first answer starts after data.max_seq_len={self.max_seq_len} tokens"),
+                         heldout=use == "heldout")
         return _Made("train", _json_line({"id": row_id, "input_ids": input_ids, "loss_mask": loss_mask,
                                           "source": source}),
                      tokens=len(input_ids), loss_tokens=sum(loss_mask), truncated=truncated)
@@ -519,6 +490,7 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
     """Pass 2: tokenize the rows kept and stream them to train.jsonl and heldout.jsonl (renamed into
     place only when complete); return the counts for stats.json."""
     counts = Counter()
+    bad_heldout: list[BadRow] = []
     kept = iter(ids)
 
     def planned() -> Iterator[tuple[RawRow, str, str]]:
@@ -549,6 +521,8 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
                 continue
             if row.kind == "bad":
                 tally.bad(row.bad, row.fix)
+                if row.heldout:
+                    bad_heldout.append(row.bad)
             elif row.kind == "heldout":
                 held.write_line(row.line)
                 counts["heldout_rows"] += 1
@@ -564,6 +538,8 @@ def _write_rows(sources: Sequence[str | Path], out_dir: Path, settings: DataSett
         tally.check()
         if counts["train_rows"] == 0:
             raise _nothing_to_train(names, tally, counts, len(heldout_ids), settings)
+        if counts["heldout_rows"] == 0:
+            raise _no_heldout_prompt(names, bad_heldout, tally)
         train.commit()
         held.commit()
     return counts

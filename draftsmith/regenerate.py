@@ -1,11 +1,13 @@
 """Stage regenerate_responses: replace the assistant turns of the training conversations with the
 target's own answers, so the draft learns the distribution it will be asked to predict.
 
-Conversations are read with ``draftsmith.conversations.load_conversations`` (bad rows are skipped here and
-counted by prepare_dataset), grouped into chunks of ``chunk_size`` conversations, and each chunk is
-regenerated turn by turn: round r answers the r-th assistant turn of every conversation in the
-chunk, conditioned on the original user turns and the answers regenerated in earlier rounds. A
-round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
+Conversations are read with ``draftsmith.conversations.load_conversations``; bad rows are counted
+and skipped here, and more than data.max_bad_fraction of them stop the stage before the target
+loads, as prepare_dataset would stop (it sees the regenerated rows only, where they are gone). They
+are grouped into chunks of ``chunk_size`` conversations, and each chunk is regenerated turn by
+turn: round r answers the r-th assistant turn of every conversation in the chunk, conditioned on
+the original user turns, the row's tool definitions and the answers regenerated in earlier rounds.
+A round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
 as one ``LLM.generate`` call of vLLM's offline engine at full tensor parallelism (``backend: vllm``,
 draftsmith.engines.vllm_generation); both write the same rows. Each finished chunk
 is renamed into ``work_dir`` atomically, so a killed job resumes at the first missing chunk; a
@@ -26,12 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from draftsmith.conversations import BadRow, load_conversations
+from draftsmith.conversations import BadRow, Tally, load_conversations
 from draftsmith.engines.hf_model import (
     load_target_model,
     model_dtype_name,
@@ -71,6 +73,7 @@ class RegenerateSettings(StageSettings):
     model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
     device: str = from_schema("device")
     tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")  # vLLM's; hf runs on one device
+    max_bad_fraction: float = from_schema("data.max_bad_fraction")  # checked here, before the target loads
 
     SECTION = "regenerate"
 
@@ -152,10 +155,11 @@ class Regenerator:
         self.device = next(model.parameters()).device
         self.on_answers: Callable[[int], Any] | None = None  # called with each batch's answer count
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The conversation so far, rendered with the chat template and ending in the generation
-        prompt, tokenized as prepare_dataset tokenizes held-out prompts (no extra special tokens)."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation so far, rendered with the chat template (and the row's tools, as
+        prepare_dataset renders them) and ending in the generation prompt, tokenized as prepare_dataset
+        tokenizes held-out prompts (no extra special tokens)."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
@@ -203,14 +207,17 @@ class Regenerator:
         counts.empty += not text.strip()
         return text
 
-    def regenerate(self, conversations: list[list[dict]], seed: int = 0) -> tuple[list[list[dict]], TurnCounts]:
-        """The conversations with every assistant turn replaced by the model's answer, in order.
+    def regenerate(self, conversations: list[list[dict]], seed: int = 0,
+                   tools: Sequence[list[dict] | None] | None = None) -> tuple[list[list[dict]], TurnCounts]:
+        """The conversations with every assistant turn replaced by the model's answer, in order;
+        ``tools``: each conversation's tool definitions (or None), given to the chat template.
 
         A conversation the chat template cannot render, or that opens with an assistant turn, is
         returned unchanged: prepare_dataset drops and counts it with its reason. So is one with tool
         calls or tool results: the tools cannot be run here to answer the target's own calls.
         """
         messages = [[dict(m) for m in conv] for conv in conversations]
+        tools = list(tools) if tools is not None else [None] * len(conversations)
         turns = [[k for k, m in enumerate(conv) if m["role"] == "assistant"] for conv in messages]
         skipped: set[int] = {c for c, t in enumerate(turns) if t and t[0] == 0}
         skipped |= {c for c, conv in enumerate(messages) if any(m["role"] == "tool" or m.get("tool_calls") for m in conv)}
@@ -221,7 +228,7 @@ class Regenerator:
                 if len(t) <= r or c in skipped:
                     continue
                 try:
-                    prompts.append(self.prompt_ids(messages[c][:t[r]]))
+                    prompts.append(self.prompt_ids(messages[c][:t[r]], tools[c]))
                 except Exception as e:  # noqa: BLE001 - Jinja templates raise anything; see docstring
                     log.debug("conversation %d: the chat template failed (%s); left unchanged", c, e)
                     skipped.add(c)
@@ -302,6 +309,33 @@ def _answer_count(conv: Any) -> int:
     return sum(m["role"] == "assistant" for m in conv.messages) if conv.is_chat else 0
 
 
+class SourceCounts(NamedTuple):
+    """What regeneration has to do: the usable conversations and the answers it writes."""
+
+    conversations: int
+    answers: int
+
+
+def count_conversations(sources: Sequence[str | Path], max_bad_fraction: float) -> SourceCounts:
+    """Count the usable conversations of ``sources`` and their answers, before the target loads.
+    More than ``max_bad_fraction`` bad rows raise ``DataError`` as prepare_dataset would raise it:
+    that stage reads the regenerated rows only, where the bad rows are gone."""
+    tally = Tally(max_bad_fraction)
+    conversations = answers = 0
+    for row in load_conversations(sources):  # streamed: counts only
+        tally.read += 1
+        if isinstance(row, BadRow):
+            tally.bad(row)
+        else:
+            conversations, answers = conversations + 1, answers + _answer_count(row)
+    tally.check()
+    if conversations == 0:
+        raise DataError(f"no usable conversations in {', '.join(map(str, sources))}",
+                        where=", ".join(map(str, sources)),
+                        fix="check data.sources; the log names the first bad rows and why")
+    return SourceCounts(conversations, answers)
+
+
 def _chunks(rows: Iterator, chunk_size: int, bad: Counter) -> Iterator[list]:
     chunk: list = []
     for row in rows:
@@ -324,21 +358,14 @@ def _output_row(conv: Any, messages: list[dict] | None) -> dict:
 
 
 def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regenerator, out_path: str | Path,
-                             work_dir: str | Path, fingerprint: str) -> dict:
-    """Regenerate every conversation of ``sources`` chunk by chunk (``regenerate.chunk_size``
-    conversations each) into ``work_dir``, then write
+                             work_dir: str | Path, fingerprint: str, counted: SourceCounts) -> dict:
+    """Regenerate every conversation of ``sources`` (``counted``: ``count_conversations``'s answer)
+    chunk by chunk (``regenerate.chunk_size`` conversations each) into ``work_dir``, then write
     them, in source order, to ``out_path``; chunks already there under ``fingerprint`` are kept."""
     started = time.perf_counter()
     work_dir, out_path = Path(work_dir), Path(out_path)
     _prepare_work_dir(work_dir, fingerprint)
-    total = total_answers = 0
-    for row in load_conversations(sources):  # streamed: counts only
-        if not isinstance(row, BadRow):
-            total, total_answers = total + 1, total_answers + _answer_count(row)
-    if total == 0:
-        raise DataError(f"no usable conversations in {', '.join(map(str, sources))}",
-                        where=", ".join(map(str, sources)),
-                        fix="check data.sources; prepare_dataset's log explains bad rows")
+    total, total_answers = counted
     bad: Counter = Counter()
     counts = TurnCounts()
     reused = written = text_rows = 0
@@ -356,7 +383,8 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                 reused += 1
             else:
                 chats = [c for c in chunk if c.is_chat]
-                messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index)
+                messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index,
+                                                                tools=[c.tools for c in chats])
                 counts.add(chunk_counts)
                 answered = dict(zip(map(id, chats), messages))
                 rows = [_output_row(c, answered.get(id(c))) for c in chunk]
@@ -410,6 +438,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     same ids, plus ``source``). ``engine_kwargs`` are vLLM's."""
     from transformers import AutoTokenizer
 
+    counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
     model_path = Path(model_path)
     torch_device = resolve_device(settings.device)
     dtype_name = model_dtype_name(settings.model_dtype, torch_device)
@@ -422,7 +451,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
                                   trust_remote_code=trust_remote_code)
         log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
         regenerator = Regenerator(model, tokenizer, settings)
-        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
+        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted)
 
     from draftsmith.engines.vllm_generation import VllmGenerator
 
@@ -434,4 +463,4 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
         log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
                  settings.tensor_parallel_size, dtype_name, sampling)
         regenerator = VllmRegenerator(generator, tokenizer, settings, stop_ids=stop_ids)
-        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint)
+        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted)

@@ -11,7 +11,7 @@ from draftsmith.engines.warm import say_warm_engines
 from draftsmith.fingerprint import script_fingerprint
 from draftsmith.gate import gate_for_run, mark_planned
 from draftsmith.preflight import PreflightSettings
-from draftsmith.targets.identity import weights_fingerprint
+from draftsmith.targets.identity import files_fingerprint, weights_fingerprint
 from draftsmith.targets.vllm_support import installed_vllm_version
 
 RUN = config["run"]
@@ -74,6 +74,22 @@ def target_weights():
     if config["target"]["source"] == "demo":
         return "demo_target"
     return weights_fingerprint(target_dir())
+
+
+def sources_identity(sources):
+    """A parameter of the rules that read the raw data sources: their files' identity by stat (size,
+    modification and status-change times; a save_to_disk folder's files too), so a source replaced
+    by an older file (mv, cp -p, rsync -t) or a folder written again reruns them, where Snakemake
+    compares modification times only. A source under this run's results/ is a rule's output, which
+    Snakemake tracks: taken when the plan is made, before that rule writes it, its identity would
+    be stale at once and rerun its readers again on the next plan."""
+    outputs = Path(RESULTS).resolve()
+    return files_fingerprint(s for s in sources if not Path(s).resolve().is_relative_to(outputs))
+
+
+def eval_source_identity(wildcards):
+    """sources_identity of prepare_eval_prompts' one evaluation prompt set."""
+    return sources_identity([eval_source_path(wildcards)])
 
 
 def engine_version():

@@ -31,8 +31,16 @@ rule regenerate_responses:
     resources:
         gpu=regenerate_gpus(),
     params:
-        config=stage_config("regenerate", "seed", "target.dtype", "device", "extraction.tensor_parallel_size"),
+        config=stage_config(
+            "regenerate",
+            "seed",
+            "target.dtype",
+            "device",
+            "extraction.tensor_parallel_size",
+            "data.max_bad_fraction",
+        ),
         work_dir=f"{RESULTS}/data/regenerate_work",
+        sources_identity=sources_identity(dataset_sources()),
         weights=target_weights(),
         code=script_code("regenerate_responses"),
     script:
@@ -60,6 +68,7 @@ rule prepare_dataset:
     threads: total_cores()
     params:
         config=stage_config("data", "seed", "regenerate.enabled", leave_out=["data.sources"]),
+        sources_identity=sources_identity(conversations_for_training()),
         code=script_code("prepare_dataset"),
     script:
         "../workflow_scripts/prepare_dataset.py"

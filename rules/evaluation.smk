@@ -85,6 +85,7 @@ rule prepare_eval_prompts:
     threads: 1
     params:
         config=stage_config("eval.max_prompts", "data.max_seq_len", "data.max_bad_fraction"),
+        source_identity=eval_source_identity,
         code=script_code("prepare_eval_prompts"),
     script:
         "../workflow_scripts/prepare_eval_prompts.py"

@@ -80,6 +80,7 @@ rule check_setup:
             "eval.backend",
             "regenerate.backend",
         ),
+        sources_identity=sources_identity(dataset_sources()),
         engine=engine_version(),
         code=script_code("check_setup"),
     script:

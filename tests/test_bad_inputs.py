@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -319,6 +320,35 @@ def _(tmp, env):
     _prepare(tmp, env, [tiny.write_jsonl(tmp / "one_prompt.jsonl", rows)])
 
 
+@case("data-text-alone", DataError, "no prompt to hold out for evaluation", *DATA_OUTPUTS)
+def _(tmp, env):
+    rows = [{"text": f"The quick brown fox jumps over the lazy dog ({i})."} for i in range(8)]
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "text.jsonl", rows)], format="text")
+
+
+@case("data-every-held-out-row-bad", DataError, "no held-out prompt left", *DATA_OUTPUTS)
+def _(tmp, env):
+    from draftsmith.data import load_conversations, prompt_key, split_heldout
+
+    # tool-call rows, which the tiny target's plain ChatML template cannot render, and a seed that holds them out
+    rows = [_chat(i) for i in range(10)] + [{**_tool_chat(i), "id": f"tool{i}"} for i in range(2)]
+    source = tiny.write_jsonl(tmp / "mixed.jsonl", rows)
+    keys = {row.id: prompt_key(row.messages, row.tools) for row in load_conversations([source])}
+    seed = next(s for s in range(200) if split_heldout(keys, DataSettings(seed=s)) <= {"tool0", "tool1"})
+    _prepare(tmp, env, [source], seed=seed, max_bad_fraction=0.5)
+
+
+@case("regenerate-too-many-bad-rows", DataError, "4 of 6 rows (66.7%) are unusable, more than data.max_bad_fraction",
+      "out/regenerated.jsonl")
+def _(tmp, env):
+    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+
+    lines = [json.dumps(_chat(i)) for i in range(2)] + ['{"messages": ['] * 4  # cut mid-row
+    (tmp / "broken.jsonl").write_text("\n".join(lines) + "\n")
+    regenerate_responses([tmp / "broken.jsonl"], env["model"], tmp / "out" / "regenerated.jsonl", tmp / "work",
+                         RegenerateSettings(device="cpu", max_new_tokens=4))
+
+
 @case("data-lone-surrogates", DataError, "invalid_unicode=4", *DATA_OUTPUTS)
 def _(tmp, env):
     lines = [json.dumps(_chat(i)) for i in range(6)]
@@ -480,6 +510,17 @@ def _(tmp, env):
     _inspect(tmp, env["model"], aux_layer_ids=[2, 2, 3])
 
 
+@case("model-embedding-not-hidden-width", TargetError, "it projects between them", "target.json")
+def _(tmp, env):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    # OPT-350m's shape: 32-wide word embeddings projected to 64-wide hidden states (project_in/project_out)
+    folder = tiny.build_tokenizer(tmp / "m")
+    OPTForCausalLM(OPTConfig(vocab_size=384, hidden_size=64, word_embed_proj_dim=32, ffn_dim=128, num_hidden_layers=4,
+                             num_attention_heads=2, max_position_embeddings=512)).save_pretrained(folder)
+    _inspect(tmp, folder)
+
+
 @case("model-too-large-for-the-hf-paths", TargetError, "set regenerate.backend: vllm", "target.json")
 def _(tmp, env):
     folder = tmp / "m"
@@ -555,6 +596,26 @@ def _(tmp, env):
 def _(tmp, env):
     _check_setup(tmp, env, _settings(**{"regenerate.enabled": True, "regenerate.max_new_tokens": 600,
                                      "data.max_seq_len": 1024}))
+
+
+@case("eval-vllm-target-without-eagle3", TargetError, "does not implement SupportsEagle3", "preflight.json")
+def _(tmp, env):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    folder = shutil.copytree(env["model"], tmp / "gemma3")  # vLLM's Gemma3ForCausalLM lacks the interface
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3ForCausalLM"]}))
+    _check_setup(tmp, {**env, "model": folder}, _settings(**{"eval.backend": "vllm"}))
+
+
+@case("preflight-template-cannot-render-a-kind-of-row", DataError,
+      "cannot render the chats with tool definitions, tool calls", "preflight.json")
+def _(tmp, env):
+    from draftsmith.preflight import check_setup
+
+    # 100 plain chats, then 30 tool-call rows, whose calls the target's plain ChatML template drops
+    source = tiny.write_jsonl(tmp / "agentic.jsonl", [_chat(i) for i in range(100)] + [_tool_chat(i) for i in range(30)])
+    check_setup(env["model"], [source], tmp / "preflight.json", _settings())
 
 
 @case("extraction-out-of-memory", ExtractionError, "lower extraction.batch_tokens", "hs/part-0.json")

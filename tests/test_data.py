@@ -19,6 +19,7 @@ from draftsmith.data import (
     DataSettings,
     load_conversations,
     prepare_dataset,
+    prompt_key,
     split_heldout,
 )
 from draftsmith.errors import ConfigError, DataError
@@ -311,9 +312,10 @@ def test_a_tokenizer_without_chat_template_is_an_error_for_chat_rows_only(tmp_pa
     with pytest.raises(DataError, match="no chat template") as e:
         prepare_dataset([chat], folder, tmp_path / "out", DataSettings())
     assert "chat_template" in e.value.fix
+    # text rows need no template: what stops text alone is that it holds no prompt to evaluate on
     text = tiny.write_jsonl(tmp_path / "text.jsonl", [{"text": "one two three"}] * 3)
-    stats, _, _ = run(tmp_path, [text], folder)
-    assert stats["train_rows"] == 3
+    with pytest.raises(DataError, match="no prompt to hold out for evaluation"):
+        run(tmp_path, [text], folder)
 
 
 def test_settings_are_checked():
@@ -351,12 +353,12 @@ def test_heldout_split_is_deterministic_and_disjoint_from_train(tmp_path, chatml
         assert row["prompt_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(row["prompt_ids"]).endswith("<|im_start|>assistant\n")
 
-    ids = [f"row{i}" for i in range(40)]
-    settings = DataSettings(heldout_fraction=0.1, seed=3)
-    assert split_heldout(random.Random(0).sample(ids, 40), settings) == held_ids
-    assert split_heldout(ids, DataSettings(heldout_fraction=0.1, seed=4)) != held_ids
-    assert len(split_heldout(ids, DataSettings(heldout_fraction=0.001))) == 1
-    assert len(split_heldout(ids, DataSettings(heldout_fraction=0.5, max_heldout=7))) == 7
+    keys = {f"row{i}": prompt_key(conversation(i)) for i in range(40)}
+    shuffled = dict(random.Random(0).sample(sorted(keys.items()), 40))
+    assert split_heldout(shuffled, DataSettings(heldout_fraction=0.1, seed=3)) == held_ids
+    assert split_heldout(keys, DataSettings(heldout_fraction=0.1, seed=4)) != held_ids
+    assert len(split_heldout(keys, DataSettings(heldout_fraction=0.001))) == 1
+    assert len(split_heldout(keys, DataSettings(heldout_fraction=0.5, max_heldout=7))) == 7
 
 
 def test_duplicate_ids_are_made_unique_and_counted(tmp_path, chatml_tokenizer):
@@ -417,6 +419,58 @@ def test_every_row_sharing_a_held_out_prompt_is_diagnosed_as_such(tmp_path, chat
     assert "shares its prompt" in e.value.what and "same prompt as a held-out row: 5" in e.value.what
     assert "distinct prompts" in e.value.fix and "max_seq_len" not in str(e.value)
     assert not (tmp_path / "out" / "train.jsonl").exists()
+
+
+def seed_where(source: Path, holds, **settings) -> int:
+    """The first seed whose held-out split of ``source`` (a set of ids) satisfies ``holds``."""
+    keys = {row.id: prompt_key(row.messages, row.tools) for row in load_conversations([source])}
+    return next(seed for seed in range(200) if holds(split_heldout(keys, DataSettings(seed=seed, **settings))))
+
+
+def test_each_prompt_is_held_out_once_and_kept_out_of_training(tmp_path, chatml_tokenizer, caplog):
+    """A prompt asked in several rows is one held-out prompt, decoded once: heldout_fraction is a share
+    of the distinct prompts, and every other row asking it stays out of training."""
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": "What is your name?"},
+                                         {"role": "assistant", "content": f"Answer number {i}."}]}
+            for i in range(10)]
+    rows += [{"id": f"other{i}", "messages": [{"role": "user", "content": f"Hello there {i}"},
+                                              {"role": "assistant", "content": "Hi."}]} for i in range(10)]
+    source = tiny.write_jsonl(tmp_path / "repeated.jsonl", rows)
+    repeated = {f"q{i}" for i in range(10)}
+    seed = seed_where(source, lambda held: held & repeated, heldout_fraction=0.5)  # the repeated prompt held out
+    with caplog.at_level("INFO", logger="draftsmith.data"):
+        stats, train, held = run(tmp_path, [source], chatml_tokenizer, heldout_fraction=0.5, seed=seed)
+    prompts = [json.dumps(r["messages"][:1]) for r in held]
+    assert len(set(prompts)) == len(prompts) == stats["heldout_rows"] == round(0.5 * 11)  # 11 distinct prompts
+    assert len({r["id"] for r in held} & repeated) == 1 and not {r["id"] for r in train} & repeated
+    assert stats["rows_same_prompt_as_heldout"] == 9
+    assert "9 rows kept out of training for a held-out prompt" in caplog.text
+
+
+def test_text_alone_is_refused_for_want_of_prompts_to_hold_out(tmp_path, chatml_tokenizer):
+    """Plain text holds no prompt: evaluate_draft would find no held-out prompt after extraction
+    and training; prepare_dataset says so first."""
+    source = tiny.write_jsonl(tmp_path / "text.jsonl", [{"text": f"{QUESTIONS[i % 3]} {ANSWERS[i % 3]}"}
+                                                        for i in range(12)])
+    with pytest.raises(DataError) as e:
+        prepare_dataset([source], chatml_tokenizer, tmp_path / "out", DataSettings(format="text"))
+    assert "no prompt to hold out for evaluation" in e.value.what and "all 12 usable rows are plain text" in e.value.what
+    assert "add conversation rows" in e.value.fix
+    assert not any((tmp_path / "out" / name).exists() for name in ("train.jsonl", "heldout.jsonl", "stats.json"))
+
+
+def test_a_split_whose_held_out_rows_are_all_bad_is_refused(tmp_path, chatml_tokenizer):
+    """The rows held out turn out bad (the plain ChatML template drops tool calls): no prompt would be
+    left to evaluate on, so prepare_dataset stops, naming the row and the fix."""
+    rows = message_rows(10) + [tool_conversation(i) for i in range(2)]
+    source = tiny.write_jsonl(tmp_path / "mixed.jsonl", rows)
+    seed = seed_where(source, lambda held: held <= {"tool0", "tool1"})
+    with pytest.raises(DataError) as e:
+        prepare_dataset([source], chatml_tokenizer, tmp_path / "out", DataSettings(seed=seed, max_bad_fraction=0.5))
+    assert "no held-out prompt left" in e.value.what and "(template_error=1)" in e.value.what
+    assert f"first held-out bad row {source}:" in e.value.where and "tool calls" in e.value.where
+    assert "tool-use chat template" in e.value.fix and "raise data.heldout_fraction" in e.value.fix
+    assert not any((tmp_path / "out" / name).exists() for name in ("train.jsonl", "heldout.jsonl", "stats.json"))
 
 
 def test_nothing_left_names_the_reason_that_removed_the_rows(tmp_path, chatml_tokenizer):
@@ -491,7 +545,8 @@ def test_a_template_that_drops_tool_calls_makes_the_row_bad(tmp_path, chatml_tok
     # The plain ChatML template renders content only: a tool-call turn would train on nothing.
     source = tiny.write_jsonl(tmp_path / "agentic.jsonl", [tool_conversation(i) for i in range(4)]
                               + message_rows(8))
-    stats, train, _ = run(tmp_path, [source], chatml_tokenizer, max_bad_fraction=0.5)
+    # several prompts held out, so that a clean one is among them
+    stats, train, _ = run(tmp_path, [source], chatml_tokenizer, max_bad_fraction=0.5, heldout_fraction=0.3)
     assert stats["rows_dropped"]["template_error"] == 4
     assert "does not render the assistant's tool calls" in stats["first_bad_rows"][0]["detail"]
 
@@ -638,10 +693,11 @@ def test_the_output_is_the_same_for_any_number_of_workers(tmp_path, chatml_token
     for workers in (1, 2, 3):
         caplog.clear()
         out = tmp_path / f"workers{workers}"
+        # seed 7: a draw that holds out the prompt the ten "same" rows share
         stats = prepare_dataset(sources, chatml_tokenizer, out, DataSettings(
-            max_seq_len=64, max_bad_fraction=0.5, heldout_fraction=0.05, max_samples=150), workers=workers)
+            max_seq_len=64, max_bad_fraction=0.5, heldout_fraction=0.05, max_samples=150, seed=7), workers=workers)
         outputs[workers] = {name: (out / name).read_bytes() for name in ("train.jsonl", "heldout.jsonl", "stats.json")}
-        logged[workers] = [r.getMessage() for r in caplog.records if r.name == "draftsmith.data"]
+        logged[workers] = [r.getMessage() for r in caplog.records if r.name.startswith("draftsmith.")]
     assert outputs[2] == outputs[1] and outputs[3] == outputs[1]
     assert logged[2] == logged[1] and logged[3] == logged[1]
     # Rows of each fate took part, so the comparison covers them all.
@@ -819,3 +875,34 @@ def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
         prepare_eval_prompts(long, model, tmp_path / "long_out.jsonl",
                              EvalPromptsSettings(max_prompts=4, max_seq_len=64, max_bad_fraction=1.0))
     assert "data.max_seq_len" in str(error.value)
+
+
+def test_eval_prompt_sets_keep_the_input_the_context_and_the_system_prompt(tmp_path):
+    """Alpaca's input and Dolly's context follow the instruction in its user turn (Alpaca's layout);
+    a row's system field is a system turn the chat template renders, in prompt-field and chat rows."""
+    from draftsmith.chat import ChatRenderer, load_tokenizer
+    from draftsmith.eval_prompts import EvalPromptsSettings, prepare_eval_prompts
+    from draftsmith.evaluate import read_prompts
+
+    model = tiny.build_llama(tmp_path / "model")
+    rows = [{"instruction": "Summarize the text.", "input": "The sun is warm.", "output": "Warm sun."},
+            {"instruction": "Who wrote it?", "context": "Ann wrote the book.", "response": "Ann.",
+             "category": "closed_qa"},
+            {"instruction": "Say hi.", "input": ""},  # Alpaca rows without input: the instruction alone
+            {"system": "Answer in French.", "question": "What is 2 + 2?"},
+            {"system": "Be brief.", "messages": [{"role": "user", "content": "Hello?"}]},
+            {"system": "Be brief.", "conversations": [{"from": "system", "value": "Its own."},
+                                                      {"from": "human", "value": "Hi?"}]}]
+    out = tmp_path / "set.jsonl"
+    prepare_eval_prompts(tiny.write_jsonl(tmp_path / "alpaca.jsonl", rows), model, out,
+                         EvalPromptsSettings(max_prompts=8, max_seq_len=64, max_bad_fraction=0.0))
+    expected = [[{"role": "user", "content": "Summarize the text.\n\nThe sun is warm."}],
+                [{"role": "user", "content": "Who wrote it?\n\nAnn wrote the book."}],
+                [{"role": "user", "content": "Say hi."}],
+                [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What is 2 + 2?"}],
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}],
+                [{"role": "system", "content": "Its own."}, {"role": "user", "content": "Hi?"}]]
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"] for r in written] == expected
+    renderer = ChatRenderer(load_tokenizer(model))
+    assert [p.ids for p in read_prompts(out)] == [renderer.prompt_ids(m) for m in expected]

@@ -102,7 +102,10 @@ def test_chatterbot_rows_all_prepare_cleanly(chatterbot, chatml_tokenizer, tmp_p
     assert sum(stats["rows_dropped"].values()) == 0
     # Questions asked more than once (with other answers) stay on the held-out side only.
     assert stats["rows_read"] == stats["rows_kept"] + stats["rows_same_prompt_as_heldout"] == counts["conversations"]
-    assert stats["heldout_rows"] == min(48, round(0.05 * counts["conversations"])) and stats["duplicate_ids"] == 0
+    # One row per held-out prompt: heldout_fraction is a share of the distinct prompts (the user turn).
+    prompts = {row.messages[0]["content"] for row in load_conversations([path])}
+    assert len(prompts) < counts["conversations"]
+    assert stats["heldout_rows"] == min(48, round(0.05 * len(prompts))) and stats["duplicate_ids"] == 0
 
 
 def test_fetch_uses_the_cached_wheel(tmp_path, monkeypatch):

@@ -92,3 +92,32 @@ def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatc
     monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "patched")
     patched = keys()
     assert patched[0] != swapped[0] and patched[1] != swapped[1]
+
+
+def test_a_data_source_replaced_by_an_older_copy_or_written_again_changes_its_fingerprint(tmp_path):
+    """Data sources by stat alone (one per file, nothing read): a file replaced by an older copy
+    (cp -p) or a save_to_disk folder written again with its old times put back is seen; hidden
+    files and a read are not."""
+    import shutil
+
+    from draftsmith.targets.identity import files_fingerprint
+
+    source, old = tmp_path / "chats.jsonl", tmp_path / "old.jsonl"
+    old.write_text('{"text": "old"}\n')
+    os.utime(old, (1_000_000, 1_000_000))
+    source.write_text('{"text": "new"}\n')
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    (folder / "data-00000-of-00001.arrow").write_bytes(b"rows")
+    before = files_fingerprint([source, folder])
+    source.read_text()
+    (folder / ".lock").write_text("x")
+    assert files_fingerprint([source, folder]) == before
+    shutil.copy2(old, source)
+    assert files_fingerprint([source, folder]) != before
+    before = files_fingerprint([source, folder])
+    stat = (folder / "data-00000-of-00001.arrow").stat()
+    (folder / "data-00000-of-00001.arrow").write_bytes(b"ROWS")  # same size, old times put back
+    os.utime(folder / "data-00000-of-00001.arrow", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert files_fingerprint([source, folder]) != before
+    assert files_fingerprint([tmp_path / "missing.jsonl"]) != files_fingerprint([])

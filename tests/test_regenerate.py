@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 import tiny
 from draftsmith.engines.hf_model import load_target_model, stop_token_ids
+from draftsmith.errors import DataError
 from draftsmith.regenerate import RegenerateSettings, Regenerator, regenerate_responses
 
 CONVERSATIONS = [
@@ -51,8 +52,9 @@ def source(tmp_path):
 
 
 def _run(source, model_dir, tmp_path, chunk_size=1, **settings):
+    # CONVERSATIONS holds 2 bad rows of 6, skipped and counted within this max_bad_fraction
     settings = {"max_new_tokens": 12, "batch_size": 2, "chunk_size": chunk_size, "seed": 3, "model_dtype": "float32",
-                "device": "cpu", **settings}
+                "device": "cpu", "max_bad_fraction": 0.5, **settings}
     out = tmp_path / "regenerated.jsonl"
     stats = regenerate_responses([source], model_dir, out, tmp_path / "work", RegenerateSettings(**settings))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -63,11 +65,11 @@ def _count_chunks(monkeypatch, fail_after=None):
     """Count Regenerator.regenerate calls (one per chunk generated); optionally die like a killed job."""
     calls = []
 
-    def spy(self, conversations, seed=0):
+    def spy(self, conversations, seed=0, tools=None):
         if fail_after is not None and len(calls) == fail_after:
             raise Killed("killed")
         calls.append(seed)
-        return REGENERATE(self, conversations, seed)
+        return REGENERATE(self, conversations, seed, tools)
 
     monkeypatch.setattr(Regenerator, "regenerate", spy)
     return calls
@@ -167,6 +169,44 @@ def test_conversations_with_tool_use_pass_through_with_their_tools(model_dir, tm
     assert row["tools"] == tools and row["messages"][-1]["content"] == "Sunny."
     assert row["messages"][1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {}}
     assert stats["conversations_unchanged"] == 1 and stats["turns_generated"] == 1
+
+
+def test_a_rows_tools_reach_the_chat_template_as_in_prepare_dataset(tmp_path, monkeypatch):
+    """A row with tool definitions and no tool call yet is answered by the target that sees those
+    tools, rendered as prepare_dataset renders the row's prompt for training."""
+    from draftsmith.chat import ChatRenderer
+
+    model_dir = tiny.build_llama(tmp_path / "tools_model", tokenizer_template=tiny.CHATML_TOOLS_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    row = {"id": "w", "tools": tools, "messages": [{"role": "user", "content": "Is it sunny?"},
+                                                   {"role": "assistant", "content": "Let me see."}]}
+    prompts = []
+    generate = Regenerator.generate
+    monkeypatch.setattr(Regenerator, "generate", lambda self, batch, seed: prompts.extend(batch) or
+                        generate(self, batch, seed))
+    rows, _ = _run(tiny.write_jsonl(tmp_path / "tools.jsonl", [row]), model_dir, tmp_path)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
+    assert prompts == [renderer.prompt_ids(row["messages"], tools)]
+    assert "get_weather" in renderer.tokenizer.decode(prompts[0])
+    assert rows[0]["tools"] == tools
+
+
+def test_too_many_bad_rows_stop_regeneration_before_the_target_loads(tmp_path, monkeypatch, model_dir):
+    """prepare_dataset reads the regenerated rows only, where the bad ones are gone: regeneration
+    holds the sources to data.max_bad_fraction itself, before it loads anything."""
+    import draftsmith.regenerate
+
+    monkeypatch.setattr(draftsmith.regenerate, "load_target_model", lambda *a, **k: pytest.fail("the target loaded"))
+    source = tiny.write_jsonl(tmp_path / "bad.jsonl", CONVERSATIONS[:2] + ["{not json"] * 3)
+    with pytest.raises(DataError) as e:
+        _run(source, model_dir, tmp_path, max_bad_fraction=0.2)
+    assert "3 of 5 rows (60.0%) are unusable, more than data.max_bad_fraction=0.2: invalid_json=3" in e.value.what
+    assert f"first bad row {source}:3" in e.value.where and "raise data.max_bad_fraction" in e.value.fix
+    assert not (tmp_path / "regenerated.jsonl").exists() and not (tmp_path / "work").exists()
+    monkeypatch.undo()
+    rows, stats = _run(source, model_dir, tmp_path, max_bad_fraction=0.6)  # within the limit: skipped, counted
+    assert [r["id"] for r in rows] == ["a", "b"] and stats["bad_rows_skipped"] == {"invalid_json": 3}
 
 
 # ---------------------------------------------------------------------------------------------

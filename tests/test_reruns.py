@@ -181,3 +181,67 @@ def test_weights_swapped_in_place_rerun_the_stages_that_run_them(finished):
     planned = planned_rules(snakemake(workdir, "-n", configfile=configfile))
     assert {"regenerate_responses", "extract_hidden_states", "evaluate_draft"} <= planned
     assert not planned & {"inspect_target", "check_setup"}
+
+
+@pytest.mark.slow
+def test_a_source_replaced_by_an_older_file_reruns_the_rules_that_read_it(tmp_path):
+    """Snakemake compares modification times only: a data source replaced by an older file (mv,
+    cp -p, rsync -t) or a save_to_disk folder written again would leave the old train.jsonl to train
+    the draft. The rules that read the raw sources take their identity by stat as a parameter, so
+    exactly those rules and what follows them rerun, with regeneration off and on."""
+    import os
+    import shutil
+
+    import datasets
+
+    import tiny
+
+    workdir, config = tiny_workflow(tmp_path)
+    chats = Path(config["data"]["sources"][0])
+    hour_ago = chats.stat().st_mtime - 3600
+
+    def older(name: str, rows: list) -> Path:  # another version of a source, written an hour ago
+        path = tiny.write_jsonl(tmp_path / name, rows)
+        os.utime(path, (hour_ago, hour_ago))
+        return path
+
+    old_chats = older("old_chats.jsonl", [{"messages": [{"role": "user", "content": f"Good day number {i}"},
+                                                        {"role": "assistant", "content": f"Good day {i}."}]}
+                                          for i in range(40)])
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": f"Plain text number {i}."} for i in range(8)]).save_to_disk(saved)
+    questions = tiny.write_jsonl(tmp_path / "questions.jsonl", [{"question": f"What is {i} + {i}?"} for i in range(3)])
+    old_questions = older("old_questions.jsonl", [{"question": f"What is {i} times {i}?"} for i in range(3)])
+    config["data"]["sources"].append(str(saved))
+    config["eval"] = {"sources": [{"name": "sums", "path": str(questions)}]}
+    configs = {}
+    for run, regenerate in (("off", False), ("on", True)):
+        configs[run] = write_config(workdir, {**config, "run": run, "vocab": {"draft_vocab_size": 64},
+                                              "regenerate": {"enabled": regenerate, "max_new_tokens": 4}}, f"{run}.yaml")
+
+    def targets(run: str) -> list[str]:
+        results = f"results/{run}"
+        return [f"{results}/preflight.json", f"{results}/vocab/mapping.safetensors",
+                f"{results}/data/eval_sources/sums.jsonl"]
+
+    def planned() -> dict[str, set[str]]:
+        return {run: planned_rules(snakemake(workdir, "-n", *targets(run), configfile=configfile))
+                for run, configfile in configs.items()}
+
+    def settle() -> None:
+        for run, configfile in configs.items():
+            snakemake(workdir, *targets(run), configfile=configfile)
+        assert planned() == {"off": set(), "on": set()}
+
+    settle()
+    readers = {"off": {"check_setup", "prepare_dataset", "build_vocab_mapping"},
+               "on": {"check_setup", "regenerate_responses", "prepare_dataset", "build_vocab_mapping"}}
+    shutil.copy2(old_chats, chats)  # cp -p: the older version back, modification time and all
+    assert chats.stat().st_mtime < (workdir / "results/off/data/train.jsonl").stat().st_mtime
+    assert planned() == readers
+    settle()
+    datasets.Dataset.from_list([{"text": f"Other text number {i}."} for i in range(8)]).save_to_disk(saved)
+    assert planned() == readers
+    settle()
+    os.replace(old_questions, questions)  # mv
+    assert planned() == {"off": {"prepare_eval_prompts"}, "on": {"prepare_eval_prompts"}}

@@ -11,6 +11,10 @@ their modification time says. It costs one ``stat`` per file (``bench/identity.p
 checkpoint of 64 files in milliseconds). What it also sees, at the price of a rerun and never a
 stale result: a ``chmod``/``chown`` of the files, a copy (``cp -p`` included) or a move to another
 disk.
+
+The data sources are identified the same way, by stat alone (``files_fingerprint``): a source
+replaced by an older file (``mv``, ``cp -p``, ``rsync -t``) or a save_to_disk folder written again
+is seen, where Snakemake's comparison of modification times sees neither.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 from draftsmith.io import sha256_file
@@ -74,4 +79,24 @@ def _hidden(path: Path, root: Path) -> bool:
 def weights_fingerprint(model_path: str | Path) -> str:
     """A short hash of ``weights_identity``: a parameter of every rule that runs the target's weights."""
     payload = json.dumps(weights_identity(model_path), sort_keys=True).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def files_identity(path: str | Path) -> dict | None:
+    """What identifies a file's, or a folder's (a save_to_disk dataset's), content without reading
+    it: each file's size, modification and status-change times (a folder's files recursively, hidden
+    ones left out). None for a missing path."""
+    path = Path(path)
+    if path.is_file():
+        return _stat_identity(path.stat())
+    if not path.is_dir():
+        return None
+    return {str(p.relative_to(path)): _stat_identity(p.stat())
+            for p in sorted(path.rglob("*")) if p.is_file() and not _hidden(p, path)}
+
+
+def files_fingerprint(paths: Iterable[str | Path]) -> str:
+    """A short hash of each path's ``files_identity``: a parameter of the rules that read the data
+    sources, one stat per file whatever their size."""
+    payload = json.dumps({str(p): files_identity(p) for p in paths}, sort_keys=True).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
