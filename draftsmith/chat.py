@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import DataError
@@ -177,3 +178,43 @@ def tokenize_conversation(tokenizer, messages: list[dict],
     loss mask: 1 exactly on the tokens each assistant turn wrote (its text, its tool calls and its
     end-of-turn token); 0 on headers, system, user text, tool definitions and tool results."""
     return ChatRenderer(tokenizer).tokenize(messages, tools)
+
+
+# The user turn's opening, for conversations the target writes itself (draftsmith.synthesize): what
+# the template renders before a user's text is found by rendering a placeholder, characters no
+# template writes itself.
+USER_TURN_PLACEHOLDER = "\u2063\u2063draftsmith-user-turn\u2063\u2063"
+
+
+@dataclass(frozen=True)
+class UserTurn:
+    """What the chat template renders before a user's text (after ``system``), as token ids, and the
+    special tokens that can close the turn."""
+
+    system: str | None
+    opening: list[int]
+    closing: list[int]
+
+
+def user_turn(tokenizer, system: str | None, where: str) -> UserTurn:
+    """The user turn's opening and closing tokens of ``tokenizer``'s chat template, found by rendering
+    a placeholder; refused when the template changes the user's text or closes the turn with no
+    special token (the request could not be told from its end)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER_TURN_PLACEHOLDER}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception as e:  # noqa: BLE001 - Jinja templates raise anything
+        raise DataError(f"the chat template cannot render a user turn{' after a system prompt' if system else ''}: "
+                        f"{type(e).__name__}: {e}", where=where,
+                        fix="remove synthesize.system_prompts if the template takes no system turn") from e
+    head, found, tail = text.partition(USER_TURN_PLACEHOLDER)
+    if not found:
+        raise DataError("the chat template does not render the user's text as given, so where a user turn "
+                        "starts cannot be found", where=where, fix="use data.sources of your own for this target")
+    special = set(tokenizer.all_special_ids)
+    closing = [t for t in tokenizer(tail, add_special_tokens=False)["input_ids"] if t in special]
+    if not closing:
+        raise DataError("the chat template closes a user turn without a special token, so the target's request "
+                        "cannot be told from its end", where=where, fix="use data.sources of your own for this target")
+    opening = list(tokenizer(head, add_special_tokens=False)["input_ids"])
+    return UserTurn(system, opening, closing[:1])

@@ -55,7 +55,7 @@ def semantic_errors(config: dict) -> list[str]:
     if aux is not None and len(set(aux)) != len(aux):
         lines.append(f"target.aux_layer_ids: {aux} repeats a layer; list each layer once")
     for source in config["data"]["sources"]:
-        problem = None if source == "demo" else source_problem(source)
+        problem = None if source in ("demo", "self") else source_problem(source)
         if problem:
             lines.append(f"data.sources: {source!r} {problem}")
     names = [source["name"] for source in config["eval"]["sources"]]
@@ -92,6 +92,11 @@ def setting_conflicts(config: dict) -> list[str]:
         lines.append(f"regenerate.max_new_tokens: {regenerate['max_new_tokens']} is not below data.max_seq_len "
                      f"({data['max_seq_len']}): an answer that long could never be trained whole (samples are cut "
                      f"to max_seq_len); lower it or raise data.max_seq_len")
+    synthesize = config["synthesize"]
+    if "self" in data["sources"] and synthesize["max_prompt_tokens"] >= data["max_seq_len"]:
+        lines.append(f"synthesize.max_prompt_tokens: {synthesize['max_prompt_tokens']} is not below data.max_seq_len "
+                     f"({data['max_seq_len']}): a request the target writes that long leaves no room for its answer "
+                     "(prepare_dataset drops it as too_long_prompt); lower it or raise data.max_seq_len")
     if train["mode"] == "online":
         if extraction["parts"] > 1:
             lines.append(f"extraction.parts: {extraction['parts']} with train.mode: online, which runs one engine "

@@ -43,7 +43,8 @@ POLL_S = 2.0
 # Set for every job that starts an engine unless the config's engine_env says otherwise: vLLM
 # reports usage to its authors by default (vllm/usage/usage_lib.py reads both).
 ENGINE_ENV_DEFAULTS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-ENGINE_RULES = ("regenerate_responses", "extract_hidden_states", "evaluate_draft", "train_draft_online")
+ENGINE_RULES = ("synthesize_conversations", "regenerate_responses", "extract_hidden_states", "evaluate_draft",
+                "train_draft_online")
 JOB_GPUS_ENV = "DRAFTSMITH_JOB_GPUS"  # the UUIDs of the job's GPUs: which warm engines it may attach to
 KEEP_WARM_ENV = "DRAFTSMITH_KEEP_WARM_S"  # seconds a warm target engine outlives its last job (draftsmith.engines.warm)
 

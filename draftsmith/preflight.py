@@ -299,10 +299,24 @@ def check_engines(architecture: str, engines: Mapping[str, str]) -> dict:
     return {"vllm": {"stages": users, **vllm}}
 
 
+def check_user_turns(tokenizer, model_path: str | Path, systems: Sequence[str | None]) -> dict:
+    """The user turn the target writes conversations from (draftsmith.synthesize) can be found in its
+    chat template, after each system prompt: refused here, not after its engine has loaded."""
+    from draftsmith.chat import require_chat_template, user_turn
+
+    require_chat_template(tokenizer, model_path)
+    turns = [user_turn(tokenizer, system, f"{model_path} (its chat template), data.sources: self") for system in systems]
+    closing = tokenizer.convert_ids_to_tokens(turns[0].closing)[0]
+    log.info("data.sources: self: the target writes its user turns after %d opening(s) and stops them at %s",
+             len(turns), closing)
+    return {"system_prompts": len([s for s in systems if s]), "user_turn_closes_with": closing}
+
+
 def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path: str | Path,
-                settings: PreflightSettings) -> dict:
+                settings: PreflightSettings, *, self_written: Sequence[str | None] | None = None) -> dict:
     """Run every weight-free check against the target folder ``model_path`` and write what was
-    checked to ``out_path``."""
+    checked to ``out_path``. ``self_written``: the target also writes conversations itself
+    (data.sources: self), after each of these system prompts (None: no system turn)."""
     from draftsmith.chat import ChatRenderer, load_tokenizer, require_chat_template
 
     raw = read_config(model_path)
@@ -315,10 +329,12 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
 
         report["context"] = check_context(text, settings)
         report["train_memory"] = check_train_fits(text, settings, trainer_memory(settings.device))
-    if not sources:
+    if not sources and self_written is None:
         raise DataError("no data sources given", where="config key data.sources",
-                        fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder")
+                        fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder, or self")
     tokenizer = load_tokenizer(model_path)
+    if self_written is not None:
+        report["self_written"] = check_user_turns(tokenizer, model_path, self_written)
     renderer = ChatRenderer(tokenizer)
     checked = []
     for source in sources:

@@ -26,6 +26,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -180,7 +181,7 @@ class Regenerator:
             if not s.greedy:
                 # One seed per batch, derived from the chunk's and the round's, so a resumed run
                 # draws what an uninterrupted run would have drawn.
-                torch.manual_seed(_derived_seed(seed, b))
+                torch.manual_seed(derived_seed(seed, b))
             with torch.no_grad(), out_of_memory_as(
                     TargetError, "generating answers", where=f"a batch of {len(batch)} prompts of up to {width} tokens",
                     fix="lower regenerate.batch_size (or regenerate.max_new_tokens), or use regenerate.backend: vllm"):
@@ -234,7 +235,7 @@ class Regenerator:
                     skipped.add(c)
                     continue
                 jobs.append((c, t[r]))
-            answers = self.generate(prompts, seed=_derived_seed(self.seed, seed, r))
+            answers = self.generate(prompts, seed=derived_seed(self.seed, seed, r))
             for (c, k), tokens in zip(jobs, answers):
                 messages[c][k] = {"role": "assistant", "content": self.answer(tokens, counts)}
         for c in skipped:
@@ -258,13 +259,13 @@ class VllmRegenerator(Regenerator):
         # chunk's and the round's, so a resumed run draws what an uninterrupted run would have drawn.
         out = self.generator.generate(prompts, max_new_tokens=s.max_new_tokens, stop_ids=self.stop_ids,
                                       temperature=s.temperature, top_p=s.top_p,
-                                      seeds=[_derived_seed(seed, n) for n in range(len(prompts))])
+                                      seeds=[derived_seed(seed, n) for n in range(len(prompts))])
         if self.on_answers is not None:
             self.on_answers(len(prompts))
         return out
 
 
-def _derived_seed(*parts: int) -> int:
+def derived_seed(*parts: int) -> int:
     """A seed for one batch of one round of one chunk, independent of what ran before it."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:7], "big")
@@ -440,27 +441,41 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
 
     counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
     model_path = Path(model_path)
-    torch_device = resolve_device(settings.device)
-    dtype_name = model_dtype_name(settings.model_dtype, torch_device)
     fingerprint = regeneration_fingerprint(settings, model=weights_identity(model_path), sources=sources)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    sampling = ("greedy" if settings.greedy
-                else f"temperature {settings.temperature}, top_p {settings.top_p}, seed {settings.seed}")
-    if settings.backend != "vllm":
-        model = load_target_model(model_path, dtype=settings.model_dtype, device=settings.device,
-                                  trust_remote_code=trust_remote_code)
-        log.info("regenerating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
-        regenerator = Regenerator(model, tokenizer, settings)
+    with open_regenerators(model_path, tokenizer, [settings], trust_remote_code=trust_remote_code,
+                           engine_kwargs=engine_kwargs) as [regenerator]:
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted)
+
+
+@contextmanager
+def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence[RegenerateSettings], *,
+                      trust_remote_code: bool = False, engine_kwargs: dict | None = None,
+                      stop_ids: Sequence[Sequence[int] | None] = ()) -> Iterator[list[Regenerator]]:
+    """The target in ``model_path`` loaded once (transformers or vLLM, per ``settings[0].backend``),
+    and one Regenerator on it per entry of ``settings``, each with its own sampling and lengths;
+    ``stop_ids[i]``, where given, adds stop tokens to the i-th (a user turn's end, say).
+    ``engine_kwargs`` are vLLM's."""
+    first = settings[0]
+    torch_device = resolve_device(first.device)
+    dtype_name = model_dtype_name(first.model_dtype, torch_device)
+    sampling = ("greedy" if first.greedy else f"temperature {first.temperature}, top_p {first.top_p}, seed {first.seed}")
+    extra = list(stop_ids) + [None] * (len(settings) - len(stop_ids))
+    if first.backend != "vllm":
+        model = load_target_model(model_path, dtype=first.model_dtype, device=first.device,
+                                  trust_remote_code=trust_remote_code)
+        log.info("generating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
+        defaults = stop_token_ids(model, tokenizer)
+        yield [Regenerator(model, tokenizer, s, stop_ids=[*defaults, *(more or ())]) for s, more in zip(settings, extra)]
+        return
 
     from draftsmith.engines.vllm_generation import VllmGenerator
 
-    stop_ids = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
-    with VllmGenerator(str(model_path), tensor_parallel_size=settings.tensor_parallel_size, dtype=dtype_name,
-                       trust_remote_code=trust_remote_code, max_num_seqs=settings.batch_size,
-                       enforce_eager=settings.enforce_eager,
-                       **(engine_kwargs or {})) as generator:
-        log.info("regenerating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
-                 settings.tensor_parallel_size, dtype_name, sampling)
-        regenerator = VllmRegenerator(generator, tokenizer, settings, stop_ids=stop_ids)
-        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted)
+    defaults = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
+    with VllmGenerator(str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
+                       trust_remote_code=trust_remote_code, max_num_seqs=first.batch_size,
+                       enforce_eager=first.enforce_eager, **(engine_kwargs or {})) as generator:
+        log.info("generating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
+                 first.tensor_parallel_size, dtype_name, sampling)
+        yield [VllmRegenerator(generator, tokenizer, s, stop_ids=[*defaults, *(more or ())])
+               for s, more in zip(settings, extra)]

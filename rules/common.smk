@@ -123,15 +123,38 @@ def target_tokenizer_files():
     return sorted({str(p) for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
 
 
-def dataset_sources():
-    return [f"{RESULTS}/data/demo_conversations.jsonl" if s == "demo" else s for s in config["data"]["sources"]]
+def user_sources():
+    """The data sources read as given (for demo, the demo's conversations); not the target's own."""
+    return [
+        f"{RESULTS}/data/demo_conversations.jsonl" if s == "demo" else s
+        for s in config["data"]["sources"]
+        if s != "self"
+    ]
+
+
+def writes_its_own():
+    """Whether the target writes conversations itself (data.sources holds self)."""
+    return "self" in config["data"]["sources"]
+
+
+def synthesized():
+    return [f"{RESULTS}/data/synthesized.jsonl"] if writes_its_own() else []
 
 
 def conversations_for_training():
-    """The conversations the trainer learns from: the target's own answers when regeneration is on."""
-    if config["regenerate"]["enabled"]:
-        return [f"{RESULTS}/data/regenerated.jsonl"]
-    return dataset_sources()
+    """The conversations the trainer learns from: the sources' with the target's own answers when
+    regeneration is on, and those the target wrote itself (already its own answers)."""
+    if config["regenerate"]["enabled"] and user_sources():
+        return [f"{RESULTS}/data/regenerated.jsonl", *synthesized()]
+    return user_sources() + synthesized()
+
+
+def self_written_turns():
+    """check_setup's check of the user turn the target writes from: the system prompts it is
+    written after ([None]: none), or None when the target writes no conversations."""
+    if not writes_its_own():
+        return None
+    return config["synthesize"]["system_prompts"] or [None]
 
 
 def target_gpus():

@@ -1,4 +1,5 @@
-# Data: the demo conversations, on-policy regeneration, tokenisation with loss masks, draft vocab.
+# Data: the demo conversations, conversations the target writes itself, on-policy regeneration,
+# tokenisation with loss masks, draft vocab.
 
 
 rule demo_dataset:
@@ -15,9 +16,49 @@ rule demo_dataset:
         "../workflow_scripts/demo_dataset.py"
 
 
+rule synthesize_conversations:
+    input:
+        config=target_config(),
+        tokenizer=target_tokenizer_files(),
+        target=rules.inspect_target.output.target,
+        exclude=eval_source_prompts(),
+    output:
+        data=f"{RESULTS}/data/synthesized.jsonl",
+        stats=report(
+            f"{RESULTS}/data/synthesized.stats.json",
+            caption="../report/synthesized_stats.rst",
+            category="2. Data",
+        ),
+    log:
+        f"{LOGS}/synthesize_conversations.log",
+    benchmark:
+        f"{BENCH}/synthesize_conversations.tsv"
+    conda:
+        "../envs/vllm.yaml"
+    threads: job_threads(regenerate_gpus())
+    resources:
+        gpu=regenerate_gpus(),
+    params:
+        # the user turns' own settings, and regeneration's for the answers and the engine
+        config=stage_config(
+            "synthesize",
+            "regenerate",
+            "seed",
+            "target.dtype",
+            "device",
+            "extraction.tensor_parallel_size",
+            "data.max_bad_fraction",
+        ),
+        work_dir=f"{RESULTS}/data/synthesize_work",
+        weights=target_weights(),
+        code=script_code("synthesize_conversations"),
+    script:
+        "../workflow_scripts/synthesize_conversations.py"
+
+
 rule regenerate_responses:
     input:
-        sources=dataset_sources(),
+        sources=user_sources(),
         target=rules.inspect_target.output.target,
     output:
         data=f"{RESULTS}/data/regenerated.jsonl",
@@ -40,7 +81,7 @@ rule regenerate_responses:
             "data.max_bad_fraction",
         ),
         work_dir=f"{RESULTS}/data/regenerate_work",
-        sources_identity=sources_identity(dataset_sources()),
+        sources_identity=sources_identity(user_sources()),
         weights=target_weights(),
         code=script_code("regenerate_responses"),
     script:

@@ -51,7 +51,7 @@ rule check_setup:
     input:
         config=target_config(),
         tokenizer=target_tokenizer_files(),
-        sources=dataset_sources(),
+        sources=user_sources(),
     output:
         report=f"{RESULTS}/preflight.json",
     log:
@@ -80,7 +80,8 @@ rule check_setup:
             "eval.backend",
             "regenerate.backend",
         ),
-        sources_identity=sources_identity(dataset_sources()),
+        sources_identity=sources_identity(user_sources()),
+        self_written=self_written_turns(),
         engine=engine_version(),
         code=script_code("check_setup"),
     script:

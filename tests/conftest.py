@@ -10,6 +10,23 @@ import pytest
 import tiny
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_engine_registry(tmp_path_factory):
+    """Warm target engines that tests start (directly, or through a workflow's jobs, which inherit
+    the variable) live in a registry of the session's own, and none outlives the session."""
+    from draftsmith.engines import warm
+
+    saved = os.environ.get(warm.ENGINE_DIR_ENV)
+    os.environ[warm.ENGINE_DIR_ENV] = str(tmp_path_factory.mktemp("warm-engines"))
+    yield
+    for engine in warm.list_engines():
+        warm.stop_engine(Path(engine["folder"]))
+    if saved is None:
+        os.environ.pop(warm.ENGINE_DIR_ENV, None)
+    else:
+        os.environ[warm.ENGINE_DIR_ENV] = saved
+
+
 @pytest.fixture(scope="session")
 def chatml_tokenizer(tmp_path_factory) -> Path:
     """Folder of a tiny byte-level BPE tokenizer with a ChatML chat template (<|im_end|> closes turns)."""

@@ -168,6 +168,21 @@ def _(tmp, env):
     _check({"data": {"max_seq_len": 256}, "regenerate": {"enabled": True, "max_new_tokens": 512}})
 
 
+@case("config-self-written-requests-longer-than-samples", ConfigError,
+      "synthesize.max_prompt_tokens: 512 is not below data.max_seq_len")
+def _(tmp, env):
+    _check({"data": {"sources": ["self"], "max_seq_len": 512}, "synthesize": {"max_prompt_tokens": 512}})
+
+
+@case("self-written-template-without-an-end-of-turn", DataError, "closes a user turn without a special token",
+      "preflight.json")
+def _(tmp, env):
+    from draftsmith.preflight import check_setup
+
+    plain = tiny.build_llama(tmp / "plain", "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    check_setup(plain, [], tmp / "preflight.json", _settings(), self_written=[None])
+
+
 @case("config-online-several-parts", ConfigError, "extraction.parts: 2 with train.mode: online")
 def _(tmp, env):
     _check({"train": {"mode": "online"}, "extraction": {"parts": 2}})

@@ -24,10 +24,11 @@ from draftsmith.payoff import PayoffSettings
 from draftsmith.preflight import PreflightSettings
 from draftsmith.regenerate import RegenerateSettings
 from draftsmith.settings import key_schema
+from draftsmith.synthesize import SynthesizeSettings
 from draftsmith.train import TrainSettings, launch_from_config
 
 SETTINGS = [PreflightSettings, DataSettings, EvalPromptsSettings, RegenerateSettings, ExtractionSettings,
-            TrainSettings, OnlineSettings, EvalSettings, PayoffSettings]
+            TrainSettings, OnlineSettings, EvalSettings, PayoffSettings, SynthesizeSettings]
 
 JSON_TYPES = {int: {"integer"}, float: {"number"}, bool: {"boolean"}, str: {"string"}, type(None): {"null"},
               tuple: {"array"}, list: {"array"}}
@@ -112,6 +113,7 @@ RULE_SETTINGS = {
     "prepare_dataset": [DataSettings],
     "prepare_eval_prompts": [EvalPromptsSettings],
     "regenerate_responses": [RegenerateSettings],
+    "synthesize_conversations": [SynthesizeSettings, RegenerateSettings],
     "extract_hidden_states": [ExtractionSettings],
     "train_draft": [TrainSettings],
     "train_draft_online": [TrainSettings, ExtractionSettings, OnlineSettings],

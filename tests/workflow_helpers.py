@@ -70,8 +70,11 @@ def tiny_workflow(tmp_path: Path, **data: object) -> tuple[Path, dict]:
     rows = [{"messages": [{"role": "user", "content": f"Hello there number {i}"},
                           {"role": "assistant", "content": f"I am fine, thank you {i}."}]} for i in range(40)]
     source = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
+    # each job loads and closes its own engine, as before the warm target (tests/test_warm.py and the
+    # GPU lane's workflow case test warm engines)
     config = {"run": "t", "device": "cpu", "target": {"source": "path", "path": str(model)},
-              "data": {"sources": [str(source)], "max_seq_len": 64, "heldout_fraction": 0.1, **data}}
+              "data": {"sources": [str(source)], "max_seq_len": 64, "heldout_fraction": 0.1, **data},
+              "warm_target": {"minutes": 0}}
     return workdir, config
 
 
@@ -123,7 +126,8 @@ def vllm_workflow(tmp_path: Path, case: str, **overrides: dict) -> tuple[Path, P
         regenerate={"enabled": True, "backend": "vllm", "max_new_tokens": VLLM_NEW_TOKENS, "enforce_eager": True},
         extraction={"backend": "vllm"}, vocab={"draft_vocab_size": 64}, train={"epochs": 2, "batch_tokens": 256},
         eval={"backend": "vllm", "hf_check": hf_check, "enforce_eager": True, "max_prompts": VLLM_PROMPTS,
-              "max_new_tokens": VLLM_NEW_TOKENS, "k_sweep": [1, 3], "sweep_max_prompts": 2})
+              "max_new_tokens": VLLM_NEW_TOKENS, "k_sweep": [1, 3], "sweep_max_prompts": 2},
+        warm_target={"minutes": 10})
     for section, value in overrides.items():
         config[section] = {**config.get(section, {}), **value}
     return workdir, write_config(workdir, config), config

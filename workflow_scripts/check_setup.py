@@ -14,4 +14,5 @@ with deciding(gate_for_run(snakemake.config["run"])):
         list(snakemake.input.sources),
         snakemake.output.report,
         PreflightSettings.from_config(snakemake.params.config),
+        self_written=snakemake.params.self_written,
     )
