@@ -216,5 +216,7 @@ def user_turn(tokenizer, system: str | None, where: str) -> UserTurn:
     if not closing:
         raise DataError("the chat template closes a user turn without a special token, so the target's request "
                         "cannot be told from its end", where=where, fix="use data.sources of your own for this target")
-    opening = list(tokenizer(head, add_special_tokens=False)["input_ids"])
+    # A space the template puts before the user's text belongs to its first word ("[INST] Hello"
+    # tokenizes " Hello"): left out, the target writes it with the word, as in its training.
+    opening = list(tokenizer(head.rstrip(" "), add_special_tokens=False)["input_ids"])
     return UserTurn(system, opening, closing[:1])

@@ -26,6 +26,7 @@ hours of GPU on requests it cannot write.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,7 +35,7 @@ import sys
 import time
 import unicodedata
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,7 +44,13 @@ from tqdm import tqdm
 from draftsmith.chat import UserTurn, user_turn
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, atomic_write_text, read_json, read_jsonl
-from draftsmith.regenerate import RegenerateSettings, Regenerator, derived_seed, open_regenerators
+from draftsmith.regenerate import (
+    RegenerateSettings,
+    Regenerator,
+    derived_seed,
+    open_regenerators,
+    regeneration_fingerprint,
+)
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 
@@ -184,9 +191,17 @@ def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats
     _prepare_work_dir(work_dir, fingerprint)
     prompt_sampling = replace(answers, max_new_tokens=settings.max_prompt_tokens, temperature=settings.temperature,
                               top_p=settings.top_p)
-    with open_regenerators(model_path, tokenizer, (prompt_sampling, answers), trust_remote_code=trust_remote_code,
-                           engine_kwargs=engine_kwargs, stop_ids=(turns[0].closing, None)) as (prompter, answerer):
-        rows, stats = _collect(work_dir, prompter, answerer, turns, settings, answers.seed, excluded)
+    with contextlib.ExitStack() as stack:
+        opened: list[Regenerator] = []
+
+        def write_chunk(index: int) -> dict:
+            if not opened:  # the target loads only when a chunk is missing, not to join written ones
+                opened.extend(stack.enter_context(open_regenerators(
+                    model_path, tokenizer, (prompt_sampling, answers), trust_remote_code=trust_remote_code,
+                    engine_kwargs=engine_kwargs, stop_ids=(turns[0].closing, None))))
+            return synthesize_chunk(index, *opened, turns, settings, answers.seed, excluded)
+
+        rows, stats = _collect(work_dir, write_chunk, settings, excluded)
     atomic_write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     stats["seconds"] = round(time.perf_counter() - started, 2)
     atomic_write_json(stats_path, stats)
@@ -195,9 +210,10 @@ def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats
     return stats
 
 
-def _collect(work_dir: Path, prompter: Regenerator, answerer: Regenerator, turns: Sequence[UserTurn],
-             settings: SynthesizeSettings, seed: int, excluded: set[str]) -> tuple[list[dict], dict]:
-    """Chunks, reused or written, joined without duplicates until the wanted count is kept."""
+def _collect(work_dir: Path, write_chunk: Callable[[int], dict], settings: SynthesizeSettings,
+             excluded: set[str]) -> tuple[list[dict], dict]:
+    """Chunks, read back or written (``write_chunk``), joined without duplicates until the wanted count
+    is kept."""
     wanted, size = settings.conversations, settings.chunk_size
     max_chunks = MAX_CHUNKS_FACTOR * math.ceil(wanted / size) + 1
     kept: list[dict] = []
@@ -218,7 +234,7 @@ def _collect(work_dir: Path, prompter: Regenerator, answerer: Regenerator, turns
             chunk = read_json(path)
             reused += 1
         else:
-            chunk = synthesize_chunk(index, prompter, answerer, turns, settings, seed, excluded)
+            chunk = write_chunk(index)
             atomic_write_json(path, chunk)
         dropped.update(chunk["dropped"])
         answers_cut += chunk["answers_cut"]
@@ -252,11 +268,13 @@ def _user_text(row: dict) -> str:
 
 
 def _fingerprint(settings: SynthesizeSettings, answers: RegenerateSettings, model: dict, excluded: set[str]) -> str:
-    """Everything that decides a chunk's rows; chunks written under another are stale."""
+    """Everything that decides a chunk's rows: the user turns' settings, the answers' as they decide
+    regenerated text (``regeneration_fingerprint``: the engine's numerics, the model, its code), the
+    excluded prompts and this module's code; chunks written under another are stale."""
     from draftsmith.fingerprint import code_fingerprint
 
     payload = {"format": SYNTHESIZE_FORMAT, "settings": settings.section_values(),
-               "answers": answers.section_values(), "seed": answers.seed, "model": model,
+               "answers": regeneration_fingerprint(answers, model=model, sources=[]),
                "excluded": hashlib.sha256("\n".join(sorted(excluded)).encode()).hexdigest(),
                "code": code_fingerprint("draftsmith.synthesize")}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()

@@ -613,5 +613,7 @@ def test_the_extraction_rule_runs_through_vllm_under_snakemake(tmp_path):
     config["engine_env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 1}
     snakemake(workdir, "results/t/hidden_states/part-0.json", configfile=write_config(workdir, config))
     log = (workdir / "logs/t/extract_hidden_states/part-0.log").read_text()
-    assert "vllm backend ready" in log and "1600 tokens in" in log
+    rows = (workdir / "results/t/data/train.jsonl").read_text().splitlines()
+    tokens = sum(len(json.loads(row)["input_ids"]) for row in rows)
+    assert "vllm backend ready" in log and f"{tokens} tokens in" in log
     assert "the store was busy" in log and "the capture waited" in log

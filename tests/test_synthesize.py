@@ -14,7 +14,13 @@ import tiny
 from draftsmith.chat import user_turn
 from draftsmith.errors import DataError
 from draftsmith.regenerate import RegenerateSettings, Regenerator
-from draftsmith.synthesize import SynthesizeSettings, drop_reason, scripts_of, synthesize_conversations
+from draftsmith.synthesize import (
+    SynthesizeSettings,
+    drop_reason,
+    scripts_of,
+    synthesize_chunk,
+    synthesize_conversations,
+)
 from tiny_vllm import vllm_test
 
 
@@ -93,7 +99,12 @@ def _collect(tmp_path, chatml, script, answers, **settings):
     prompter, answerer = Scripted(chatml, regen, end, script), Scripted(chatml, regen, end, answers)
     turns = [user_turn(chatml, None, "t")]
     (tmp_path / "work").mkdir(exist_ok=True)
-    return collect(tmp_path / "work", prompter, answerer, turns, synth, 0, {"excluded prompt"}), prompter
+    excluded = {"excluded prompt"}
+
+    def write_chunk(index):
+        return synthesize_chunk(index, prompter, answerer, turns, synth, 0, excluded)
+
+    return collect(tmp_path / "work", write_chunk, synth, excluded), prompter
 
 
 def test_chunks_are_written_joined_without_duplicates_and_resumed(tmp_path, chatml):

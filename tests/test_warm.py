@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 from draftsmith.engines import warm
+from draftsmith.errors import DraftsmithError
 from tiny_vllm import ENGINE_ARGS, HAS_VLLM, vllm_test
 
 JOB = textwrap.dedent("""
@@ -253,16 +254,32 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
 
 
 def test_the_end_of_a_run_says_which_engines_stay_up(tmp_path, monkeypatch, capsys):
-    import fcntl
-
     monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(tmp_path / "engines"))
     warm.say_warm_engines()
     assert capsys.readouterr().err == ""
     folder = warm.registry() / "0123456789abcdef"
     folder.mkdir()
     (folder / "state.json").write_text(json.dumps({"status": "ready", "pid": os.getpid()}))
-    with open(folder / "lock", "a") as lock:  # held as an engine process holds it
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # a process holding the engine's lock, as an engine process holds it
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.lockf(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(folder / "lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
         warm.say_warm_engines()
+    finally:
+        holder.kill()
+        holder.wait()
     said = capsys.readouterr().err
     assert "1 warm target engine(s) stay up" in said and "python -m draftsmith.engines list | stop" in said
+    assert not warm.engine_alive(folder)  # the lock goes with its process
+
+
+def test_a_registry_that_is_not_the_users_alone_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(shared))
+    with pytest.raises(DraftsmithError, match="is not this user's alone") as error:
+        warm.registry()
+    assert "DRAFTSMITH_ENGINE_DIR" in error.value.fix

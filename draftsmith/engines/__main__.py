@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.get("attached") and not args.force:
             print(f"  {e['key']}: a job (pid {e['attached']}) is attached; --force stops it anyway")
             continue
-        stop_engine(Path(e["folder"]))
-        print(f"  {e['key']}: stopped")
+        print(f"  {e['key']}: " + ("stopped" if stop_engine(Path(e["folder"])) else "had already exited"))
     return 0
 
 

@@ -1,13 +1,15 @@
 """The warm engine's process: ``python -m draftsmith.engines.service FOLDER`` (started by
 ``draftsmith.engines.warm``, never by hand).
 
-It takes FOLDER's lock for its whole life, loads ``vllm.LLM`` with the arguments of FOLDER's
-spec.json, then serves one attached job at a time over FOLDER's socket: each request names an
+It takes FOLDER's lock for its whole life, binds FOLDER's socket, loads ``vllm.LLM`` with the
+arguments of FOLDER's spec.json (with a speculator slot, its draft built first: see
+``draftsmith.engines.shared``), then serves one attached job at a time: each request names an
 ``LLM`` method (``generate``, ``collective_rpc``, ``get_metrics``) and gets its result or the
-exception's text back. A job that detaches or dies ends its session; the capture hooks' state is
-reset (``draftsmith_reset``) and, where the engine was started with sleep mode, it sleeps until the
-next job attaches. With no job for ``keep_warm_s`` seconds, or on SIGTERM, it shuts the engine down
-and exits; an engine that vLLM reports dead exits at once, so the next job loads cold.
+exception's text back (its traceback goes to this process's log). A job that detaches or dies ends
+its session; the capture hooks' state is reset and, where the engine was started with sleep mode,
+it sleeps until the next job attaches (so it does after its load, when the job that started it is
+gone). With no job for ``keep_warm_s`` seconds, or on SIGTERM, it shuts the engine down and exits;
+an engine that vLLM reports dead exits at once, so the next job loads cold.
 """
 
 from __future__ import annotations
@@ -32,17 +34,18 @@ log = logging.getLogger("draftsmith.engines.service")
 METHODS = ("generate", "collective_rpc", "get_metrics")
 # vLLM's exceptions after which its engine cannot serve another request
 FATAL = ("EngineDeadError", "EngineGenerateError")
+FIRST_JOB_S = 60.0  # after its load, how long the engine stays awake for the job that started it
 
 
-class _Stop(Exception):
-    """SIGTERM: shut down and exit."""
+class _Stop(BaseException):
+    """SIGTERM: shut down and exit (a BaseException, so that no handler of a call's errors takes it)."""
 
 
 def main(folder: Path) -> int:
     lock = open(folder / "lock", "a")  # noqa: SIM115 - held until the process exits
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a POSIX lock: vLLM's forked processes do not inherit it
+    except OSError:
         log.error("another engine process holds %s", folder / "lock")
         return 1
     spec = read_json(folder / "spec.json")
@@ -52,45 +55,65 @@ def main(folder: Path) -> int:
     import torch
 
     set_num_threads = torch.set_num_threads  # an in-process CPU engine replaces it; shutdown_llm puts it back
-    try:
-        from vllm import LLM
-
-        from draftsmith.engines.warm import engine_max_model_len
-
-        kwargs = dict(spec["kwargs"])
-        if spec.get("speculator_slot"):
-            state["slot"] = str(_slot_draft(folder, spec["speculator_slot"]))
-            kwargs["speculative_config"] = {"method": "eagle3", "model": state["slot"],
-                                            "num_speculative_tokens": spec["speculator_slot"]["num_speculative_tokens"]}
-        with target_load(spec["what"]) as load:
-            llm = LLM(**kwargs)
-    except BaseException as e:  # noqa: BLE001 - whatever stopped the load is what the job must say
-        _write(folder, {**state, "status": "failed", "error": {"type": type(e).__name__, "message": str(e)}})
-        log.exception("the engine did not load")
-        return 1
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(folder / "socket"))
-    listener.listen(8)
-    state.update(status="ready", load_seconds=round(load.seconds, 2),
-                 max_model_len=engine_max_model_len(llm, spec["kwargs"].get("max_model_len")))
-    _write(folder, state)
+    listener = llm = None
     reason = "stopped (SIGTERM)"
     try:
+        listener = _listen(folder)
+        llm, load_seconds = _load(folder, spec, state)
+        from draftsmith.engines.warm import engine_max_model_len
+
+        state.update(status="ready", load_seconds=round(load_seconds, 2),
+                     max_model_len=engine_max_model_len(llm, spec["kwargs"].get("max_model_len")))
+        _write(folder, state)
         reason = _serve(folder, llm, listener, state, float(spec["keep_warm_s"]),
                         sleeps=bool(spec["kwargs"].get("enable_sleep_mode")))
     except _Stop:
         pass
+    except Exception as e:  # noqa: BLE001 - the job reads it in state.json, the user in this log
+        reason = f"{type(e).__name__}: {e}"
+        log.exception("the engine stops")
+        if state["status"] == "loading":
+            state.update(status="failed", error={"type": type(e).__name__, "message": str(e)})
+            _write(folder, state)
+            return 1
     finally:
-        listener.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
+        if listener is not None:
+            listener.close()
         with contextlib.suppress(FileNotFoundError):
             (folder / "socket").unlink()
-        _write(folder, {**state, "status": "exited", "attached": None, "reason": reason})
+        if state["status"] != "failed":
+            _write(folder, {**state, "status": "exited", "attached": None, "reason": reason})
         log.info("the engine exits: %s", reason)
-        with contextlib.suppress(Exception):  # the process ends either way
-            from draftsmith.targets.vllm_compat import shutdown_llm
+        if llm is not None:
+            with contextlib.suppress(Exception):  # the process ends either way
+                from draftsmith.targets.vllm_compat import shutdown_llm
 
-            shutdown_llm(llm, set_num_threads)
+                shutdown_llm(llm, set_num_threads)
     return 0
+
+
+def _listen(folder: Path) -> socket.socket:
+    """The socket jobs attach at, bound before the load: a path it cannot take stops it before minutes
+    of loading, not after."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / "socket"))
+    listener.listen(8)
+    return listener
+
+
+def _load(folder: Path, spec: dict, state: dict):
+    """``vllm.LLM`` of the spec's arguments (and its speculator slot); the load's seconds."""
+    from vllm import LLM
+
+    kwargs = dict(spec["kwargs"])
+    if spec.get("speculator_slot"):
+        state["slot"] = str(_slot_draft(folder, spec["speculator_slot"]))
+        kwargs["speculative_config"] = {"method": "eagle3", "model": state["slot"],
+                                        "num_speculative_tokens": spec["speculator_slot"]["num_speculative_tokens"]}
+    with target_load(spec["what"]) as load:
+        llm = LLM(**kwargs)
+    return llm, load.seconds
 
 
 def _slot_draft(folder: Path, slot: dict) -> Path:
@@ -102,22 +125,29 @@ def _slot_draft(folder: Path, slot: dict) -> Path:
 
     from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
 
-    out = folder / "slot-draft"
     config = Eagle3DraftConfig.from_target(slot["slot"]["target"], draft_vocab_size=slot["slot"]["draft_vocab_size"],
                                            **slot["slot"]["draft"])
     torch.manual_seed(0)
-    return save_speculators(Eagle3Draft(config), out)
+    return save_speculators(Eagle3Draft(config), folder / "slot-draft")
 
 
 def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s: float, sleeps: bool) -> str:
-    """Serve jobs one at a time until none comes for ``keep_warm_s`` seconds; why it stopped."""
-    asleep = False
+    """Serve jobs one at a time until none comes for ``keep_warm_s`` seconds; why it stopped. An
+    engine with sleep mode sleeps whenever no job is attached, after a grace for the first job."""
+    asleep, idle_since = False, time.monotonic()
     while True:
-        listener.settimeout(keep_warm_s)
+        waited = time.monotonic() - idle_since
+        grace = FIRST_JOB_S if sleeps and not asleep and state["jobs"] == 0 else keep_warm_s
+        listener.settimeout(max(min(grace, keep_warm_s) - waited, 0.001))
         try:
             conn_socket, _ = listener.accept()
         except TimeoutError:
-            return f"idle for {keep_warm_s:.0f} s"
+            if time.monotonic() - idle_since >= keep_warm_s:
+                return f"idle for {keep_warm_s:.0f} s"
+            if sleeps and not asleep:  # the job that started it did not come: its GPU memory goes free
+                _sleep(llm)
+                asleep = True
+            continue
         conn = Connection(conn_socket.detach())
         if asleep:
             started = time.monotonic()
@@ -131,16 +161,21 @@ def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s:
         with contextlib.suppress(Exception):  # engines without the capture extension have nothing to reset
             llm.collective_rpc("draftsmith_reset")
         if sleeps:
-            started = time.monotonic()
-            llm.sleep(level=1)
+            _sleep(llm)
             asleep = True
-            log.info("asleep (weights in host memory) in %.1f s", time.monotonic() - started)
         state.update(attached=None, last_job=time.time())
         _write(folder, state)
         if detached:  # the job waits for this: its GPU memory is free when it goes on
             with contextlib.suppress(OSError, EOFError):
                 conn.send(("ok", None))
         conn.close()
+        idle_since = time.monotonic()
+
+
+def _sleep(llm) -> None:
+    started = time.monotonic()
+    llm.sleep(level=1)
+    log.info("asleep (weights in host memory) in %.1f s", time.monotonic() - started)
 
 
 def _session(folder: Path, llm, conn: Connection, state: dict) -> tuple[str | None, bool]:
@@ -169,18 +204,23 @@ def _session(folder: Path, llm, conn: Connection, state: dict) -> tuple[str | No
         except (OSError, EOFError):
             log.info("job pid %s went before its answer", state.get("attached"))
             return fatal, False
+        except Exception as e:  # noqa: BLE001 - a result that does not pickle: the job gets why
+            log.exception("the answer to job pid %s cannot be sent", state.get("attached"))
+            with contextlib.suppress(OSError, EOFError):
+                conn.send(("error", type(e).__name__, f"the engine's answer cannot be sent back: {e}"))
         if fatal:
             return fatal, False
 
 
 def _call(llm, name: str, args: tuple, kwargs: dict) -> tuple[tuple, str | None]:
     if name not in METHODS:
-        return ("error", "ValueError", f"{name} is not served", ""), None
+        return ("error", "ValueError", f"{name} is not served"), None
     try:
         return ("ok", getattr(llm, name)(*args, **kwargs)), None
     except Exception as e:  # noqa: BLE001 - the job gets it and decides; the engine serves on
         kind = type(e).__name__
-        return ("error", kind, str(e), traceback.format_exc()), (kind if kind in FATAL else None)
+        log.error("%s failed:\n%s", name, traceback.format_exc())
+        return ("error", kind, str(e)), (kind if kind in FATAL else None)
 
 
 def _write(folder: Path, state: dict) -> None:

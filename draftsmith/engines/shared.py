@@ -6,7 +6,8 @@ when the engine starts, before the draft is trained. So when both stages run in 
 engine starts with a speculator slot: a draft of the architecture training will produce (the same
 target, draft settings and vocabulary size), random weights, built by the engine process
 (``draftsmith.engines.service``) in its own folder. Capture never decodes past the prefill, so the
-slot costs it one draft pass per prompt. Evaluation attaches to the same warm engine (its key is
+slot costs it the draft's prefill over each prompt and its k - 1 proposal steps, never a
+verification. Evaluation attaches to the same warm engine (its key is
 the same: ``SharedEngine`` gives both stages identical engine arguments) and loads the trained
 draft's weights into the slot in place (``draftsmith_load_draft`` in the worker extension); a draft
 of another architecture, or a context the engine was not sized for, gets an engine of its own.
@@ -21,9 +22,12 @@ reruns nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,16 @@ class SharedEngine:
         support = (target.get("backends") or {}).get("vllm") or {}
         if not support.get("supported") or support.get("supports_eagle3") is False:
             return None
+        env = config.get("engine_env") or {}
+        if (env.get("extract_hidden_states") or {}) != (env.get("evaluate_draft") or {}):
+            log.warning("engine_env gives extract_hidden_states and evaluate_draft other variables: their engines "
+                        "differ, so evaluation loads the target again")
+            return None
         samples = max(int(config["data"]["max_seq_len"]), int(extraction.get("max_model_len") or 0) - 1)
         context = samples + int(evaluation["max_new_tokens"]) + int(evaluation["k"]) + 1
+        limit = (target.get("text_config") or {}).get("max_position_embeddings")
+        if limit:  # vLLM refuses more than the model's own; evaluation checks its prompts against this
+            context = min(context, int(limit))
         draft, train = config["draft"], config["train"]
         slot = {
             "target": {k: target[k] for k in ("model_path", "architecture", "hidden_size", "vocab_size",

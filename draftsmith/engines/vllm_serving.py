@@ -157,6 +157,8 @@ class VllmServer:
                                        "num_speculative_tokens": slot["num_speculative_tokens"]}
         self.settings = {"platform": current_platform.device_type,
                          **{k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}}
+        if slot is not None:  # eager, as capture's hooks need: its timings are not a deployment's
+            self.settings["shared_with_capture"] = True
         # In-process CPU engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) replace torch.set_num_threads
         # with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads

@@ -8,7 +8,7 @@ workflow sets it from ``warm_target.minutes``) the engine runs in a process of i
 (``draftsmith.engines.service``), found by its key in a per-user folder of this machine:
 
     <root>/<key>/spec.json    what the engine runs: LLM arguments, identity, lifetime
-                 lock         flock-ed by the engine process for its whole life (alive = locked)
+                 lock         locked (POSIX, lockf) by the engine process for its whole life: alive = locked
                  start.lock   flock-ed by the job starting it (one start at a time)
                  state.json   loading | ready | failed (with the error), pid, load seconds, who is attached
                  socket       where jobs attach (the folder is the user's alone: mode 0700)
@@ -16,15 +16,17 @@ workflow sets it from ``warm_target.minutes``) the engine runs in a process of i
 
 The key hashes everything that decides what the engine computes: every ``LLM`` argument, the
 content fingerprint of each folder they name (the target's weights, config and tokenizer; a draft
-served as speculator), the vLLM release, the GPUs (the UUIDs the job claimed), the engine's
-environment variables and the Python running it. A job attaches only to an engine of its own key,
+served as speculator), the draftsmith code the engine process runs (this service, the capture
+hooks), the vLLM release, the GPUs (the UUIDs the job claimed), the engine's environment variables
+(secrets left out) and the Python running it. A job attaches only to an engine of its own key,
 so a changed target, draft, setting, release or GPU set never meets a stale engine. One job at a
 time is attached (others queue at the socket; the GPU claims make that rare); a job that dies
 leaves the engine serving the next one. Between jobs a CUDA engine sleeps (vLLM's sleep mode: its
 weights in host memory, its GPU memory free for training) and wakes in seconds when a job attaches;
 an engine left idle for ``KEEP_WARM_ENV`` seconds exits. Before a new engine starts, idle engines
-on the same GPUs are stopped, so that they hold neither GPU nor host memory a new one needs. If the
-engine a job expected is gone (exited, crashed), the job loads cold and says so in its log.
+on the same GPUs or of the same target are stopped, so that they hold neither GPU nor host memory a
+new one needs. If the engine a job expected is gone (exited, crashed, or exiting as the job came),
+the job loads cold and says so in its log.
 ``python -m draftsmith.engines`` lists and stops them. docs/design.md ("The warm target") says how
 this fits Snakemake's model of jobs.
 """
@@ -41,6 +43,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -60,22 +63,27 @@ log = logging.getLogger(__name__)
 
 ENGINE_DIR_ENV = "DRAFTSMITH_ENGINE_DIR"  # the registry's folder (default: <tmp>/draftsmith-engines-<user>)
 # The environment an engine's numerics or placement depend on; the rest (OMP_NUM_THREADS, which
-# Snakemake sets per rule, paths) is the job's, not the engine's.
+# Snakemake sets per rule, paths) is the job's, not the engine's; secrets decide nothing and stay out.
 ENGINE_ENV_PREFIXES = ("VLLM_", "NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVSHMEM_", "HF_", "TRANSFORMERS_")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+# The draftsmith code that runs inside the engine process: the service, and the worker extension.
+ENGINE_CODE = ("draftsmith.engines.service", "draftsmith.extract.vllm_worker")
 WAIT_LOG_S = 60.0
 POLL_S = 0.25
+STOP_WAIT_S = 120.0
+LOG_TAIL_LINES = 40
 
 
 class EngineStartError(DraftsmithError):
-    """The engine process could not load the target; ``cause`` names the exception it raised."""
-
-    def __init__(self, what: str, *, cause: str, where: str | None = None, fix: str | None = None) -> None:
-        super().__init__(what, where=where, fix=fix)
-        self.cause = cause
+    """The engine process could not load the target."""
 
 
 class EngineGone(DraftsmithError):
-    """The warm engine stopped while this job was attached."""
+    """The warm engine stopped before or while this job was attached."""
+
+
+class EngineCallError(DraftsmithError):
+    """A call failed inside the warm engine (its log holds the traceback)."""
 
 
 def keep_warm_seconds() -> float:
@@ -90,9 +98,15 @@ def keep_warm_seconds() -> float:
 
 
 def registry() -> Path:
-    """This user's folder of warm engines on this machine (mode 0700: attaching is controlling)."""
+    """This user's folder of warm engines on this machine. Attaching to an engine is controlling it
+    (and unpickling what it sends), so the folder must be the user's alone: refused otherwise."""
     root = Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"draftsmith-engines-{_user()}")
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = root.lstat()
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise DraftsmithError(f"the warm engines' folder {root} is not this user's alone (a link, another owner, "
+                              f"or mode {oct(info.st_mode & 0o777)})", where=str(root),
+                              fix=f"remove it, or name a folder of your own in {ENGINE_DIR_ENV}")
     return root
 
 
@@ -109,6 +123,7 @@ def _user() -> str:
 
 def engine_identity(kwargs: dict) -> dict:
     """Everything that decides what an engine with these ``LLM`` arguments computes, as JSON."""
+    from draftsmith.fingerprint import code_fingerprint
     from draftsmith.targets.identity import weights_fingerprint
     from draftsmith.targets.vllm_support import installed_vllm_version
 
@@ -116,12 +131,15 @@ def engine_identity(kwargs: dict) -> dict:
     speculator = kwargs.get("speculative_config") or {}
     if isinstance(speculator, dict) and speculator.get("model"):
         folders["speculator"] = speculator["model"]
+    environment = {k: v for k, v in sorted(os.environ.items())
+                   if k.startswith(ENGINE_ENV_PREFIXES) and not any(w in k for w in SECRET_WORDS)}
     return {
         "arguments": kwargs,
         "content": {name: weights_fingerprint(path) for name, path in folders.items() if path},
+        "code": code_fingerprint(*ENGINE_CODE),
         "vllm": installed_vllm_version(),
         "gpus": os.environ.get(JOB_GPUS_ENV) or os.environ.get("CUDA_VISIBLE_DEVICES") or "all",
-        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENGINE_ENV_PREFIXES)},
+        "environment": environment,
         "python": sys.executable,
         "host": socket.gethostname(),
     }
@@ -129,6 +147,19 @@ def engine_identity(kwargs: dict) -> dict:
 
 def engine_key(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def absolute_paths(kwargs: dict) -> dict:
+    """``kwargs`` with the folders it names made absolute: the engine process runs in a folder of its
+    own, and its key must not depend on the job's working directory."""
+    def absolute(path):
+        return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+    out = {**kwargs, **{k: absolute(kwargs[k]) for k in ("model", "tokenizer", "download_dir") if kwargs.get(k)}}
+    speculator = out.get("speculative_config")
+    if isinstance(speculator, dict) and speculator.get("model"):
+        out["speculative_config"] = {**speculator, "model": absolute(speculator["model"])}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,9 +197,7 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
         return _in_process(kwargs, what, set_num_threads)
     from vllm.platforms import current_platform
 
-    # the engine process has a working directory of its own, and its key must not depend on the job's
-    kwargs = {**kwargs, **{k: str(Path(kwargs[k]).resolve()) for k in ("model", "tokenizer")
-                           if kwargs.get(k) and Path(kwargs[k]).exists()}}
+    kwargs = absolute_paths(kwargs)
     if current_platform.is_cuda_alike():
         # Between jobs the engine sleeps: its weights in host memory, the GPU free for training.
         kwargs = {**kwargs, "enable_sleep_mode": True}
@@ -205,24 +234,43 @@ def engine_max_model_len(llm, asked: int | None) -> int:
 def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
     with _held(folder / "start.lock"):
         state = engine_state(folder)
-        if state.get("alive"):
-            if state.get("status") == "loading":  # started by a job that is gone: it loads on
-                log.info("the warm target engine %s (pid %s) is still loading: waiting for it", key, state.get("pid"))
-                state = _wait_ready(folder, key, None)
-            return _attach(folder, key, spec["what"], state)
-        if state.get("status") in ("ready", "loading"):
+        if state["alive"] and state.get("status") == "loading":  # started by a job that is gone: it loads on
+            log.info("the warm target engine %s (pid %s) is still loading: waiting for it", key, state.get("pid"))
+            state = _wait_ready(folder, key, None)
+        if state["alive"] and state.get("status") == "ready":
+            try:
+                return _attach(folder, key, spec["what"])
+            except EngineGone as e:  # it exited as this job came (its idle time up, say)
+                log.warning("%s: loading the target cold", e.what)
+                _wait_stopped(folder, state.get("pid"))
+        elif state["alive"]:  # exited or failed, its process still shutting down
+            _wait_stopped(folder, state.get("pid"))
+        elif state.get("status") in ("ready", "loading"):
             log.warning("the warm target engine %s (pid %s) is gone (%s): loading the target cold; its log: %s",
                         key, state.get("pid"), _exit_reason(state), folder / "engine.log")
-        for other in idle_engines(overlapping=spec["identity"]["gpus"]):
-            if other["key"] != key:
-                log.info("stopping the idle warm engine %s (pid %s) on the same devices before this one starts",
-                         other["key"], other["pid"])
-                stop_engine(Path(other["folder"]))
+        _stop_idle_beside(key, spec)
         with target_load(f"{spec['what']} in a warm engine process") as load:
-            started = _start(folder, key, spec)
-            engine = _attach(folder, key, spec["what"], started, cold=True)
+            _start(folder, key, spec)
+            engine = _attach(folder, key, spec["what"], cold=True)
         engine.load_seconds = load.seconds
         return engine
+
+
+def _stop_idle_beside(key: str, spec: dict) -> None:
+    """Stop the idle engines that would share a GPU with the new one, or hold another copy of the
+    same target's weights in host memory."""
+    gpus, model = spec["identity"]["gpus"], spec["kwargs"].get("model")
+    for other in idle_engines():
+        if other["key"] != key and (_share_a_gpu(gpus, other.get("gpus")) or other.get("model") == model):
+            log.info("stopping the idle warm engine %s (pid %s) before this one starts", other["key"], other["pid"])
+            stop_engine(Path(other["folder"]))
+
+
+def _share_a_gpu(a: str | None, b: str | None) -> bool:
+    """Whether two engines' devices overlap ("all", and an engine on the CPU, overlap everything)."""
+    if "all" in (a, b) or not a or not b:
+        return True
+    return bool(set(a.split(",")) & set(b.split(",")))
 
 
 def _start(folder: Path, key: str, spec: dict) -> dict:
@@ -233,13 +281,22 @@ def _start(folder: Path, key: str, spec: dict) -> dict:
     atomic_write_json(folder / "spec.json", spec)
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-    with open(folder / "engine.log", "ab") as out:
+    log_path = folder / "engine.log"
+    with open(log_path, "ab") as out:
+        offset = out.tell()
         process = subprocess.Popen([sys.executable, "-m", "draftsmith.engines.service", str(folder)],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
                                    env=env, start_new_session=True, close_fds=True)
     log.info("starting the warm target engine %s (pid %d; it stays %.0f s after its last job; its log: %s)",
-             key, process.pid, spec["keep_warm_s"], folder / "engine.log")
-    return _wait_ready(folder, key, process)
+             key, process.pid, spec["keep_warm_s"], log_path)
+    try:
+        return _wait_ready(folder, key, process)
+    except EngineStartError:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            tail = f.read().decode("utf-8", "replace").splitlines()[-LOG_TAIL_LINES:]
+        log.error("the engine's log (%s), its last %d lines:\n%s", log_path, len(tail), "\n".join(tail))
+        raise
 
 
 def _wait_ready(folder: Path, key: str, process: subprocess.Popen | None) -> dict:
@@ -252,28 +309,26 @@ def _wait_ready(folder: Path, key: str, process: subprocess.Popen | None) -> dic
         ended = process.poll() is not None if process is not None else not state["alive"]
         if state.get("status") == "failed" or ended:
             error = state.get("error") or {"type": "exit", "message": "the engine process ended while loading"}
-            raise EngineStartError(f"{error['type']}: {error['message']}", cause=error["type"],
-                                   where=str(folder / "engine.log"),
-                                   fix="the engine's log (above, and in the file) says why it stopped")
+            raise EngineStartError(f"{error['type']}: {error['message']}", where=str(folder / "engine.log"),
+                                   fix="the engine's log (its last lines are above) says why it stopped")
         if time.monotonic() - last_log >= WAIT_LOG_S:
             log.info("the warm target engine %s is loading (%.0f s so far)", key, time.monotonic() - started)
             last_log = time.monotonic()
         time.sleep(POLL_S)
 
 
-def _attach(folder: Path, key: str, what: str, state: dict, *, cold: bool = False) -> Engine:
+def _attach(folder: Path, key: str, what: str, *, cold: bool = False) -> Engine:
     started = time.monotonic()
+    state = engine_state(folder)
     if state.get("attached"):
         log.info("the warm target engine %s serves job pid %s: waiting for it", key, state["attached"])
     remote = RemoteLLM(folder, key)
     info = remote.attach()
-    seconds = time.monotonic() - started
     if not cold:
         log.info("attached to the warm target engine %s in %.1f s: %s (pid %s, loaded in %.1f s, %d job(s) before "
-                 "this one; no load of the target)", key, seconds, what, info["pid"], info["load_seconds"],
-                 info["jobs"])
-    return Engine(remote, 0.0 if not cold else info["load_seconds"], cold, info["max_model_len"], remote.detach,
-                  slot=info.get("slot"))
+                 "this one; no load of the target)", key, time.monotonic() - started, what, info["pid"],
+                 info["load_seconds"], info["jobs"])
+    return Engine(remote, info["load_seconds"], cold, info["max_model_len"], remote.detach, slot=info.get("slot"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,20 +374,23 @@ class RemoteLLM:
         return self._request("call", "get_metrics", (), {})
 
     def _request(self, *message):
+        what = message[1] if message[0] == "call" else message[0]
         if self._conn is None:
             raise EngineGone("not attached to the warm target engine", where=str(self.folder))
         try:
             self._conn.send(message)
             reply = self._conn.recv()
         except (OSError, EOFError) as e:
+            self._conn = None
             state = engine_state(self.folder)
-            raise EngineGone(f"the warm target engine {self.key} stopped during {message[1]!r}: {_exit_reason(state)}",
+            raise EngineGone(f"the warm target engine {self.key} stopped during {what!r}: {_exit_reason(state)}",
                              where=str(self.folder / "engine.log"),
                              fix="rerun the job: it loads the target cold (the engine's log says why it stopped)") from e
         if reply[0] == "ok":
             return reply[1]
-        _, kind, text, trace = reply
-        raise RuntimeError(f"{kind} in the warm target engine: {text}\n{trace}")
+        _, kind, text = reply
+        raise EngineCallError(f"{kind} in the warm target engine, in {what!r}: {text}",
+                              where=f"{self.folder / 'engine.log'} (the traceback)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,8 +403,24 @@ def engine_state(folder: Path) -> dict:
         state = read_json(folder / "state.json")
     except (FileNotFoundError, ValueError):
         state = {}
-    state["alive"] = _locked(folder / "lock")
+    state["alive"] = engine_alive(folder)
     return state
+
+
+def engine_alive(folder: Path) -> bool:
+    """Whether a process holds ``folder``'s engine lock. A POSIX record lock (``lockf``), not
+    ``flock``: the processes vLLM forks inherit an ``flock`` and would keep a dead engine "alive"."""
+    try:
+        f = open(folder / "lock", "a")
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(f, fcntl.LOCK_UN)
+        return False
 
 
 def list_engines() -> list[dict]:
@@ -364,32 +438,41 @@ def list_engines() -> list[dict]:
     return found
 
 
-def idle_engines(*, overlapping: str | None = None) -> list[dict]:
-    """Live engines no job is attached to; with ``overlapping``, those sharing a GPU with it
-    ("all" and a CPU engine overlap everything)."""
-    def shares(gpus: str | None) -> bool:
-        if overlapping is None or "all" in (gpus, overlapping):
-            return True
-        return bool(set(str(gpus).split(",")) & set(overlapping.split(",")))
-
-    return [e for e in list_engines() if e["alive"] and not e.get("attached") and shares(e.get("gpus"))]
+def idle_engines() -> list[dict]:
+    """Live, ready engines no job is attached to nor starting (its start lock free)."""
+    return [e for e in list_engines() if e["alive"] and e.get("status") == "ready" and not e.get("attached")
+            and not _held_elsewhere(Path(e["folder"]) / "start.lock")]
 
 
-def stop_engine(folder: Path, *, timeout: float = 120.0) -> bool:
-    """Ask ``folder``'s engine to exit (SIGTERM) and wait until its lock is free; whether it was alive."""
+def stop_engine(folder: Path, *, timeout: float = STOP_WAIT_S) -> bool:
+    """Ask ``folder``'s engine to exit (SIGTERM) and wait until its lock is free, then end its whole
+    process group (vLLM's engine core and workers with it); whether it was alive."""
     state = engine_state(folder)
     if not state["alive"] or not state.get("pid"):
         return False
     with contextlib.suppress(ProcessLookupError):
         os.kill(int(state["pid"]), signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while _locked(folder / "lock"):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(state["pid"]), signal.SIGKILL)
-            deadline = time.monotonic() + timeout
-        time.sleep(POLL_S)
+    _wait_stopped(folder, state["pid"], timeout)
     return True
+
+
+def _wait_stopped(folder: Path, pid: int | None, timeout: float = STOP_WAIT_S) -> None:
+    """Wait for ``folder``'s engine to release its lock; past ``timeout``, kill its process group (it
+    leads a session of its own) and wait as long again."""
+    for kill in (False, True):
+        deadline = time.monotonic() + timeout
+        while engine_alive(folder):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        else:
+            return
+        if kill and pid:
+            raise DraftsmithError(f"the warm target engine in {folder} (pid {pid}) does not exit", where=str(folder),
+                                  fix=f"kill its processes (kill -9 -- -{pid}) and rerun")
+        if pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(pid), signal.SIGKILL)
 
 
 def say_warm_engines() -> None:
@@ -408,7 +491,7 @@ def forget_engine(folder: Path) -> None:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return
-        if not _locked(folder / "lock"):
+        if not engine_alive(folder):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -418,8 +501,8 @@ def _exit_reason(state: dict) -> str:
     return "its process is gone (killed, or it crashed: see its log)"
 
 
-def _locked(path: Path) -> bool:
-    """Whether another process holds an flock on ``path``."""
+def _held_elsewhere(path: Path) -> bool:
+    """Whether another process holds an ``flock`` on ``path`` (a job starting or attaching)."""
     try:
         f = open(path, "a")
     except FileNotFoundError:

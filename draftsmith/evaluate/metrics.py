@@ -36,6 +36,12 @@ MIN_TIMED_PROMPTS = 8
 TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
+def near_tie(best: float, below: float, tolerance: float) -> bool:
+    """Whether a token ``below`` under the best logit ``best`` is within rounding of it: ``tolerance``
+    (TIE_TOLERANCE's, by dtype) times the best logit's size."""
+    return below <= tolerance * max(abs(best), 1.0)
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     """Index of the first token where ``a`` and ``b`` part (the shorter length when one extends the other)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -67,7 +73,7 @@ def check_lossless(reference: Generation, candidate: Generation, *, label: str, 
         below = best = None
         if p < len(got) and p - offset < len(ref):
             best, below = gap(got[:p], got[p])
-            if below <= tolerance * max(abs(best), 1.0):
+            if near_tie(best, below, tolerance):
                 log.warning("prompt %s, %s: speculative and greedy decoding part at generated token %d, whose "
                             "logit is only %.2g below the target's best (%.4g): rounding; compared from there "
                             "against greedy decoding of the speculative prefix",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from draftsmith.engines.shared import SharedEngine
-from draftsmith.errors import EvaluationError
+from draftsmith.errors import DraftsmithError, EvaluationError
 from draftsmith.evaluate.decoding import check_draft_fits
 from draftsmith.evaluate.metrics import (
     ACCEPTANCE_FORMAT,
@@ -32,6 +32,7 @@ from draftsmith.evaluate.metrics import (
     OutsideRun,
     acceptance_stats,
     first_difference,
+    near_tie,
 )
 from draftsmith.evaluate.prompt_lookup import PROMPT_LOOKUP_MIN, replay
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
@@ -131,7 +132,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
             server.generate(ids[:1], **warm)
             found, _, greedy_seconds = server.generate(ids, **decode)
         greedy = generations(found)
-    speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
+    speculative_config = eagle3_config(draft_dir, settings.k)
     with _draft_server(target, draft_dir, settings, shared, common) as server:
         server.generate(ids[:1], **warm)
         served, counters, draft_seconds = server.generate(ids, **decode)
@@ -190,16 +191,24 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
             server = VllmServer(model_path, slot_engine=(kwargs, speculator_slot(shared)))
             reason = draft_misfit(server.engine.slot, draft_dir)
             if reason is None:
-                server.load_draft(draft_dir)
-                log.info("the draft in %s is loaded into the speculator slot of the engine shared with capture",
-                         draft_dir)
-                return server
+                try:
+                    server.load_draft(draft_dir)
+                    log.info("the draft in %s is loaded into the speculator slot of the engine shared with capture",
+                             draft_dir)
+                    return server
+                except DraftsmithError as e:
+                    reason = f"loading it into the slot failed: {e.what}"
             server.close()
         log.warning("the draft is not served in the engine shared with capture (%s): an engine of its own loads "
                     "the target", reason)
-    speculative_config = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": settings.k}
     scoring = {} if settings.separate_engines else {"logprobs_mode": "raw_logits"}
-    return VllmServer(model_path, speculative_config=speculative_config, **scoring, **common)
+    return VllmServer(model_path, speculative_config=eagle3_config(draft_dir, settings.k), **scoring, **common)
+
+
+def eagle3_config(draft_dir: str | Path, k: int) -> dict:
+    """vLLM's speculative_config for the draft in ``draft_dir`` at ``k`` (the folder made absolute: a
+    warm engine runs in a folder of its own)."""
+    return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
 
 
 def draft_misfit(slot_dir: str | Path | None, draft_dir: str | Path) -> str | None:
@@ -240,7 +249,7 @@ def check_served_tokens(prompts: Sequence[Prompt], draft: Sequence[Generation], 
             if token == best:
                 continue
             below = best_logit - logit
-            if below > tolerance * max(abs(best_logit), 1.0):
+            if not near_tie(best_logit, below, tolerance):
                 raise EvaluationError(
                     f"vLLM with the draft as its EAGLE-3 speculator is not lossless: at generated token {position} "
                     f"it served {token}, whose logit is {below:.3g} below the target's best ({best}, {best_logit:.4g})",
