@@ -36,7 +36,7 @@ class FitSettings(Protocol):
     regenerate_max_new_tokens: int
 
 def train_step_bytes(batch_tokens: int, ttt_steps: int, heads: int, num_layers: int, draft_vocab: int,
-                     attention: str, dtype_bytes: int) -> int:
+                     attention: str, dtype_bytes: int, span: int | None = None) -> int:
     """Peak bytes of one training micro-batch (forward and backward) of ``batch_tokens`` positions.
 
     ``sdpa`` (the CPU's path, draftsmith.train.attention) computes dense scores: TTT step j
@@ -45,7 +45,9 @@ def train_step_bytes(batch_tokens: int, ttt_steps: int, heads: int, num_layers: 
     computes (the scores, the masked scores; in the backward, their gradients), beside the
     boolean masks of every step and the two built once ((K+2) T^2 bytes). ``flex`` never
     materialises them. Both keep each step's draft logits and the teacher's, [T, draft_vocab],
-    and one gradient of them (K+2 of those).
+    and one gradient of them (K+2 of those). On the CPU the dense scores are computed block by block
+    of whole samples (``draftsmith.train.attention.document_blocks``): with ``span`` the longest
+    block, T^2 becomes at most T x span.
 
     Measured peak RSS of real CPU steps (1-layer draft, 2 heads, float32) is 0.97x to 1.10x this
     at batch_tokens 2048-8192, ttt_steps 1-5 (docs/errors.md); the flex estimate is its dominant
@@ -55,8 +57,19 @@ def train_step_bytes(batch_tokens: int, ttt_steps: int, heads: int, num_layers: 
     logits = (k + 2) * t * draft_vocab * dtype_bytes
     if attention != "sdpa":
         return logits
-    scores = 4 * heads * t * t * (num_layers * k * (k + 1) // 2 + 2 * k)
-    return logits + scores + (k + 2) * t * t
+    width = t if span is None else min(t, span)
+    scores = 4 * heads * t * width * (num_layers * k * (k + 1) // 2 + 2 * k)
+    return logits + scores + (k + 2) * t * width
+
+
+def attention_span(attention: str, longest_sample: int) -> int | None:
+    """``StepShape.span`` where the dense scores are computed per block of whole samples (sdpa on
+    the CPU): a block holds samples of up to BLOCK_ROWS rows together, or one longer sample."""
+    if attention != "sdpa":
+        return None
+    from draftsmith.train.attention import BLOCK_ROWS
+
+    return max(BLOCK_ROWS, longest_sample)
 
 
 def _draft_heads(text: dict, settings: FitSettings) -> int:
@@ -116,11 +129,12 @@ class StepShape:
     num_layers: int
     draft_vocab: int
     attention: str  # "sdpa" (the CPU's dense path) or "flex"
+    span: int | None = None  # sdpa on the CPU: the longest block of whole samples (None: the whole batch)
 
     def bytes(self, positions: int) -> int:
-        dtype_bytes = 4 if self.attention == "sdpa" else 2  # float32 on the CPU, bfloat16 autocast on a GPU
+        dtype_bytes = 4 if self.attention == "sdpa" else 2  # float32 on the CPU (an upper bound), bfloat16 on a GPU
         return train_step_bytes(positions, self.ttt_steps, self.heads, self.num_layers, self.draft_vocab,
-                                self.attention, dtype_bytes)
+                                self.attention, dtype_bytes, self.span)
 
     def most_positions(self, have: int) -> int:
         """The most positions whose step fits in ``have`` bytes (0 if none)."""
@@ -171,7 +185,7 @@ def check_train_fits(text: dict, settings: FitSettings, memory: tuple[str, int] 
         return None
     attention, have = memory
     shape = StepShape(settings.ttt_steps, _draft_heads(text, settings), settings.num_layers,
-                      settings.draft_vocab_size, attention)
+                      settings.draft_vocab_size, attention, attention_span(attention, settings.max_seq_len))
     basis = (f"train.batch_tokens={settings.batch_tokens}, an upper bound: it assumes full batches, and the store, "
              "not extracted yet, may hold fewer tokens")
     return check_step_fits(settings.batch_tokens, basis, shape, (have, _MEMORY[attention]),

@@ -10,6 +10,7 @@ import torch
 from draftsmith.draft import VARIANTS, DraftKVCache, Eagle3Draft, Eagle3DraftConfig, load_speculators, save_speculators
 from draftsmith.errors import TrainingError
 from draftsmith.train import TTTObjective, scored_positions
+from draftsmith.train.attention import document_blocks
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 384, 100
 
@@ -192,6 +193,40 @@ def test_rows_nothing_uses_are_skipped_without_changing_the_rest(num_layers):
     assert kept_grads.keys() == full_grads.keys()
     for name, g in full_grads.items():
         torch.testing.assert_close(kept_grads[name], g, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_document_blocks_group_whole_samples():
+    """The CPU's attention blocks: consecutive, covering every row, never splitting a sample,
+    within the row budget unless one sample is longer."""
+    lengths = [60, 90, 20, 150, 3, 40, 1, 1]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    blocks = document_blocks(doc, rows=128)
+    assert blocks == [(0, 60), (60, 170), (170, 320), (320, 365)]
+    assert document_blocks(doc[:60], rows=128) == [(0, 60)]
+
+
+def test_sdpa_block_by_block_equals_the_whole_batch(monkeypatch):
+    """Attention computed per block of whole samples (the CPU's path) gives the dense whole-batch
+    attention's outputs and gradients: no row ever attended outside its sample."""
+    import draftsmith.train.attention as attention
+
+    lengths = [60, 90, 20, 150, 3, 40]  # blocks (0, 60), (60, 170), (170, 320), (320, 363)
+    aux, ids, pos, doc, _ = packed_batch(lengths)
+    assert len(attention.document_blocks(doc)) == 4
+    results = {}
+    for blocked in (True, False):
+        if not blocked:
+            monkeypatch.setattr(attention, "document_blocks", lambda d: [(0, d.shape[0])])
+        draft = make_draft(2)
+        logits = unroll(draft, aux, ids, pos, doc)
+        sum((lg * torch.linspace(-1, 1, lg.shape[-1])).sum() * (j + 1) for j, lg in enumerate(logits)).backward()
+        results[blocked] = ([lg.detach() for lg in logits],
+                            {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    for a, b in zip(results[True][0], results[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert len(results[True][1]) == len(results[False][1]) > 10
+    for name, g in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], g, rtol=1e-9, atol=1e-9, msg=name)
 
 
 def dense_flex(q, k, v, block_mask, scale, enable_gqa, return_aux):

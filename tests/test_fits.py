@@ -10,7 +10,7 @@ import torch
 from draftsmith.draft import Eagle3DraftConfig
 from draftsmith.errors import ConfigError
 from draftsmith.extract.hidden_states import HiddenStateIndex
-from draftsmith.fits import StepShape, check_train_fits, process_memory
+from draftsmith.fits import StepShape, attention_span, check_train_fits, process_memory
 from draftsmith.io import read_json
 from draftsmith.preflight import PreflightSettings
 from draftsmith.train import TrainSettings, plan_run, train_draft
@@ -70,16 +70,19 @@ def test_a_warmup_as_long_as_the_run_trains_and_one_step_longer_is_refused(input
 
 def test_train_draft_estimates_the_step_from_the_largest_batch_of_the_store(inputs, tmp_path, monkeypatch):
     """train.batch_tokens a million on a 649-token store: the batch the store makes is what must fit
-    (the million would need about 100 TB), and what the fix offers fits."""
+    (the million would need about 17 GB, that batch about 11 MB), and what the fix offers fits."""
     import draftsmith.targets.inspect
 
     s = settings(batch_tokens=1_000_000, warmup_steps=0, max_steps=1)
-    largest = batch_positions(planned_steps(inputs, s), torch.device("cpu"))
+    metas, steps = plan_run(HiddenStateIndex.load(inputs["index"]), s, 1, inputs["index"])
+    largest = batch_positions(steps, torch.device("cpu"))
     assert largest < 649
+    longest = max(int(meta.lengths.max()) for meta in metas)
     config = Eagle3DraftConfig.from_target(read_json(inputs["target"]), draft_vocab_size=200)
-    shape = StepShape(s.ttt_steps, config.num_attention_heads, 1, 200, "sdpa")
+    # the CPU computes the dense scores per block of whole samples
+    shape = StepShape(s.ttt_steps, config.num_attention_heads, 1, 200, "sdpa", attention_span("sdpa", longest))
     need = shape.bytes(largest)
-    assert shape.bytes(s.batch_tokens) > 10**5 * need
+    assert shape.bytes(s.batch_tokens) > 1000 * need
 
     monkeypatch.setattr(draftsmith.targets.inspect, "host_memory_bytes", lambda: need - 1)
     with pytest.raises(ConfigError) as info:
@@ -107,7 +110,7 @@ def test_preflight_estimate_is_an_upper_bound_that_says_what_it_assumed():
     e = info.value
     assert "one training step of 1,000,000 positions (train.batch_tokens=1000000, an upper bound: it assumes " \
            "full batches, and the store, not extracted yet, may hold fewer tokens" in e.what
-    shape = StepShape(3, 2, 1, 100, "sdpa")
+    shape = StepShape(3, 2, 1, 100, "sdpa", attention_span("sdpa", 1024))  # blocks of up to data.max_seq_len
     fits = shape.most_positions(have)
     assert f"lower train.batch_tokens to {fits} or less" in e.fix
     assert shape.bytes(fits) <= have < shape.bytes(fits + 1)

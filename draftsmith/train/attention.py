@@ -11,6 +11,24 @@ try:
 except ImportError:  # torch < 2.9
     AuxRequest = None
 
+BLOCK_ROWS = 128  # sdpa on the CPU: whole samples grouped into blocks of about this many rows
+
+
+def document_blocks(doc: torch.Tensor, rows: int = BLOCK_ROWS) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of ``doc`` [T] (a packed batch's sample ids, each sample's rows
+    contiguous) that never split a sample: consecutive samples grouped while the group stays within
+    ``rows`` rows; a longer sample is a block of its own. No row attends outside its sample, so
+    attention computed block by block is the whole batch's."""
+    counts = torch.unique_consecutive(doc.cpu(), return_counts=True)[1].tolist()
+    blocks, start, end = [], 0, 0
+    for n in counts:
+        if end > start and end - start + n > rows:
+            blocks.append((start, end))
+            start = end
+        end += n
+    blocks.append((start, end))
+    return blocks
+
 
 def _flex_with_lse(fn, q, k, v, block_mask, scale):
     """flex_attention returning (out, lse), on both the new and the old return convention."""
@@ -25,7 +43,10 @@ class TTTAttention:
 
     Step 0 stores each layer's keys/values; step j attends to them causally within the sample
     and to the keys/values of steps 1..j at the same position. ``sdpa`` concatenates those keys
-    and uses an explicit boolean mask (speculators' dense path); ``flex`` runs the causal part
+    and uses an explicit boolean mask (speculators' dense path); on the CPU it does so block by
+    block of whole samples (``document_blocks``): a packed batch of short samples then computes a
+    fraction of the T x (j+1)T scores, all of them masked out beyond the samples (on a GPU, where
+    the step is one compiled graph, one block: the whole batch). ``flex`` runs the causal part
     with flex attention over block-diagonal document masks and merges the few same-position keys
     through the log-sum-exp, so it never materialises the (j+1)*T-wide mask.
     """
@@ -36,9 +57,12 @@ class TTTAttention:
         self.extra: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         t = doc.shape[0]
         if impl == "sdpa":
-            same = doc[:, None] == doc[None, :]
-            self.mask = same & torch.ones(t, t, dtype=torch.bool, device=doc.device).tril()
-            self.eye = torch.eye(t, dtype=torch.bool, device=doc.device)
+            self.blocks = [(0, t)] if doc.is_cuda else document_blocks(doc)
+            self.masks = []  # per block: (causal within samples, same position)
+            for start, end in self.blocks:
+                d, n = doc[start:end], end - start
+                causal = (d[:, None] == d[None, :]) & torch.ones(n, n, dtype=torch.bool, device=doc.device).tril()
+                self.masks.append((causal, torch.eye(n, dtype=torch.bool, device=doc.device)))
         else:
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -65,12 +89,16 @@ class TTTAttention:
         k0, v0 = self.k0[layer]
         extra = self.extra[layer]
         if self.impl == "sdpa":
-            keys = torch.cat([k0] + [e[0] for e in extra])
-            values = torch.cat([v0] + [e[1] for e in extra])
-            mask = torch.cat([self.mask] + [self.eye] * len(extra), dim=1)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                                 attn_mask=mask, scale=scale, enable_gqa=gqa)
-            return out.transpose(0, 1)
+            outs = []
+            for (start, end), (causal, eye) in zip(self.blocks, self.masks):
+                rows = slice(start, end)
+                keys = torch.cat([k0[rows]] + [e[0][rows] for e in extra])
+                values = torch.cat([v0[rows]] + [e[1][rows] for e in extra])
+                mask = torch.cat([causal] + [eye] * len(extra), dim=1)
+                outs.append(F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys.transpose(0, 1),
+                                                           values.transpose(0, 1), attn_mask=mask, scale=scale,
+                                                           enable_gqa=gqa))
+            return torch.cat(outs, dim=1).transpose(0, 1)
         out, lse = _flex_with_lse(self.flex, q.transpose(0, 1)[None].contiguous(),
                                   k0.transpose(0, 1)[None].contiguous(), v0.transpose(0, 1)[None].contiguous(),
                                   self.block_mask, scale)

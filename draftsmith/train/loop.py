@@ -25,7 +25,7 @@ from torch import nn
 from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
 from draftsmith.errors import TrainingError, out_of_memory_as
 from draftsmith.extract.hidden_states import HiddenStateIndex
-from draftsmith.fits import StepShape, check_step_fits, check_warmup, process_memory
+from draftsmith.fits import StepShape, attention_span, check_step_fits, check_warmup, process_memory
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.train.batches import (
     BatchFeed,
@@ -306,7 +306,7 @@ def _prepare(index_path: Path | None, mapping_path: Path, target_json: Path, wor
     config, d2t, t2d = _draft_config(index, target, where, mapping_path, target_json, settings)
     metas = None if source is None else source.metas(settings)
     metas, steps = plan_run(index, settings, ddp.world, where, metas)
-    _check_plan(steps, settings, index, config, device, attention, where)
+    _check_plan(steps, metas, settings, index, config, device, attention, where)
     draft, objective = _build(config, d2t, t2d, target_json, settings, device, dtype, attention, compile_)
 
     states = None if source is None else source.fingerprint
@@ -357,16 +357,18 @@ def _draft_config(index: HiddenStateIndex, target: dict, index_path: Path, mappi
     return config, d2t, t2d
 
 
-def _check_plan(steps: list[Step], settings: TrainSettings, index: HiddenStateIndex, config: Eagle3DraftConfig,
-                device: torch.device, attention: str, index_path: Path) -> None:
+def _check_plan(steps: list[Step], metas: list[ShardMeta], settings: TrainSettings, index: HiddenStateIndex,
+                config: Eagle3DraftConfig, device: torch.device, attention: str, index_path: Path) -> None:
     """Refuse a run whose plan cannot train, before any weight is read: the step count and the batches
     depend on the store, so this is the first place they are known (check_setup, before the store
     exists, checks full batches of train.batch_tokens against memory, an upper bound)."""
     if settings.warmup_steps is not None:  # the automatic one fits any run
         check_warmup(settings.warmup_steps, len(steps), plan_summary(steps, settings, index.num_tokens))
     positions = batch_positions(steps, device)
+    longest = max((int(meta.lengths.max()) for meta in metas if len(meta.lengths)), default=positions)
+    span = attention_span(attention, longest) if device.type == "cpu" else None
     shape = StepShape(settings.ttt_steps, config.num_attention_heads, config.num_layers,
-                      config.draft_vocab_size, attention)
+                      config.draft_vocab_size, attention, span)
     basis = (f"the largest micro-batch this run packs from the {index.num_tokens:,}-token store with "
              f"train.batch_tokens={settings.batch_tokens}" + (", padded for the GPU" if device.type == "cuda" else ""))
     check_step_fits(positions, basis, shape, process_memory(device),
