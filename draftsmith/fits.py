@@ -18,6 +18,10 @@ from typing import Protocol
 
 from draftsmith.errors import ConfigError
 
+# The rows of the CPU's attention blocks (draftsmith.train.attention.document_blocks); here, so that
+# the preflight's memory check reads it without importing the trainer (whose patches it need not rerun)
+BLOCK_ROWS = 128
+
 log = logging.getLogger(__name__)
 
 
@@ -67,8 +71,6 @@ def attention_span(attention: str, longest_sample: int) -> int | None:
     the CPU): a block holds samples of up to BLOCK_ROWS rows together, or one longer sample."""
     if attention != "sdpa":
         return None
-    from draftsmith.train.attention import BLOCK_ROWS
-
     return max(BLOCK_ROWS, longest_sample)
 
 

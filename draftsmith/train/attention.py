@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.fits import BLOCK_ROWS
+
 try:
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:  # torch < 2.9
     AuxRequest = None
-
-BLOCK_ROWS = 128  # sdpa on the CPU: whole samples grouped into blocks of about this many rows
 
 
 def document_blocks(doc: torch.Tensor, rows: int = BLOCK_ROWS) -> list[tuple[int, int]]:
