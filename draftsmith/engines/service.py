@@ -106,11 +106,12 @@ def _load(folder: Path, spec: dict, state: dict):
     """``vllm.LLM`` of the spec's arguments (and its speculator slot); the load's seconds."""
     from vllm import LLM
 
+    from draftsmith.engines.vllm_serving import eagle3_config
+
     kwargs = dict(spec["kwargs"])
     if spec.get("speculator_slot"):
         state["slot"] = str(_slot_draft(folder, spec["speculator_slot"]))
-        kwargs["speculative_config"] = {"method": "eagle3", "model": state["slot"],
-                                        "num_speculative_tokens": spec["speculator_slot"]["num_speculative_tokens"]}
+        kwargs["speculative_config"] = eagle3_config(state["slot"], spec["speculator_slot"]["num_speculative_tokens"])
     with target_load(spec["what"]) as load:
         llm = LLM(**kwargs)
     return llm, load.seconds

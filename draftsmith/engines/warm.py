@@ -410,16 +410,22 @@ def engine_state(folder: Path) -> dict:
 def engine_alive(folder: Path) -> bool:
     """Whether a process holds ``folder``'s engine lock. A POSIX record lock (``lockf``), not
     ``flock``: the processes vLLM forks inherit an ``flock`` and would keep a dead engine "alive"."""
+    return _locked_elsewhere(folder / "lock", fcntl.lockf)
+
+
+def _locked_elsewhere(path: Path, lock) -> bool:
+    """Whether another process holds ``lock`` (``fcntl.lockf`` or ``fcntl.flock``) on ``path``:
+    tried without waiting, and let go at once."""
     try:
-        f = open(folder / "lock", "a")
+        f = open(path, "a")
     except FileNotFoundError:
         return False
     with f:
         try:
-            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            lock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # lockf: EAGAIN or EACCES; flock: BlockingIOError
             return True
-        fcntl.lockf(f, fcntl.LOCK_UN)
+        lock(f, fcntl.LOCK_UN)
         return False
 
 
@@ -503,17 +509,7 @@ def _exit_reason(state: dict) -> str:
 
 def _held_elsewhere(path: Path) -> bool:
     """Whether another process holds an ``flock`` on ``path`` (a job starting or attaching)."""
-    try:
-        f = open(path, "a")
-    except FileNotFoundError:
-        return False
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
+    return _locked_elsewhere(path, fcntl.flock)
 
 
 @contextlib.contextmanager

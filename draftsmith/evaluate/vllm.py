@@ -105,7 +105,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     into the speculator slot of the engine capture ran in (draftsmith.engines.shared). With
     ``settings.separate_engines`` the target alone and (with ``baseline``) vLLM's n-gram speculator
     run in engines of their own instead, one at a time. Each timed call follows a short warm-up request."""
-    from draftsmith.engines.vllm_serving import VllmServer, counters_from_records
+    from draftsmith.engines.vllm_serving import VllmServer, counters_from_records, eagle3_config
 
     check_servable(target, draft_dir)
     longest = max(len(p.ids) for p in prompts)
@@ -172,7 +172,7 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
     """vLLM serving the draft: the engine shared with capture, the draft loaded into its slot; or,
     where there is none or the draft does not fit it, an engine of its own (scoring the served
     tokens' logits unless vLLM's greedy decoding is the reference)."""
-    from draftsmith.engines.vllm_serving import VllmServer
+    from draftsmith.engines.vllm_serving import VllmServer, eagle3_config
 
     model_path = target["model_path"]
     if shared is not None:
@@ -203,12 +203,6 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
                     "the target", reason)
     scoring = {} if settings.separate_engines else {"logprobs_mode": "raw_logits"}
     return VllmServer(model_path, speculative_config=eagle3_config(draft_dir, settings.k), **scoring, **common)
-
-
-def eagle3_config(draft_dir: str | Path, k: int) -> dict:
-    """vLLM's speculative_config for the draft in ``draft_dir`` at ``k`` (the folder made absolute: a
-    warm engine runs in a folder of its own)."""
-    return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
 
 
 def draft_misfit(slot_dir: str | Path | None, draft_dir: str | Path) -> str | None:
