@@ -9,7 +9,9 @@ batch and closes it:
 - ``attach`` (``--attaches`` times): a later job attaches to it; the engine wakes;
 - ``cold-cached``: the engine in the job's own process, as every job loaded it before the warm
   target, with vLLM's and Inductor's compile caches already filled by the phases before;
-- ``cold``: the same with empty compile caches (a machine's first load of this shape).
+- ``cold``: the same with empty compile caches (a machine's first load of this shape);
+- ``cold-eager``: the same with ``enforce_eager`` (no ``torch.compile``, no CUDA graphs), what the
+  load saves and what decoding then costs.
 
 Before each cold phase the page cache is dropped where the bench may (root), so the weights come
 from the disk. The figures of each phase: the interpreter's and vLLM's import, opening the engine
@@ -51,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32, help="per prompt of the generate batch")
     p.add_argument("--enforce-eager", action="store_true", help="engines without torch.compile and CUDA graphs")
     p.add_argument("--phases", nargs="+", default=["warm-start", "attach", "cold-cached", "cold"],
-                   choices=["warm-start", "attach", "cold-cached", "cold"])
+                   choices=["warm-start", "attach", "cold-cached", "cold", "cold-eager"])
     p.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process
     args = p.parse_args(argv)
     args.shape, args.device, args.dtype = ("tiny", "cpu", "float32") if args.tiny else ("8b", "cuda", "bfloat16")
@@ -67,7 +69,7 @@ def run_phase(args: argparse.Namespace) -> dict:
     from draftsmith.engines.vllm_generation import VllmGenerator
 
     generator = VllmGenerator(str(args.work / "model"), dtype=args.dtype, max_model_len=1024,
-                              enforce_eager=args.enforce_eager)
+                              enforce_eager=args.enforce_eager or args.phase == "cold-eager")
     opened = time.perf_counter()
     prompts = [[(7 * n + i) % 200 + 10 for i in range(PROMPT_TOKENS)] for n in range(PROMPTS)]
     tokens = generator.generate(prompts, max_new_tokens=args.max_new_tokens, stop_ids=[])
@@ -123,7 +125,7 @@ def summarize(phases: dict, engines: Path) -> dict:
     attaches = [p["open_seconds"] for p in phases.get("attach", [])]
     if attaches:
         summary["attach_open_seconds_median"] = sorted(attaches)[len(attaches) // 2]
-        for cold in ("cold", "cold-cached", "warm-start"):
+        for cold in ("cold", "cold-cached", "cold-eager", "warm-start"):
             if cold in phases:
                 summary[f"attach_over_{cold.replace('-', '_')}"] = round(
                     summary["attach_open_seconds_median"] / phases[cold][0]["open_seconds"], 4)
