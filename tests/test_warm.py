@@ -31,7 +31,10 @@ JOB = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from draftsmith.logs import setup_logging
     from draftsmith.engines.vllm_serving import VllmServer
+    import draftsmith.targets.inspect
     if __name__ == "__main__":
+        if os.environ.get("MACHINE_MEMORY"):  # a machine of this much memory
+            draftsmith.targets.inspect.host_memory_bytes = lambda: int(os.environ["MACHINE_MEMORY"])
         setup_logging({log!r})
         with VllmServer({model!r}, dtype="float32", max_model_len=64, **{engine_args!r}) as server:
             if os.environ.get("CRASH_AFTER_ATTACH"):
@@ -51,11 +54,13 @@ def registry(tmp_path, monkeypatch):
         warm.stop_engine(Path(engine["folder"]))
 
 
-def run_job(model: Path, log: Path, *, keep_warm: float = 120, crash: bool = False) -> dict | None:
+def run_job(model: Path, log: Path, *, keep_warm: float = 120, crash: bool = False,
+            machine_memory: int | None = None) -> dict | None:
     """One job's process: its result, or None when it was made to crash."""
     script = JOB.format(tests=str(Path(__file__).parent), log=str(log), model=str(model), engine_args=ENGINE_ARGS)
     env = {**os.environ, "DRAFTSMITH_KEEP_WARM_S": str(keep_warm), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1", **({"CRASH_AFTER_ATTACH": "1"} if crash else {})}
+           "VLLM_CPU_KVCACHE_SPACE": "1", **({"CRASH_AFTER_ATTACH": "1"} if crash else {}),
+           **({"MACHINE_MEMORY": str(machine_memory)} if machine_memory else {})}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     if crash:
         assert out.returncode == 3, out.stderr[-3000:]
@@ -132,6 +137,48 @@ def test_an_idle_engine_exits(tmp_path, registry):
         time.sleep(0.2)
     state = warm.engine_state(Path(engine["folder"]))
     assert not state["alive"] and state["status"] == "exited" and state["reason"] == "idle for 2 s"
+
+
+@vllm_test
+def test_a_target_too_large_for_the_machines_memory_asleep_is_not_kept_warm(tmp_path, registry):
+    """Asleep, an engine's weights sit in host memory: where they would take more than 80% of it, the
+    job's engine is its own (a load each job, said in its log) and no engine process stays behind."""
+    model = tiny.build_llama(tmp_path / "target", num_layers=2)
+    weights = (model / "model.safetensors").stat().st_size
+    first = run_job(model, tmp_path / "first.log", machine_memory=weights)
+    again = run_job(model, tmp_path / "again.log", machine_memory=weights)
+    assert first["loaded"] and again["loaded"] and again["tokens"] == first["tokens"]
+    assert warm.list_engines() == []
+    text = (tmp_path / "again.log").read_text()
+    assert len(loads_in(tmp_path / "again.log")) == 1
+    assert f"would take more than 80% of this machine's {weights / 1e9:.1f} GB" in text
+    assert "the engine is this job's own and ends with it" in text
+    kept = run_job(model, tmp_path / "kept.log", machine_memory=2 * weights)  # 50%: kept warm
+    assert kept["loaded"] and [e["alive"] for e in warm.list_engines()] == [True]
+
+
+def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeypatch, caplog):
+    """Capture and evaluation share an engine only where it can stay warm: the same measure of the
+    weights against the machine's memory as each job's engine."""
+    from draftsmith.engines import shared
+    from draftsmith.targets import inspect
+
+    model = tiny.build_llama(tmp_path / "target", num_layers=1)
+    weights = (model / "model.safetensors").stat().st_size
+    target = {"model_path": str(model), "architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 384,
+              "aux_layer_ids": [0], "text_config": {"max_position_embeddings": 512},
+              "backends": {"vllm": {"supported": True, "supports_eagle3": True}}}
+    (tmp_path / "target.json").write_text(json.dumps(target))
+    config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
+              "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 16},
+              "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
+              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64}}
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: 10 * weights)
+    assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is not None
+    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: weights)
+    assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is None
+    assert "capture and evaluation load the target each in their own engine" in caplog.text
 
 
 def test_an_engines_key_follows_what_it_computes(tmp_path, monkeypatch):

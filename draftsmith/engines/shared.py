@@ -43,9 +43,11 @@ class SharedEngine:
     def from_config(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:
         """The shared engine of this run, or None where capture and evaluation do not share one:
         either stage outside vLLM, evaluation's three-engine cross-check, engines that die with
-        their job (``warm_target.minutes: 0``, SLURM), or a target vLLM cannot draft for."""
+        their job (``warm_target.minutes: 0``, SLURM, a target too large for the machine's memory
+        asleep), or a target vLLM cannot draft for."""
         import os
 
+        from draftsmith.engines.warm import too_large_to_keep
         from draftsmith.io import read_json
 
         evaluation, extraction = config["eval"], config["extraction"]
@@ -56,6 +58,10 @@ class SharedEngine:
         target = read_json(target_json)
         support = (target.get("backends") or {}).get("vllm") or {}
         if not support.get("supported") or support.get("supports_eagle3") is False:
+            return None
+        too_large = too_large_to_keep(target["model_path"])
+        if too_large:
+            log.warning("%s: capture and evaluation load the target each in their own engine", too_large)
             return None
         env = config.get("engine_env") or {}
         if (env.get("extract_hidden_states") or {}) != (env.get("evaluate_draft") or {}):

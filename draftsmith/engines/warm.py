@@ -68,6 +68,8 @@ ENGINE_ENV_PREFIXES = ("VLLM_", "NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVSHMEM
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 # The draftsmith code that runs inside the engine process: the service, and the worker extension.
 ENGINE_CODE = ("draftsmith.engines.service", "draftsmith.extract.vllm_worker")
+# The most of the machine's memory a warm engine's weights may take asleep (too_large_to_keep).
+HOST_SHARE_FOR_WEIGHTS = 0.8
 WAIT_LOG_S = 60.0
 POLL_S = 0.25
 STOP_WAIT_S = 120.0
@@ -95,6 +97,27 @@ def keep_warm_seconds() -> float:
         return max(float(os.environ.get(KEEP_WARM_ENV) or 0), 0.0)
     except ValueError:
         return 0.0
+
+
+def too_large_to_keep(model_path: str | Path) -> str | None:
+    """Why an engine of this target is not kept warm on this machine, or None. Asleep, a CUDA engine
+    holds its weights in (pinned) host memory, and a CPU engine always does: weights over
+    ``HOST_SHARE_FOR_WEIGHTS`` of the machine's memory would leave too little for the jobs between
+    (training, the data loaders), and pinning more than the machine has can stop it. The figure is
+    the weight files' size against the machine's total (or its cgroup's limit), so every job of a
+    run decides alike."""
+    from draftsmith.targets.identity import WEIGHT_SUFFIXES
+    from draftsmith.targets.inspect import host_memory_bytes
+
+    folder = Path(model_path)
+    weights = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES) \
+        if folder.is_dir() else 0
+    memory = host_memory_bytes()
+    if weights <= HOST_SHARE_FOR_WEIGHTS * memory:
+        return None
+    return (f"the target's weights ({weights / 1e9:.1f} GB in {folder}) would take more than "
+            f"{HOST_SHARE_FOR_WEIGHTS:.0%} of this machine's {memory / 1e9:.1f} GB of memory while its engine "
+            f"sleeps between jobs")
 
 
 def registry() -> Path:
@@ -191,9 +214,13 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
     ``engines.shared``) adds an EAGLE-3 speculator whose draft the engine process builds; it needs a
     warm engine. A load that fails raises; ``EngineStartError`` for one in an engine process."""
     keep_warm = keep_warm_seconds()
-    if not keep_warm:
-        if speculator_slot is not None:
-            raise ValueError("a speculator slot is built by a warm engine's process: set DRAFTSMITH_KEEP_WARM_S")
+    too_large = too_large_to_keep(kwargs["model"]) if keep_warm else None
+    if too_large:
+        log.warning("%s: the engine is this job's own and ends with it (warm_target does not apply)", too_large)
+    if not keep_warm or too_large:
+        if speculator_slot is not None:  # engines.shared asks for one only where an engine stays warm
+            raise ValueError("a speculator slot is built by a warm engine's process: set DRAFTSMITH_KEEP_WARM_S, "
+                             "on a machine whose memory holds the target's weights")
         return _in_process(kwargs, what, set_num_threads)
     from vllm.platforms import current_platform
 
