@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from batch_reads import drop_page_cache  # noqa: E402
+
 PROMPTS, PROMPT_TOKENS = 64, 128
 WARM_S = 300  # how long the warm engine stays after its last job, should the bench be killed
 
@@ -104,24 +106,14 @@ def phase_env(args: argparse.Namespace, phase: str) -> dict:
             KEEP_WARM_ENV: str(WARM_S) if phase in ("warm-start", "attach") else "0", "PYTHONUNBUFFERED": "1"}
 
 
-def drop_page_cache() -> bool:
-    """Whether the kernel's page cache could be dropped (root only), so the weights come from disk."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def wake_seconds(engines: Path) -> list[float]:
     """Each wake-up of the warm engine, as its log records it."""
     return [float(s) for log in sorted(engines.glob("*/engine.log"))
             for s in re.findall(r"woke up in ([\d.]+) s", log.read_text(errors="replace"))]
 
 
-def stop_engines(engines: Path) -> None:
-    os.environ["DRAFTSMITH_ENGINE_DIR"] = str(engines)
+def stop_engines() -> None:
+    """Stop every engine of the bench's registry (``DRAFTSMITH_ENGINE_DIR``, set by ``main``)."""
     from draftsmith.engines import warm
 
     for engine in warm.list_engines():
@@ -158,10 +150,11 @@ def main(argv=None) -> int:
     info = {"shape": args.shape, "dtype": args.dtype, "enforce_eager": args.enforce_eager,
             "build_seconds": round(time.perf_counter() - started, 1)}
     engines, phases = args.work / "engines", {}
+    os.environ["DRAFTSMITH_ENGINE_DIR"] = str(engines)  # stop_engines' registry, the phases' too
     try:
         for phase in args.phases:
             if phase.startswith("cold"):
-                stop_engines(engines)  # its host copy of the weights would not be there in a cold job
+                stop_engines()  # its host copy of the weights would not be there in a cold job
             if phase == "warm-start":  # the first load of this shape: nothing compiled yet
                 shutil.rmtree(args.work / "caches", ignore_errors=True)
             if phase == "cold":
@@ -180,7 +173,7 @@ def main(argv=None) -> int:
                     args.out.parent.mkdir(parents=True, exist_ok=True)
                     args.out.write_text(json.dumps(summary, indent=1))
     finally:
-        stop_engines(engines)
+        stop_engines()
     print(json.dumps({**info, **summarize(phases, engines)}, indent=1))
     return 0
 

@@ -43,11 +43,11 @@ COUNTERS = {
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-
 def eagle3_config(draft_dir: str | Path, k: int) -> dict:
     """vLLM's speculative_config for the draft in ``draft_dir`` at ``k`` (the folder made absolute: a
     warm engine runs in a folder of its own)."""
     return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+
 
 @dataclass
 class SpecCounters:

@@ -106,14 +106,11 @@ def too_large_to_keep(model_path: str | Path) -> str | None:
     (training, the data loaders), and pinning more than the machine has can stop it. The figure is
     the weight files' size against the machine's total (or its cgroup's limit), so every job of a
     run decides alike."""
+    from draftsmith.targets.identity import checkpoint_files
     from draftsmith.targets.inspect import host_memory_bytes
 
-    folder = Path(model_path)
-    files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
-    # what vLLM's loader reads: the folder's safetensors files, else its .bin ones (not a copy in
-    # another format beside them, nor the subfolders, such as Llama's original/)
-    loaded = [p for p in files if p.suffix == ".safetensors"] or [p for p in files if p.suffix in (".bin", ".pt")]
-    weights = sum(p.stat().st_size for p in loaded)
+    folder = Path(model_path)  # safetensors only: the preflight refuses pickled weights
+    weights = sum(p.stat().st_size for p in checkpoint_files(folder)) if folder.is_dir() else 0
     memory = host_memory_bytes()
     if weights <= HOST_SHARE_FOR_WEIGHTS * memory:
         return None

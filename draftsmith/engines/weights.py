@@ -10,16 +10,17 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.errors import TargetError
+from draftsmith.targets.identity import SAFETENSORS_INDEX, checkpoint_files
 from draftsmith.targets.inspect import read_target_json
 
 
 def checkpoint_keys(model_path: Path) -> dict[str, Path]:
     """Every tensor name in the folder's safetensors files, mapped to the file holding it."""
-    index = model_path / "model.safetensors.index.json"
+    index = model_path / SAFETENSORS_INDEX
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: model_path / file for name, file in weight_map.items()}
-    files = sorted(model_path.glob("*.safetensors"))
+    files = checkpoint_files(model_path)
     if not files:
         raise TargetError("the target folder holds no .safetensors weights", where=str(model_path),
                           fix="convert the weights to safetensors (Draftsmith never unpickles .bin files)")

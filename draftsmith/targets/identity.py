@@ -29,6 +29,7 @@ from pathlib import Path
 from draftsmith.io import sha256_file
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 SMALL_FILE_BYTES = 64 << 20  # files up to this size (not weights) are hashed whole
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
@@ -74,6 +75,15 @@ def _stat_identity(stat: os.stat_result) -> dict:
 def _hidden(path: Path, root: Path) -> bool:
     # .cache/ (huggingface_hub's download metadata), .git/: not part of the model
     return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    """The folder's safetensors files that hold the checkpoint, as vLLM's loader reads them: those
+    its index names, else every one (never a copy in another format, nor subfolders)."""
+    index = model_path / SAFETENSORS_INDEX
+    if index.exists():
+        return sorted({model_path / file for file in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(model_path.glob("*.safetensors"))
 
 
 def weights_fingerprint(model_path: str | Path) -> str:
