@@ -482,7 +482,7 @@ def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_di
         assert found["prompts"] == str(path) and found["num_prompts"] == 3
         assert len(found["acceptance_rate_by_position"]) == 2 and found["tau"] >= 1
         assert found["baseline"]["kind"] == "ngram" and found["tau_by_k"]["k"] == [1, 2]
-        assert found["lossless"]["checked_generations"] == 3 * 2 + 1 * 2 * 1  # k=2 on all, k=1 on the first
+        assert found["lossless"]["checked_generations"] == 3 * 2  # at k=2; the sweep's k=1 is replayed
         assert "settings" not in found and "device" not in found
     # a set's figures are those of an evaluation of that set alone
     alone = evaluate_draft(draft_dir, target_json, sources["repeats"], tmp_path / "alone.json", settings)
@@ -705,3 +705,57 @@ def test_replay_walk_stops_like_the_loop():
     assert capped.tokens == [10, 11, 12, 13, 14] and capped.accepted == [2, 0]
     with pytest.raises(EvaluationError, match="greedy text ends"):
         replay(trace, lengths, 2, 20, stop_ids=[])
+
+
+# Repeating prompts, so that the n-gram baseline proposes (and is right) at some steps and not others.
+LOOKUP_PROMPTS = [*PROMPTS, Prompt("r0", [5, 6, 7, 8] * 4 + [5]), Prompt("r1", [20, 21, 22, 20, 21, 22, 20])]
+
+
+def test_ngram_replay_is_the_hf_loops_run(backend):
+    """The HF loop counts a step without a draft (a forward pass of the target all the same); vLLM
+    does not: the replay with the loop's step rule gives the loop's tokens, accepted and proposed."""
+    from draftsmith.evaluate.drafters import NgramDrafter
+    from draftsmith.evaluate.prompt_lookup import replay
+    from draftsmith.evaluate.replay import trace_greedy
+
+    undrafted = 0
+    for trace in trace_greedy(backend, LOOKUP_PROMPTS, backend.max_new_tokens, depth=4):
+        for k in (1, 2, 4):
+            loop = backend.speculate(trace.prompt, NgramDrafter(3), k)
+            replayed = replay(trace.prompt.id, trace.prompt.ids, trace.ids[len(trace.prompt.ids):], k=k, ngram_max=3,
+                              max_new_tokens=backend.max_new_tokens, stop_ids=backend.stop_ids, max_model_len=None,
+                              count_steps_without_draft=True)
+            assert (replayed.tokens, replayed.accepted, replayed.proposed) == (loop.tokens, loop.accepted, loop.proposed)
+            undrafted += loop.proposed.count(0)
+    assert undrafted > 0
+
+
+def test_a_trace_continues_the_greedy_run_it_is_given(backend, references):
+    from draftsmith.evaluate.replay import trace_greedy
+
+    fresh = trace_greedy(backend, PROMPTS, 10, depth=3)
+    continued = trace_greedy(backend, PROMPTS, 10, depth=3, decoded=[references[p.id].tokens[:6] for p in PROMPTS])
+    for a, b in zip(fresh, continued):
+        assert a.ids == b.ids and len(a.ids) == len(a.prompt.ids) + 14
+        torch.testing.assert_close(a.aux, b.aux)
+
+
+def test_the_k_sweep_is_replayed_as_the_loop_decodes_it(backend, draft_dir):
+    """τ at every k of the sweep, replayed on the greedy text of the evaluation's own greedy runs,
+    equals the loop's run at each k; a drafter the replay does not know is decoded and checked."""
+    from draftsmith.evaluate.drafters import NgramDrafter
+
+    draft = backend.drafter(DrafterSpec("eagle3", path=str(draft_dir)))
+    settings = EvalSettings(k=2, k_sweep=(1, 2, 3, 4), max_new_tokens=backend.max_new_tokens, sweep_max_prompts=3)
+    result = run_evaluation(backend, LOOKUP_PROMPTS, draft, NgramDrafter(3), settings)
+    sweep = LOOKUP_PROMPTS[:3]
+    for name, drafter in (("draft", draft), ("baseline", NgramDrafter(3))):
+        decoded = [acceptance_stats([backend.speculate(p, drafter, k) for p in sweep], k)["tau"] for k in (1, 2, 3, 4)]
+        assert result["tau_by_k"][name] == decoded, name
+    assert result["tau_by_k"]["replayed"] == ["baseline", "draft"]
+    assert result["lossless"]["checked_generations"] == 2 * len(LOOKUP_PROMPTS)  # the runs at k alone
+
+    mixed = run_evaluation(backend, LOOKUP_PROMPTS, DrafterSpec("target"), NgramDrafter(3), settings)
+    assert mixed["tau_by_k"]["replayed"] == ["baseline"]
+    assert mixed["tau_by_k"]["draft"] == [2.0, 3.0, 4.0, 5.0]  # the target drafting itself, decoded at each k
+    assert mixed["lossless"]["checked_generations"] == 2 * len(LOOKUP_PROMPTS) + 3 * 3

@@ -7,7 +7,7 @@ The package, in the order an evaluation runs:
 * ``drafters``  the Drafter protocol, the n-gram baseline, the EAGLE-3 draft
 * ``decoding``  the speculative loop in transformers (HFDecoder), the target as a drafter
 * ``metrics``   the lossless check, acceptance figures and speedup; the runs over prompts and drafters
-* ``replay``    the loop's acceptance replayed on the target's greedy text (many drafts, one target run)
+* ``replay``    the loop's acceptance replayed on the target's greedy text (the k sweep; many drafts, one target run)
 * ``vllm``      the draft served by vLLM as its speculator; a target evaluated in vLLM alone
 * ``stage``     ``evaluate_draft``: the rule's entry point, acceptance.json
 

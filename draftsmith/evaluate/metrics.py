@@ -7,7 +7,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -15,8 +15,9 @@ import torch
 from tqdm import tqdm
 
 from draftsmith.errors import EvaluationError
-from draftsmith.evaluate.decoding import DecodingBackend
+from draftsmith.evaluate.decoding import DecodingBackend, HFDecoder
 from draftsmith.evaluate.drafters import Drafter
+from draftsmith.evaluate.replay import can_replay, replay_runs
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
 from draftsmith.settings import PROGRESS_INTERVAL_S
 
@@ -136,9 +137,11 @@ class OutsideRun:
 def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: DrafterSpec | Drafter,
                    baseline: DrafterSpec | Drafter, settings: EvalSettings,
                    outside: Sequence[OutsideRun] = ()) -> dict:
-    """Decode ``prompts`` greedily and speculatively with the draft and the baseline at ``k`` (and
-    at every k of the sweep on the first ``sweep_max_prompts``), check every speculative output
-    (and every ``outside`` run's) against greedy decoding, and return acceptance.json's figures."""
+    """Decode ``prompts`` greedily and speculatively with the draft and the baseline at ``k``, check
+    every speculative output (and every ``outside`` run's) against greedy decoding, and return
+    acceptance.json's figures; τ at every k of the sweep on the first ``sweep_max_prompts``, replayed
+    on the target's greedy text (``replay_runs``) or, for a drafter it cannot replay, decoded and
+    checked like the run at ``k``."""
     return evaluate_runs(backend, prompts, draft, baseline, settings, outside)[0]
 
 
@@ -157,7 +160,11 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
     sweep = sorted(set(settings.k_sweep) | {settings.k})
     n_sweep = min(len(prompts), settings.sweep_max_prompts)
     drafters = {"draft": draft, "baseline": baseline}
-    greedy, runs, ties = _decode(backend, prompts, drafters, settings, sweep, n_sweep, outside)
+    replayed = _replayable(backend, drafters)
+    greedy, runs, ties = _decode(backend, prompts, drafters, settings, sweep, n_sweep, outside, replayed)
+    swept = {(name, k): runs[name, k][:n_sweep] for name in drafters for k in sweep if name not in replayed}
+    if replayed:
+        swept |= replay_runs(backend, prompts[:n_sweep], replayed, sweep, greedy[:n_sweep])
     main = {name: acceptance_stats(runs[name, settings.k], settings.k) for name in drafters}
     result = {
         "format": ACCEPTANCE_FORMAT,
@@ -166,10 +173,11 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
         "baseline": {**_describe(baseline), **main["baseline"]},
         "tau_by_k": {
             "k": sweep,
-            "draft": [acceptance_stats(runs["draft", k][:n_sweep], k)["tau"] for k in sweep],
-            "baseline": [acceptance_stats(runs["baseline", k][:n_sweep], k)["tau"] for k in sweep],
+            "draft": [acceptance_stats(swept["draft", k], k)["tau"] for k in sweep],
+            "baseline": [acceptance_stats(swept["baseline", k], k)["tau"] for k in sweep],
             "num_prompts": n_sweep,
             "prompts": "all" if n_sweep == len(prompts) else f"the first {n_sweep} of {len(prompts)}",
+            "replayed": sorted(replayed),
         },
         "speedup": _speedup(backend, greedy, [runs[name, settings.k] for name in ("draft", "baseline")], main),
         "lossless": {
@@ -194,12 +202,23 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
     return result, runs
 
 
+def _replayable(backend: DecodingBackend, drafters: dict[str, DrafterSpec | Drafter]) -> dict[str, Drafter]:
+    """The drafters whose k sweep is replayed on the target's greedy text (``replay_runs``) instead
+    of decoded again at each k: the HF loop's EAGLE-3 draft and n-gram baseline."""
+    if not isinstance(backend, HFDecoder):
+        return {}
+    loaded = {name: backend.drafter(spec) for name, spec in drafters.items()}
+    return {name: drafter for name, drafter in loaded.items() if can_replay(drafter)}
+
+
 def _decode(backend: DecodingBackend, prompts: Sequence[Prompt], drafters: dict[str, DrafterSpec | Drafter],
-            settings: EvalSettings, sweep: list[int], n_sweep: int, outside: Sequence[OutsideRun]
+            settings: EvalSettings, sweep: list[int], n_sweep: int, outside: Sequence[OutsideRun],
+            replayed: Collection[str] = ()
             ) -> tuple[list[Generation], dict[tuple[str, int], list[Generation]], list[dict]]:
-    """Every prompt decoded greedily and by each drafter at ``k`` (and at each k of the sweep on the
-    first ``n_sweep``), each speculative and ``outside`` output checked against greedy decoding;
-    returns the greedy runs, the speculative runs by (drafter, k), and the near-ties let through."""
+    """Every prompt decoded greedily and by each drafter at ``k`` (and, for the drafters not
+    ``replayed``, at each k of the sweep on the first ``n_sweep``), each speculative and ``outside``
+    output checked against greedy decoding; returns the greedy runs, the speculative runs by
+    (drafter, k), and the near-ties let through."""
     tolerance = TIE_TOLERANCE.get(backend.dtype, 1e-4)
     # One-time costs (allocations, lazy kernels) must not count against whichever runs first.
     warm = min(4, backend.max_new_tokens)
@@ -208,11 +227,12 @@ def _decode(backend: DecodingBackend, prompts: Sequence[Prompt], drafters: dict[
         backend.speculate(prompts[0], spec, settings.k, max_new_tokens=warm)
 
     greedy: list[Generation] = []
-    runs: dict[tuple[str, int], list[Generation]] = {(name, k): [] for name in drafters for k in sweep}
+    decoded = [(name, k) for k in sweep for name in drafters if k == settings.k or name not in replayed]
+    runs: dict[tuple[str, int], list[Generation]] = {job: [] for job in decoded}
     ties: list[dict] = []
     for i, prompt in enumerate(tqdm(prompts, desc="evaluating", unit=" prompts", file=sys.stderr,
                                     mininterval=PROGRESS_INTERVAL_S)):
-        jobs = [(name, k) for k in sweep if k == settings.k or i < n_sweep for name in drafters]
+        jobs = [(name, k) for name, k in decoded if k == settings.k or i < n_sweep]
         # Greedy runs first on even prompts and last on odd ones, so that whatever favours the
         # first or the last run of a prompt (caches, clock boost) cancels out of the speedup.
         if i % 2 == 0:

@@ -51,10 +51,16 @@ def propose(context: Sequence[int], k: int, *, ngram_max: int, ngram_min: int = 
 
 
 def replay(prompt_id: str, prompt: Sequence[int], greedy: Sequence[int], *, k: int, ngram_max: int,
-           max_new_tokens: int, stop_ids: Sequence[int], max_model_len: int) -> Generation:
+           max_new_tokens: int, stop_ids: Sequence[int], max_model_len: int | None,
+           count_steps_without_draft: bool = False) -> Generation:
     """The n-gram baseline's run over ``prompt`` as vLLM would serve it: its output and, per step
     that had a draft, the tokens accepted and proposed. ``greedy`` is the target's greedy
-    continuation of ``prompt``, at least ``k + 1`` tokens past where the output ends."""
+    continuation of ``prompt``, at least ``k + 1`` tokens past where the output ends.
+
+    The HF loop's run instead (``HFDecoder.speculate`` with the ``NgramDrafter``): no
+    ``max_model_len``, and ``count_steps_without_draft``, since each of its steps is a forward pass
+    of the target, drafted or not."""
+    max_model_len = max_model_len or len(prompt) + max_new_tokens + k + 2  # None: never reached
     stops = set(int(t) for t in stop_ids)
     text = [*prompt]
     generated: list[int] = []
@@ -77,7 +83,7 @@ def replay(prompt_id: str, prompt: Sequence[int], greedy: Sequence[int], *, k: i
         at = len(generated)
         truth = _greedy_slice(greedy, at, at + len(drafts) + 1, prompt_id)
         taken = next((j for j, (d, t) in enumerate(zip(drafts, truth)) if d != t), len(drafts))
-        if drafts:
+        if drafts or count_steps_without_draft:
             accepted.append(taken)
             proposed.append(len(drafts))
         done = emit(truth[:taken + 1])

@@ -10,18 +10,21 @@ once per prompt over every position at every depth with the true tokens as input
 where the true tokens are the draft's own), and the loop's walk is replayed for any k
 (``replay``). For greedy decoding this is the loop's τ and acceptance by position, up to the
 rounding of one forward pass over the text against the loop's incremental ones (in float32 the
-same steps; tests/test_evaluate.py).
+same steps; tests/test_evaluate.py). The evaluation replays its τ-against-k sweep this way
+(``replay_runs``, on the greedy runs it decoded), and ``bench/trainer_quality.py`` its drafts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from draftsmith.errors import EvaluationError
+from draftsmith.evaluate import prompt_lookup
 from draftsmith.evaluate.decoding import HFDecoder
+from draftsmith.evaluate.drafters import Drafter, Eagle3Drafter, NgramDrafter
 from draftsmith.evaluate.settings import Generation, Prompt
 
 
@@ -37,17 +40,21 @@ class GreedyTrace:
 
 
 @torch.no_grad()
-def trace_greedy(decoder: HFDecoder, prompts: Sequence[Prompt], max_new_tokens: int, depth: int) -> list[GreedyTrace]:
+def trace_greedy(decoder: HFDecoder, prompts: Sequence[Prompt], max_new_tokens: int, depth: int,
+                 decoded: Sequence[Sequence[int]] | None = None) -> list[GreedyTrace]:
     """The target's greedy continuation of each prompt, ``max_new_tokens + depth + 1`` tokens long
-    (the loop's last step may propose ``depth`` tokens past its limit), and its aux states."""
-    target, traces = decoder.target, []
-    for prompt in prompts:
+    (the loop's last step may propose ``depth`` tokens past its limit), and its aux states.
+    ``decoded``: each prompt's greedy tokens already known (e.g. the evaluation's greedy run),
+    continued from there."""
+    target, traces, length = decoder.target, [], max_new_tokens + depth + 1
+    for i, prompt in enumerate(prompts):
+        tokens = list(decoded[i][:length]) if decoded is not None else []
         cache = target.new_cache()
-        logits, _ = target.forward(prompt.ids, cache, last_only=True)
-        tokens = []
-        for _ in range(max_new_tokens + depth + 1):
+        logits, _ = target.forward([*prompt.ids, *tokens], cache, last_only=True)
+        while len(tokens) < length:
             tokens.append(int(logits[-1].argmax()))
-            logits, _ = target.forward(tokens[-1:], cache, last_only=True)
+            if len(tokens) < length:
+                logits, _ = target.forward(tokens[-1:], cache, last_only=True)
         ids = [*prompt.ids, *tokens]
         _, aux = target.forward(ids, target.new_cache(), last_only=True, capture=True)
         traces.append(GreedyTrace(prompt, ids, aux))
@@ -107,3 +114,35 @@ def replay(trace: GreedyTrace, lengths: Sequence[int], k: int, max_new_tokens: i
                 break
         row += a + 1
     return Generation(trace.prompt.id, tokens, 0.0, accepted, [k] * len(accepted))
+
+
+def can_replay(drafter: object) -> bool:
+    """Whether ``replay_runs`` knows how ``drafter`` (the HF loop's) proposes."""
+    return isinstance(drafter, (Eagle3Drafter, NgramDrafter))
+
+
+def replay_runs(decoder: HFDecoder, prompts: Sequence[Prompt], drafters: Mapping[str, Drafter],
+                ks: Sequence[int], greedy: Sequence[Generation] | None = None
+                ) -> dict[tuple[str, int], list[Generation]]:
+    """The HF loop's run of every prompt by every drafter (``can_replay``) at every k of ``ks``,
+    replayed on one greedy trace per prompt (continuing ``greedy``, the prompts' greedy runs, where
+    given): the EAGLE-3 draft from its match lengths, the n-gram baseline by its proposal rule
+    (``prompt_lookup.replay``, the loop's steps)."""
+    depth = max(ks)
+    decoded = [g.tokens for g in greedy] if greedy is not None else None
+    traces = trace_greedy(decoder, prompts, decoder.max_new_tokens, depth, decoded)
+    runs: dict[tuple[str, int], list[Generation]] = {(name, k): [] for name in drafters for k in ks}
+    for trace in traces:
+        new = trace.ids[len(trace.prompt.ids):]
+        for name, drafter in drafters.items():
+            lengths = match_lengths(drafter.draft, trace, depth) if isinstance(drafter, Eagle3Drafter) else None
+            for k in ks:
+                if lengths is not None:
+                    run = replay(trace, lengths, k, decoder.max_new_tokens, decoder.stop_ids)
+                else:
+                    run = prompt_lookup.replay(trace.prompt.id, trace.prompt.ids, new, k=k,
+                                               ngram_max=drafter.ngram_max, max_new_tokens=decoder.max_new_tokens,
+                                               stop_ids=decoder.stop_ids, max_model_len=None,
+                                               count_steps_without_draft=True)
+                runs[name, k].append(run)
+    return runs

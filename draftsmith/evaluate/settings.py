@@ -23,8 +23,8 @@ class EvalSettings(StageSettings):
     """The eval section of the config, and the target's engine (its dtype, the device, vLLM's tensor
     parallel size); defaults and ranges from the schema.
 
-    ``sweep_max_prompts`` bounds the prompts used for the τ-against-k sweep (each k is a full
-    speculative run); the configured ``k`` always runs on all ``max_prompts`` prompts. acceptance.json
+    ``sweep_max_prompts`` bounds the prompts used for the τ-against-k sweep (replayed on their
+    greedy text: ``evaluate.replay``); the configured ``k`` always runs on all ``max_prompts`` prompts. acceptance.json
     records the eval section's settings; what the engine ran on is its ``device`` entry.
     """
 
