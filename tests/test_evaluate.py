@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -730,9 +731,16 @@ def test_ngram_replay_is_the_hf_loops_run(backend):
     assert undrafted > 0
 
 
-def test_a_trace_continues_the_greedy_run_it_is_given(backend, references):
+def test_a_trace_continues_the_tokens_it_is_given(backend, references):
+    """Given tokens (here not the greedy ones), the trace keeps them and continues greedily after
+    them; without a draft to serve it captures nothing."""
     from draftsmith.evaluate.replay import trace_greedy
 
+    given = [[7, 7, 7] for _ in PROMPTS]
+    traces = trace_greedy(backend, PROMPTS, 10, depth=3, decoded=given, capture=False)
+    for trace, tokens in zip(traces, given):
+        after = backend.greedy(Prompt(trace.prompt.id, [*trace.prompt.ids, *tokens]), max_new_tokens=11).tokens
+        assert trace.ids == [*trace.prompt.ids, *tokens, *after] and trace.aux is None
     fresh = trace_greedy(backend, PROMPTS, 10, depth=3)
     continued = trace_greedy(backend, PROMPTS, 10, depth=3, decoded=[references[p.id].tokens[:6] for p in PROMPTS])
     for a, b in zip(fresh, continued):
@@ -740,22 +748,53 @@ def test_a_trace_continues_the_greedy_run_it_is_given(backend, references):
         torch.testing.assert_close(a.aux, b.aux)
 
 
-def test_the_k_sweep_is_replayed_as_the_loop_decodes_it(backend, draft_dir):
-    """τ at every k of the sweep, replayed on the greedy text of the evaluation's own greedy runs,
-    equals the loop's run at each k; a drafter the replay does not know is decoded and checked."""
+@pytest.mark.parametrize("stops", [False, True])
+def test_the_k_sweep_is_replayed_as_the_loop_decodes_it(model, target, draft_dir, references, stops):
+    """Every replayed run of the sweep (tokens, accepted and proposed per step) is the loop's run at
+    that k, for the draft and the n-gram baseline, with and without a stop token ending runs early;
+    the sweep's τ at k is the decoded runs', and the replay there agrees with them."""
+    from draftsmith.evaluate.drafters import NgramDrafter
+    from draftsmith.evaluate.replay import replay_runs
+
+    stop_ids = [references["p1"].tokens[5]] if stops else []  # a token p1's greedy run reaches mid-answer
+    decoder = HFDecoder(model, stop_ids, 24, layers_path=target["layers_path"], aux_layer_ids=target["aux_layer_ids"])
+    draft = decoder.drafter(DrafterSpec("eagle3", path=str(draft_dir)))
+    drafters, ks = {"draft": draft, "baseline": NgramDrafter(3)}, (1, 2, 3, 4)
+    replayed = replay_runs(decoder, LOOKUP_PROMPTS, drafters, ks, [decoder.greedy(p) for p in LOOKUP_PROMPTS])
+    for (name, k), runs in replayed.items():
+        for prompt, run in zip(LOOKUP_PROMPTS, runs):
+            loop = decoder.speculate(prompt, drafters[name], k)
+            assert (run.tokens, run.accepted, run.proposed) == (loop.tokens, loop.accepted, loop.proposed), (name, k)
+    if stops:
+        assert len(replayed["baseline", 1][1].tokens) < decoder.max_new_tokens  # a run the stop token ended
+    lookup = [run for k in ks for run in replayed["baseline", k]]  # the lookup prompts repeat themselves:
+    assert any(run.accepted and max(run.accepted) > 0 for run in lookup)  # proposals taken
+    assert any(0 in run.proposed for run in lookup)  # and steps without one
+
+    settings = EvalSettings(k=2, k_sweep=ks, max_new_tokens=decoder.max_new_tokens, sweep_max_prompts=len(LOOKUP_PROMPTS))
+    result = run_evaluation(decoder, LOOKUP_PROMPTS, draft, NgramDrafter(3), settings)
+    for name in drafters:
+        assert result["tau_by_k"][name] == [acceptance_stats(replayed[name, k], k)["tau"] for k in ks], name
+    assert result["tau_by_k"]["replayed"] == ["baseline", "draft"]
+    assert result["tau_by_k"]["replay_check"]["equal_to_the_loop"] == {"draft": 5, "baseline": 5}
+    assert result["lossless"]["checked_generations"] == 2 * len(LOOKUP_PROMPTS)  # the runs at k alone
+    decoder.close()
+
+
+def test_a_sweep_the_replay_cannot_run_is_decoded(backend):
+    """The target drafting itself has no replay: its sweep is decoded and checked; a sweep of k
+    alone replays nothing; a target without aux layers replays the n-gram baseline."""
     from draftsmith.evaluate.drafters import NgramDrafter
 
-    draft = backend.drafter(DrafterSpec("eagle3", path=str(draft_dir)))
     settings = EvalSettings(k=2, k_sweep=(1, 2, 3, 4), max_new_tokens=backend.max_new_tokens, sweep_max_prompts=3)
-    result = run_evaluation(backend, LOOKUP_PROMPTS, draft, NgramDrafter(3), settings)
-    sweep = LOOKUP_PROMPTS[:3]
-    for name, drafter in (("draft", draft), ("baseline", NgramDrafter(3))):
-        decoded = [acceptance_stats([backend.speculate(p, drafter, k) for p in sweep], k)["tau"] for k in (1, 2, 3, 4)]
-        assert result["tau_by_k"][name] == decoded, name
-    assert result["tau_by_k"]["replayed"] == ["baseline", "draft"]
-    assert result["lossless"]["checked_generations"] == 2 * len(LOOKUP_PROMPTS)  # the runs at k alone
-
     mixed = run_evaluation(backend, LOOKUP_PROMPTS, DrafterSpec("target"), NgramDrafter(3), settings)
     assert mixed["tau_by_k"]["replayed"] == ["baseline"]
-    assert mixed["tau_by_k"]["draft"] == [2.0, 3.0, 4.0, 5.0]  # the target drafting itself, decoded at each k
+    assert mixed["tau_by_k"]["draft"] == [2.0, 3.0, 4.0, 5.0]  # every proposal accepted, decoded at each k
     assert mixed["lossless"]["checked_generations"] == 2 * len(LOOKUP_PROMPTS) + 3 * 3
+    alone = run_evaluation(backend, LOOKUP_PROMPTS, NgramDrafter(3), NgramDrafter(3),
+                           dataclasses.replace(settings, k_sweep=(2,)))
+    assert alone["tau_by_k"]["replayed"] == [] and alone["tau_by_k"]["replay_check"] is None
+    bare = HFDecoder(backend.target.model, [], backend.max_new_tokens)  # no aux layers to capture
+    found = run_evaluation(bare, LOOKUP_PROMPTS, NgramDrafter(3), NgramDrafter(2), settings)
+    assert found["tau_by_k"]["replayed"] == ["baseline", "draft"]
+    bare.close()

@@ -130,9 +130,10 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
     # one engine decodes: vLLM's greedy decoding is not timed beside it (eval.separate_engines)
     assert v["seconds"] > 0 and v["greedy_seconds"] is None and v["speedup"] is None
     assert v["engine"]["dtype"] == "float32"
-    # Checked: the HF loop's draft and baseline at k = 1 and 3 on 2 prompts and at k = 3 on the
-    # other 2, and vLLM's run on every prompt.
-    assert written["lossless"]["checked_generations"] == 2 * 2 * 2 + 2 * 2 + len(LLAMA_PROMPTS)
+    # Checked: the HF loop's draft and baseline at k = 3 on every prompt, and vLLM's run on every
+    # prompt; the sweep's k = 1 is replayed on the first 2, whose replay at k = 3 is the loop's run.
+    assert written["lossless"]["checked_generations"] == 2 * len(LLAMA_PROMPTS) + len(LLAMA_PROMPTS)
+    assert written["tau_by_k"]["replay_check"]["equal_to_the_loop"] == {"draft": 2, "baseline": 2}
     assert written["lossless"]["numerical_ties"] == []
     plot_evaluation(llama_eval.out, tmp_path / "by_position.png", tmp_path / "tau.png", tmp_path / "sets.png")
     assert (tmp_path / "tau.png").stat().st_size > 0

@@ -148,7 +148,8 @@ def run_evaluation(backend: DecodingBackend, prompts: Sequence[Prompt], draft: D
 def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: DrafterSpec | Drafter,
               baseline: DrafterSpec | Drafter, settings: EvalSettings, outside: Sequence[OutsideRun] = ()
               ) -> tuple[dict, dict[tuple[str, int], list[Generation]]]:
-    """``run_evaluation``, also returning the speculative runs by (drafter name, k)."""
+    """``run_evaluation``, also returning the decoded speculative runs by (drafter name, k): at
+    ``k`` for every drafter, at each k of the sweep for those not replayed."""
     for run in outside:
         if [g.prompt_id for g in run.generations] != [p.id for p in prompts]:
             raise EvaluationError(f"the {run.label} run holds other prompts than the evaluation",
@@ -160,11 +161,14 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
     sweep = sorted(set(settings.k_sweep) | {settings.k})
     n_sweep = min(len(prompts), settings.sweep_max_prompts)
     drafters = {"draft": draft, "baseline": baseline}
-    replayed = _replayable(backend, drafters)
+    replayed = _replayable(backend, drafters) if len(sweep) > 1 else {}
     greedy, runs, ties = _decode(backend, prompts, drafters, settings, sweep, n_sweep, outside, replayed)
-    swept = {(name, k): runs[name, k][:n_sweep] for name in drafters for k in sweep if name not in replayed}
+    swept = {key: generations[:n_sweep] for key, generations in runs.items()}
+    replay_check = None
     if replayed:
-        swept |= replay_runs(backend, prompts[:n_sweep], replayed, sweep, greedy[:n_sweep])
+        again = replay_runs(backend, prompts[:n_sweep], replayed, sweep, greedy[:n_sweep])
+        swept |= {(name, k): generations for (name, k), generations in again.items() if k != settings.k}
+        replay_check = _replay_check(again, runs, settings.k, n_sweep)
     main = {name: acceptance_stats(runs[name, settings.k], settings.k) for name in drafters}
     result = {
         "format": ACCEPTANCE_FORMAT,
@@ -178,6 +182,7 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
             "num_prompts": n_sweep,
             "prompts": "all" if n_sweep == len(prompts) else f"the first {n_sweep} of {len(prompts)}",
             "replayed": sorted(replayed),
+            "replay_check": replay_check,
         },
         "speedup": _speedup(backend, greedy, [runs[name, settings.k] for name in ("draft", "baseline")], main),
         "lossless": {
@@ -200,6 +205,25 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
                     "speculative decoding (in lossless.numerical_ties); every token was checked",
                     len(ties))
     return result, runs
+
+
+def _replay_check(replayed: dict[tuple[str, int], list[Generation]], decoded: dict[tuple[str, int], list[Generation]],
+                  k: int, n_sweep: int) -> dict:
+    """On how many of the sweep's prompts each replayed drafter's run at ``k`` is the loop's own
+    (tokens, accepted and proposed per step): the replay's check where the sweep's τ at ``k`` is
+    the decoded runs'. A prompt apart is a near-tie rounded otherwise by one pass over the text
+    than by the loop's incremental steps, not an error: the runs at ``k`` were checked lossless."""
+    def same(a: Generation, b: Generation) -> bool:
+        return (a.tokens, a.accepted, a.proposed) == (b.tokens, b.accepted, b.proposed)
+
+    equal = {name: sum(same(a, b) for a, b in zip(runs, decoded[name, k][:n_sweep]))
+             for (name, at), runs in replayed.items() if at == k}
+    for name, count in equal.items():
+        if count < n_sweep:
+            log.warning("the %s's replayed run at k=%d differs from the loop's on %d of %d prompts (a near-tie "
+                        "rounded otherwise by one pass over the text): its τ against k is the replay's",
+                        name, k, n_sweep - count, n_sweep)
+    return {"k": k, "prompts": n_sweep, "equal_to_the_loop": equal}
 
 
 def _replayable(backend: DecodingBackend, drafters: dict[str, DrafterSpec | Drafter]) -> dict[str, Drafter]:

@@ -60,7 +60,8 @@ def replay(prompt_id: str, prompt: Sequence[int], greedy: Sequence[int], *, k: i
     The HF loop's run instead (``HFDecoder.speculate`` with the ``NgramDrafter``): no
     ``max_model_len``, and ``count_steps_without_draft``, since each of its steps is a forward pass
     of the target, drafted or not."""
-    max_model_len = max_model_len or len(prompt) + max_new_tokens + k + 2  # None: never reached
+    if max_model_len is None:  # a bound the run never reaches
+        max_model_len = len(prompt) + max_new_tokens + k + 2
     stops = set(int(t) for t in stop_ids)
     text = [*prompt]
     generated: list[int] = []

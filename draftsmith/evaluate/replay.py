@@ -32,20 +32,20 @@ from draftsmith.evaluate.settings import Generation, Prompt
 class GreedyTrace:
     """One prompt's greedy text: ``ids`` = prompt + greedy tokens (decoded past any stop token, so
     every chain the loop could propose before its limit can be checked) and the target's aux
-    states [len(ids), A*H] from one forward pass over them."""
+    states [len(ids), A*H] from one forward pass over them (None where no draft needs them)."""
 
     prompt: Prompt
     ids: list[int]
-    aux: torch.Tensor
+    aux: torch.Tensor | None
 
 
 @torch.no_grad()
 def trace_greedy(decoder: HFDecoder, prompts: Sequence[Prompt], max_new_tokens: int, depth: int,
-                 decoded: Sequence[Sequence[int]] | None = None) -> list[GreedyTrace]:
+                 decoded: Sequence[Sequence[int]] | None = None, *, capture: bool = True) -> list[GreedyTrace]:
     """The target's greedy continuation of each prompt, ``max_new_tokens + depth + 1`` tokens long
-    (the loop's last step may propose ``depth`` tokens past its limit), and its aux states.
-    ``decoded``: each prompt's greedy tokens already known (e.g. the evaluation's greedy run),
-    continued from there."""
+    (the loop's last step may propose ``depth`` tokens past its limit), and, with ``capture``, its
+    aux states. ``decoded``: each prompt's greedy tokens already known (e.g. the evaluation's greedy
+    run), continued from there."""
     target, traces, length = decoder.target, [], max_new_tokens + depth + 1
     for i, prompt in enumerate(prompts):
         tokens = list(decoded[i][:length]) if decoded is not None else []
@@ -56,7 +56,7 @@ def trace_greedy(decoder: HFDecoder, prompts: Sequence[Prompt], max_new_tokens: 
             if len(tokens) < length:
                 logits, _ = target.forward(tokens[-1:], cache, last_only=True)
         ids = [*prompt.ids, *tokens]
-        _, aux = target.forward(ids, target.new_cache(), last_only=True, capture=True)
+        aux = target.forward(ids, target.new_cache(), last_only=True, capture=True)[1] if capture else None
         traces.append(GreedyTrace(prompt, ids, aux))
     return traces
 
@@ -128,21 +128,27 @@ def replay_runs(decoder: HFDecoder, prompts: Sequence[Prompt], drafters: Mapping
     replayed on one greedy trace per prompt (continuing ``greedy``, the prompts' greedy runs, where
     given): the EAGLE-3 draft from its match lengths, the n-gram baseline by its proposal rule
     (``prompt_lookup.replay``, the loop's steps)."""
+    unknown = sorted(name for name, drafter in drafters.items() if not can_replay(drafter))
+    if unknown:
+        raise ValueError(f"no replay for the drafters {unknown}: decode them (HFDecoder.speculate)")
     depth = max(ks)
     decoded = [g.tokens for g in greedy] if greedy is not None else None
-    traces = trace_greedy(decoder, prompts, decoder.max_new_tokens, depth, decoded)
+    capture = any(isinstance(d, Eagle3Drafter) for d in drafters.values())
+    traces = trace_greedy(decoder, prompts, decoder.max_new_tokens, depth, decoded, capture=capture)
     runs: dict[tuple[str, int], list[Generation]] = {(name, k): [] for name in drafters for k in ks}
     for trace in traces:
-        new = trace.ids[len(trace.prompt.ids):]
         for name, drafter in drafters.items():
             lengths = match_lengths(drafter.draft, trace, depth) if isinstance(drafter, Eagle3Drafter) else None
             for k in ks:
-                if lengths is not None:
-                    run = replay(trace, lengths, k, decoder.max_new_tokens, decoder.stop_ids)
-                else:
-                    run = prompt_lookup.replay(trace.prompt.id, trace.prompt.ids, new, k=k,
-                                               ngram_max=drafter.ngram_max, max_new_tokens=decoder.max_new_tokens,
-                                               stop_ids=decoder.stop_ids, max_model_len=None,
-                                               count_steps_without_draft=True)
-                runs[name, k].append(run)
+                runs[name, k].append(_replayed(drafter, trace, lengths, k, decoder))
     return runs
+
+
+def _replayed(drafter: Drafter, trace: GreedyTrace, lengths: list[int] | None, k: int, decoder: HFDecoder) -> Generation:
+    """One drafter's run of one prompt at ``k``: the EAGLE-3 draft's from its match lengths, the
+    n-gram baseline's by the HF loop's steps (no engine context to fit; a step without a draft is a step)."""
+    if isinstance(drafter, Eagle3Drafter):
+        return replay(trace, lengths, k, decoder.max_new_tokens, decoder.stop_ids)
+    return prompt_lookup.replay(trace.prompt.id, trace.prompt.ids, trace.ids[len(trace.prompt.ids):], k=k,
+                                ngram_max=drafter.ngram_max, max_new_tokens=decoder.max_new_tokens,
+                                stop_ids=decoder.stop_ids, max_model_len=None, count_steps_without_draft=True)
