@@ -64,7 +64,9 @@ def config_with(path: Path, overrides: list[str]) -> dict:
 def evaluate(code: Path, run: Path, config: dict, out: Path) -> dict:
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}  # as the Snakefile sets it for every job
     done = subprocess.run([sys.executable, "-c", JOB, str(code), str(run.resolve()), json.dumps(config), str(out)],
-                          check=True, capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        sys.exit(f"the evaluation with the code in {code} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -79,8 +81,9 @@ def main(argv=None) -> None:
                            check=True, capture_output=True)
             try:
                 results[f"before ({args.before})"] = evaluate(tree, args.run, config, Path(tmp) / "before.json")
-            finally:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
+            finally:  # never hides the run's own failure
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
         results["this tree"] = evaluate(ROOT, args.run, config, Path(tmp) / "after.json")
     for name, r in results.items():
         by_k = r["tau_by_k"]
