@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import EvaluationError
-from draftsmith.evaluate import prompt_lookup
 from draftsmith.evaluate.decoding import HFDecoder
 from draftsmith.evaluate.drafters import Drafter, Eagle3Drafter, NgramDrafter
+from draftsmith.evaluate.prompt_lookup import replay as replay_prompt_lookup
 from draftsmith.evaluate.settings import Generation, Prompt
 
 
@@ -149,6 +149,6 @@ def _replayed(drafter: Drafter, trace: GreedyTrace, lengths: list[int] | None, k
     n-gram baseline's by the HF loop's steps (no engine context to fit; a step without a draft is a step)."""
     if isinstance(drafter, Eagle3Drafter):
         return replay(trace, lengths, k, decoder.max_new_tokens, decoder.stop_ids)
-    return prompt_lookup.replay(trace.prompt.id, trace.prompt.ids, trace.ids[len(trace.prompt.ids):], k=k,
+    return replay_prompt_lookup(trace.prompt.id, trace.prompt.ids, trace.ids[len(trace.prompt.ids):], k=k,
                                 ngram_max=drafter.ngram_max, max_new_tokens=decoder.max_new_tokens,
                                 stop_ids=decoder.stop_ids, max_model_len=None, count_steps_without_draft=True)
