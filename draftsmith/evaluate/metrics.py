@@ -221,7 +221,7 @@ def _replay_check(replayed: dict[tuple[str, int], list[Generation]], decoded: di
     for name, count in equal.items():
         if count < n_sweep:
             log.warning("the %s's replayed run at k=%d differs from the loop's on %d of %d prompts (a near-tie "
-                        "rounded otherwise by one pass over the text): its τ against k is the replay's",
+                        "rounded otherwise by one pass over the text); the sweep's other k are the replay's",
                         name, k, n_sweep - count, n_sweep)
     return {"k": k, "prompts": n_sweep, "equal_to_the_loop": equal}
 
@@ -237,8 +237,7 @@ def _replayable(backend: DecodingBackend, drafters: dict[str, DrafterSpec | Draf
 
 def _decode(backend: DecodingBackend, prompts: Sequence[Prompt], drafters: dict[str, DrafterSpec | Drafter],
             settings: EvalSettings, sweep: list[int], n_sweep: int, outside: Sequence[OutsideRun],
-            replayed: Collection[str] = ()
-            ) -> tuple[list[Generation], dict[tuple[str, int], list[Generation]], list[dict]]:
+            replayed: Collection[str]) -> tuple[list[Generation], dict[tuple[str, int], list[Generation]], list[dict]]:
     """Every prompt decoded greedily and by each drafter at ``k`` (and, for the drafters not
     ``replayed``, at each k of the sweep on the first ``n_sweep``), each speculative and ``outside``
     output checked against greedy decoding; returns the greedy runs, the speculative runs by
