@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from workflow_helpers import VLLM_CASES, snakemake, stage_seconds, target_loads, vllm_workflow  # noqa: E402
+from workflow_helpers import VLLM_CASES, engine_starts, snakemake, stage_seconds, target_loads, vllm_workflow  # noqa: E402
 
 MODES = {
     "before": {"warm_target": {"minutes": 0}, "eval": {"separate_engines": True}},
@@ -62,9 +62,10 @@ def run_mode(work: Path, case: str, mode: str) -> dict:
 
 
 def _figures(workdir: Path) -> dict:
-    seconds, loads = stage_seconds(workdir), target_loads(workdir)
+    seconds, loads, starts = stage_seconds(workdir), target_loads(workdir), engine_starts(workdir)
     return {stage: {"loads": len(loads.get(stage, [])), "load_seconds": round(sum(s for _, s in loads.get(stage, [])), 1),
-                    "stage_seconds": seconds.get(stage), "what": [w for w, _ in loads.get(stage, [])]}
+                    "stage_seconds": seconds.get(stage), "what": [w for w, _ in loads.get(stage, [])],
+                    "engine_starts": starts.get(stage, [])}
             for stage in STAGES}
 
 

@@ -13,8 +13,8 @@ extraction, evaluation), on a GPU, for two targets:
 The target's engines stay warm between jobs (``warm_target``): regeneration loads its own, capture
 loads the one evaluation then attaches to (``draftsmith.engines.shared``), with the trained draft
 loaded into its speculator slot; a rerun of ``evaluate_draft`` afterwards loads nothing. Each
-stage's seconds (Snakemake's benchmark files) and each job's target loads (its log) are printed,
-for docs/gpu-tests.md. On the CPU each of these vLLM paths has its own tests (test_regenerate,
+stage's seconds (Snakemake's benchmark files), each job's target loads and where each warm engine's
+start went (its log) are printed, for docs/gpu-tests.md. On the CPU each of these vLLM paths has its own tests (test_regenerate,
 test_vllm_backend, test_vllm_serving, test_evaluate); the whole chain is the GPU lane's.
 """
 
@@ -26,7 +26,15 @@ from pathlib import Path
 import pytest
 
 from tiny_vllm import ON_CUDA, vllm_test
-from workflow_helpers import VLLM_CASES, VLLM_PROMPTS, snakemake, stage_seconds, target_loads, vllm_workflow
+from workflow_helpers import (
+    VLLM_CASES,
+    VLLM_PROMPTS,
+    engine_starts,
+    snakemake,
+    stage_seconds,
+    target_loads,
+    vllm_workflow,
+)
 
 TARGET_STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "evaluate_draft")
 
@@ -75,7 +83,8 @@ def test_the_workflow_runs_every_target_stage_in_vllm(tmp_path, case, engines):
         assert loads["evaluate_draft"] == []  # no load: the capture engine, the draft loaded into its slot
     evaluation = (workdir / "logs/t/evaluate_draft.log").read_text()
     assert "attached to the warm target engine" in evaluation and "into the speculator slot" in evaluation
-    first = {"stage_seconds": stage_seconds(workdir), "target_loads": target_loads(workdir)}
+    first = {"stage_seconds": stage_seconds(workdir), "target_loads": target_loads(workdir),
+             "engine_starts": engine_starts(workdir)}
     # the evaluation again (after a patch, say): the warm engine, the draft loaded again, no load of the target
     snakemake(workdir, "--resources", "gpu=1", "--forcerun", "evaluate_draft", "--until", "evaluate_draft",
               configfile=configfile, timeout=300)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,11 @@ def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_pa
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     first = run_job(model, tmp_path / "first.log")
     assert first["loaded"] and len(loads_in(tmp_path / "first.log")) == 1
+    # where the engine process's start went beyond vLLM's own load, each step timed
+    [start] = re.findall(r"was ready ([\d.]+) s after its process started: (.*)", (tmp_path / "first.log").read_text())
+    phases = dict(phase.rsplit(" ", 2)[:2] for phase in start[1].strip().split(", "))
+    assert list(phases) == ["the process and its imports", "importing vLLM", "vLLM's load"]
+    assert 0 < sum(map(float, phases.values())) <= float(start[0]) + 0.1
     [engine] = warm.list_engines()
     assert engine["alive"] and engine["status"] == "ready" and engine["attached"] is None
 
@@ -288,6 +294,7 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
     captured = job("capture", "capture")
     assert captured["rows"] == [4, 2] and len(loads_in(tmp_path / "capture.log")) == 1
     assert "with evaluation's speculator slot" in captured["log"]
+    assert re.search(r"ready [\d.]+ s after its process started: .*the speculator slot's draft [\d.]+ s", captured["log"])
     shared = job("evaluate", "evaluate")
     assert loads_in(tmp_path / "evaluate.log") == [], shared["log"]  # no load of the target: attached
     assert "loaded into the speculator slot of the engine shared with capture" in shared["log"]

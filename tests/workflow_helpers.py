@@ -149,3 +149,12 @@ def target_loads(workdir: Path, run: str = "t") -> dict[str, list[tuple[str, flo
     return {str(path.relative_to(root).with_suffix("")):
             [(what, float(s)) for what, s in re.findall(r"target load \d+ of this job: (.*) in ([\d.]+) s", path.read_text())]
             for path in sorted(root.rglob("*.log"))}
+
+
+def engine_starts(workdir: Path, run: str = "t") -> dict[str, list[str]]:
+    """Where each warm engine a job started spent its start, as engines.warm logs it ("was ready S s
+    after its process started: the process and its imports ..., vLLM's load ...")."""
+    root = workdir / "logs" / run
+    return {str(path.relative_to(root).with_suffix("")):
+            re.findall(r"was ready [\d.]+ s after its process started: (.*)", path.read_text())
+            for path in sorted(root.rglob("*.log"))}

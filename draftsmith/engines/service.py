@@ -103,17 +103,26 @@ def _listen(folder: Path) -> socket.socket:
 
 
 def _load(folder: Path, spec: dict, state: dict):
-    """``vllm.LLM`` of the spec's arguments (and its speculator slot); the load's seconds."""
+    """``vllm.LLM`` of the spec's arguments (and its speculator slot); the load's seconds. Each step's
+    seconds go to ``state["phases"]``, so that the job that started the engine can say where its
+    start went beyond vLLM's own load."""
+    phases = state.setdefault("phases", {})
+    state["load_started"] = time.time()  # the job counts the process's own start up to here
+    started = time.monotonic()
     from vllm import LLM
 
     from draftsmith.engines.vllm_serving import eagle3_config
 
+    phases["importing vLLM"] = round(time.monotonic() - started, 2)
     kwargs = dict(spec["kwargs"])
     if spec.get("speculator_slot"):
+        started = time.monotonic()
         state["slot"] = str(_slot_draft(folder, spec["speculator_slot"]))
         kwargs["speculative_config"] = eagle3_config(state["slot"], spec["speculator_slot"]["num_speculative_tokens"])
+        phases["the speculator slot's draft"] = round(time.monotonic() - started, 2)
     with target_load(spec["what"]) as load:
         llm = LLM(**kwargs)
+    phases["vLLM's load"] = round(load.seconds, 2)
     return llm, load.seconds
 
 

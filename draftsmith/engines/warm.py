@@ -289,7 +289,9 @@ def _stop_idle_beside(key: str, spec: dict) -> None:
     for other in idle_engines():
         if other["key"] != key and (_share_a_gpu(gpus, other.get("gpus")) or other.get("model") == model):
             log.info("stopping the idle warm engine %s (pid %s) before this one starts", other["key"], other["pid"])
+            started = time.monotonic()
             stop_engine(Path(other["folder"]))
+            log.info("the idle warm engine %s stopped in %.1f s", other["key"], time.monotonic() - started)
 
 
 def _share_a_gpu(a: str | None, b: str | None) -> bool:
@@ -308,6 +310,7 @@ def _start(folder: Path, key: str, spec: dict) -> dict:
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     log_path = folder / "engine.log"
+    spawned = time.time()
     with open(log_path, "ab") as out:
         offset = out.tell()
         process = subprocess.Popen([sys.executable, "-m", "draftsmith.engines.service", str(folder)],
@@ -316,13 +319,23 @@ def _start(folder: Path, key: str, spec: dict) -> dict:
     log.info("starting the warm target engine %s (pid %d; it stays %.0f s after its last job; its log: %s)",
              key, process.pid, spec["keep_warm_s"], log_path)
     try:
-        return _wait_ready(folder, key, process)
+        state = _wait_ready(folder, key, process)
     except EngineStartError:
         with open(log_path, "rb") as f:
             f.seek(offset)
             tail = f.read().decode("utf-8", "replace").splitlines()[-LOG_TAIL_LINES:]
         log.error("the engine's log (%s), its last %d lines:\n%s", log_path, len(tail), "\n".join(tail))
         raise
+    log.info("the warm target engine %s was ready %.1f s after its process started: %s", key, time.time() - spawned,
+             start_phases(state, spawned))
+    return state
+
+
+def start_phases(state: dict, spawned: float) -> str:
+    """Where an engine process's start went, from its state: the process and its imports (Python,
+    torch, draftsmith), then the steps ``service`` times (importing vLLM, the slot's draft, vLLM's load)."""
+    phases = {"the process and its imports": state["load_started"] - spawned, **(state.get("phases") or {})}
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
 
 
 def _wait_ready(folder: Path, key: str, process: subprocess.Popen | None) -> dict:
