@@ -130,6 +130,7 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
     # one engine decodes: vLLM's greedy decoding is not timed beside it (eval.separate_engines)
     assert v["seconds"] > 0 and v["greedy_seconds"] is None and v["speedup"] is None
     assert v["engine"]["dtype"] == "float32"
+    assert v["engine"]["max_num_seqs"] == len(LLAMA_PROMPTS)  # the batch it decodes, and its CUDA graphs' sizes
     # Checked: the HF loop's draft and baseline at k = 3 on every prompt, and vLLM's run on every
     # prompt; the sweep's k = 1 is replayed on the first 2, whose replay at k = 3 is the loop's run.
     assert written["lossless"]["checked_generations"] == 2 * len(LLAMA_PROMPTS) + len(LLAMA_PROMPTS)

@@ -117,6 +117,9 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
                                   f"({settings.max_new_tokens}) exceeds the target's {limit} positions",
                                   where="eval.max_new_tokens", fix="lower eval.max_new_tokens or data.max_seq_len")
         max_model_len = limit
+    # Every prompt is decoded in one batch: an engine of evaluation's own needs no more sequences, and
+    # vLLM captures CUDA graphs only for the batch sizes up to it (a dozen sizes, not sixty).
+    engine_kwargs.setdefault("max_num_seqs", len(prompts))
     common = dict(dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                   trust_remote_code=bool(target.get("trust_remote_code", False)), **engine_kwargs)
     ids = [p.ids for p in prompts]
@@ -183,8 +186,9 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
         else:
             from draftsmith.extract.vllm_backend import capture_engine_args, speculator_slot
 
-            extra = {k: v for k, v in common.items()
-                     if k not in ("dtype", "max_model_len", "tensor_parallel_size", "trust_remote_code", "enforce_eager")}
+            extra = {k: v for k, v in common.items()  # what capture's engine was built with: the same engine
+                     if k not in ("dtype", "max_model_len", "tensor_parallel_size", "trust_remote_code", "enforce_eager",
+                                  "max_num_seqs")}
             kwargs = capture_engine_args(model_path, tensor_parallel_size=common["tensor_parallel_size"],
                                          dtype=common["dtype"], max_model_len=shared.max_model_len,
                                          trust_remote_code=common["trust_remote_code"], shared=shared, **extra)
