@@ -75,7 +75,10 @@ def loads_in(log: Path) -> list[str]:
 
 
 @vllm_test
-def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_path, registry):
+def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_path, registry, monkeypatch):
+    # a registry deep in a project folder: its sockets' paths are longer than a Unix socket's address holds
+    deep = registry / ("a-project-folder-of-a-long-name-" * 3)
+    monkeypatch.setenv(warm.ENGINE_DIR_ENV, str(deep))
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     first = run_job(model, tmp_path / "first.log")
     assert first["loaded"] and len(loads_in(tmp_path / "first.log")) == 1
@@ -86,6 +89,7 @@ def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_pa
     assert 0 < sum(map(float, phases.values())) <= float(start[0]) + 0.1
     [engine] = warm.list_engines()
     assert engine["alive"] and engine["status"] == "ready" and engine["attached"] is None
+    assert len(os.fsencode(Path(engine["folder"]) / "socket")) > 108
 
     again = run_job(model, tmp_path / "again.log")
     assert not again["loaded"] and again["tokens"] == first["tokens"]

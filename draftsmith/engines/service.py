@@ -96,8 +96,11 @@ def main(folder: Path) -> int:
 def _listen(folder: Path) -> socket.socket:
     """The socket jobs attach at, bound before the load: a path it cannot take stops it before minutes
     of loading, not after."""
+    from draftsmith.engines.warm import socket_address
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(folder / "socket"))
+    with socket_address(folder) as address:
+        listener.bind(address)
     listener.listen(8)
     return listener
 

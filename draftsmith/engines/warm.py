@@ -373,6 +373,25 @@ def _attach(folder: Path, key: str, what: str, *, cold: bool = False) -> Engine:
 # ---------------------------------------------------------------------------------------------
 # Talking to an engine process
 
+# Linux holds a Unix socket's address in 108 bytes; a registry deep in a project folder goes past it.
+SOCKET_PATH_BYTES = 100
+
+
+@contextlib.contextmanager
+def socket_address(folder: Path) -> Iterator[str]:
+    """The address of ``folder``'s socket for ``bind`` or ``connect``: its path, or where that is too
+    long for a Unix socket, the same file reached through a descriptor of the folder
+    (``/proc/self/fd/N/socket``), valid while the block runs."""
+    path = str(folder / "socket")
+    if len(os.fsencode(path)) <= SOCKET_PATH_BYTES:
+        yield path
+        return
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{descriptor}/socket"
+    finally:
+        os.close(descriptor)
+
 
 class RemoteLLM:
     """The part of ``vllm.LLM`` the stages use (``generate``, ``collective_rpc``, ``get_metrics``),
@@ -385,7 +404,8 @@ class RemoteLLM:
     def attach(self) -> dict:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(str(self.folder / "socket"))
+            with socket_address(self.folder) as address:
+                sock.connect(address)
         except OSError as e:
             sock.close()
             raise EngineGone(f"cannot reach the warm target engine {self.key}: {e}", where=str(self.folder),
