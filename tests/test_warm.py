@@ -115,7 +115,7 @@ def test_changed_weights_never_meet_a_stale_engine(tmp_path, registry):
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     changed = run_job(model, tmp_path / "changed.log")
     assert changed["loaded"] and changed["tokens"] != first["tokens"]
-    assert "stopping the idle warm engine " + old["key"] in (tmp_path / "changed.log").read_text()
+    assert "stopped the idle warm engine " + old["key"] in (tmp_path / "changed.log").read_text()
     engines = {e["key"]: e for e in warm.list_engines()}
     assert not engines[old["key"]]["alive"] and engines[old["key"]]["status"] == "exited"
     assert [e["alive"] for k, e in engines.items() if k != old["key"]] == [True]
@@ -343,3 +343,126 @@ def test_a_registry_that_is_not_the_users_alone_is_refused(tmp_path, monkeypatch
     with pytest.raises(DraftsmithError, match="is not this user's alone") as error:
         warm.registry()
     assert "DRAFTSMITH_ENGINE_DIR" in error.value.fix
+
+
+# An engine process as the registry sees it (its lock, its state), without vLLM: ready and idle
+# until SIGTERM, which it records before it exits.
+FAKE_ENGINE = textwrap.dedent("""
+    import fcntl, json, os, signal, sys, time
+    folder = sys.argv[1]
+    lock = open(os.path.join(folder, "lock"), "a")
+    fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    def stop(*_):
+        state = json.load(open(os.path.join(folder, "state.json")))
+        open(os.path.join(folder, "stopped"), "w").write(json.dumps({"attached": state.get("attached")}))
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    json.dump({"status": "ready", "pid": os.getpid(), "attached": None}, open(os.path.join(folder, "state.json"), "w"))
+    while True:
+        time.sleep(1)
+""")
+
+
+def fake_engine(root: Path, key: str, *, gpus: str, model: str) -> subprocess.Popen:
+    folder = root / key
+    folder.mkdir(mode=0o700)
+    (folder / "spec.json").write_text(json.dumps({"identity": {"gpus": gpus}, "kwargs": {"model": model}}))
+    process = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE, str(folder)])
+    deadline = time.monotonic() + 30
+    while not (folder / "state.json").exists() or not warm.engine_alive(folder):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    return process
+
+
+def test_an_engine_a_job_came_to_since_the_list_is_not_stopped(tmp_path, monkeypatch):
+    """A new engine stops the idle ones beside it from a list read once; an engine a job attached to
+    (or is attaching to) since then is left serving it, an engine still idle is stopped."""
+    root = tmp_path / "engines"
+    monkeypatch.setenv(warm.ENGINE_DIR_ENV, str(root))
+    warm.registry()
+    engines = {key: fake_engine(root, key, gpus="GPU-0", model="/m/other") for key in ("attached", "attaching", "idle")}
+    try:
+        listed = warm.idle_engines()
+        assert sorted(e["key"] for e in listed) == sorted(engines)
+        state = json.loads((root / "attached" / "state.json").read_text())
+        (root / "attached" / "state.json").write_text(json.dumps({**state, "attached": 4242}))  # a job came
+        with open(root / "attaching" / "start.lock", "a") as attaching:
+            import fcntl
+
+            fcntl.flock(attaching, fcntl.LOCK_EX)  # a job attaching holds the start lock
+            monkeypatch.setattr(warm, "idle_engines", lambda: listed)
+            warm._stop_idle_beside("new", {"identity": {"gpus": "GPU-0,GPU-1"}, "kwargs": {"model": "/m/T"}})
+        assert warm.engine_alive(root / "attached") and warm.engine_alive(root / "attaching")
+        assert not warm.engine_alive(root / "idle")
+        assert json.loads((root / "idle" / "stopped").read_text()) == {"attached": None}
+    finally:
+        for process in engines.values():
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def service_main(tmp_path, monkeypatch):
+    """``service.main`` on a folder of this test's, in this process (its SIGTERM handler put back after)."""
+    from draftsmith.engines import service
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the test process keeps its own handlers
+    folder = tmp_path / "engine"
+    folder.mkdir()
+    (folder / "spec.json").write_text(json.dumps({"kwargs": {}, "what": "a test engine", "keep_warm_s": 1}))
+    return service, folder
+
+
+def test_a_new_engine_takes_its_lock_from_a_liveness_probe(service_main, monkeypatch):
+    """Whoever asks whether an engine is alive takes its lock for an instant; an engine starting in that
+    instant waits it out instead of exiting as if another engine held the folder."""
+    service, folder = service_main
+
+    def load(folder, spec, state):
+        raise RuntimeError("the load, reached")
+
+    monkeypatch.setattr(service, "_load", load)
+    probe = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, time
+        f = open({str(folder / "lock")!r}, "a")
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        open({str(folder / "probing")!r}, "w").close()
+        time.sleep(0.5)
+    """)])
+    while not (folder / "probing").exists():
+        time.sleep(0.01)
+    assert service.main(folder) == 1
+    probe.wait()
+    state = json.loads((folder / "state.json").read_text())
+    assert state["status"] == "failed" and state["error"]["message"] == "the load, reached"
+
+
+def test_an_engine_that_cannot_write_its_state_still_shuts_down(service_main, monkeypatch):
+    """A full disk while the engine records a job or its exit: vLLM is shut down all the same, and the
+    speculator slot's draft it built is removed."""
+    from draftsmith.io import storage_error
+    from draftsmith.targets import vllm_compat
+
+    service, folder = service_main
+    (folder / "slot-draft").mkdir()
+    (folder / "slot-draft" / "model.safetensors").write_bytes(b"0" * 1024)
+    shut = []
+    monkeypatch.setattr(service, "_load", lambda folder, spec, state: ("the engine", 0.1))
+    monkeypatch.setattr(vllm_compat, "shutdown_llm", lambda llm, set_num_threads: shut.append(llm))
+    monkeypatch.setattr("draftsmith.engines.warm.engine_max_model_len", lambda llm, asked: 64)
+    written = service._write
+
+    def write(folder, state):
+        if state["status"] not in ("loading", "ready"):
+            raise storage_error(folder / "state.json", OSError(28, "No space left on device"))
+        written(folder, state)
+
+    def serve(folder, llm, listener, state, keep_warm_s, sleeps):
+        write(folder, {**state, "status": "attached"})  # a job's arrival, recorded on a full disk
+
+    monkeypatch.setattr(service, "_write", write)
+    monkeypatch.setattr(service, "_serve", serve)
+    service.main(folder)
+    assert shut == ["the engine"]
+    assert not (folder / "slot-draft").exists()

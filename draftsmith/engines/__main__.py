@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.engines.warm import forget_engine, list_engines, registry, stop_engine
+from draftsmith.engines.warm import engine_alive, forget_engine, list_engines, registry, stop_engine, stop_if_idle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         if not e["alive"]:
             forget_engine(Path(e["folder"]))
             continue
-        if e.get("attached") and not args.force:
-            print(f"  {e['key']}: a job (pid {e['attached']}) is attached; --force stops it anyway")
-            continue
-        print(f"  {e['key']}: " + ("stopped" if stop_engine(Path(e["folder"])) else "had already exited"))
+        if args.force:
+            print(f"  {e['key']}: " + ("stopped" if stop_engine(Path(e["folder"])) else "had already exited"))
+        elif stop_if_idle(Path(e["folder"])):
+            print(f"  {e['key']}: stopped")
+        elif not engine_alive(Path(e["folder"])):
+            print(f"  {e['key']}: had already exited")
+        else:  # checked again under its start lock: a job came since the list was read
+            print(f"  {e['key']}: a job is loading it, attaching to it or attached to it; --force stops it anyway")
     return 0
 
 

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -35,6 +36,8 @@ METHODS = ("generate", "collective_rpc", "get_metrics")
 # vLLM's exceptions after which its engine cannot serve another request
 FATAL = ("EngineDeadError", "EngineGenerateError")
 FIRST_JOB_S = 60.0  # after its load, how long the engine stays awake for the job that started it
+SLOT_DRAFT = "slot-draft"  # the folder of the speculator slot's draft, beside the engine's state
+LOCK_WAIT_S = 2.0  # how long a new engine tries for its lock (engines.warm probes it for an instant)
 
 
 class _Stop(BaseException):
@@ -43,9 +46,7 @@ class _Stop(BaseException):
 
 def main(folder: Path) -> int:
     lock = open(folder / "lock", "a")  # noqa: SIM115 - held until the process exits
-    try:
-        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a POSIX lock: vLLM's forked processes do not inherit it
-    except OSError:
+    if not _take(lock):
         log.error("another engine process holds %s", folder / "lock")
         return 1
     spec = read_json(folder / "spec.json")
@@ -83,14 +84,34 @@ def main(folder: Path) -> int:
         with contextlib.suppress(FileNotFoundError):
             (folder / "socket").unlink()
         if state["status"] != "failed":
-            _write(folder, {**state, "status": "exited", "attached": None, "reason": reason})
+            try:
+                _write(folder, {**state, "status": "exited", "attached": None, "reason": reason})
+            except Exception as e:  # noqa: BLE001 - a full disk must not keep the engine from shutting down
+                log.error("cannot record the engine's exit in state.json: %s", e)
         log.info("the engine exits: %s", reason)
         if llm is not None:
             with contextlib.suppress(Exception):  # the process ends either way
                 from draftsmith.targets.vllm_compat import shutdown_llm
 
                 shutdown_llm(llm, set_num_threads)
+        # the speculator slot's draft (a GB or more with a large vocabulary) is the engine's alone
+        shutil.rmtree(folder / SLOT_DRAFT, ignore_errors=True)
     return 0
+
+
+def _take(lock) -> bool:
+    """Take the engine's lock (a POSIX lock: vLLM's forked processes do not inherit it), retrying for
+    ``LOCK_WAIT_S``: whoever checks whether an engine is alive takes the lock for an instant, and the
+    new engine must not take that instant for another engine's life."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _listen(folder: Path) -> socket.socket:
@@ -141,7 +162,7 @@ def _slot_draft(folder: Path, slot: dict) -> Path:
     config = Eagle3DraftConfig.from_target(slot["slot"]["target"], draft_vocab_size=slot["slot"]["draft_vocab_size"],
                                            **slot["slot"]["draft"])
     torch.manual_seed(0)
-    return save_speculators(Eagle3Draft(config), folder / "slot-draft")
+    return save_speculators(Eagle3Draft(config), folder / SLOT_DRAFT)
 
 
 def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s: float, sleeps: bool) -> str:

@@ -258,7 +258,7 @@ def engine_max_model_len(llm, asked: int | None) -> int:
 
 
 def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
-    with _held(folder / "start.lock"):
+    with _held(folder / "start.lock", waiting=f"another job is starting or attaching to the warm target engine {key}"):
         state = engine_state(folder)
         if state["alive"] and state.get("status") == "loading":  # started by a job that is gone: it loads on
             log.info("the warm target engine %s (pid %s) is still loading: waiting for it", key, state.get("pid"))
@@ -288,10 +288,10 @@ def _stop_idle_beside(key: str, spec: dict) -> None:
     gpus, model = spec["identity"]["gpus"], spec["kwargs"].get("model")
     for other in idle_engines():
         if other["key"] != key and (_share_a_gpu(gpus, other.get("gpus")) or other.get("model") == model):
-            log.info("stopping the idle warm engine %s (pid %s) before this one starts", other["key"], other["pid"])
             started = time.monotonic()
-            stop_engine(Path(other["folder"]))
-            log.info("the idle warm engine %s stopped in %.1f s", other["key"], time.monotonic() - started)
+            if stop_if_idle(Path(other["folder"])):
+                log.info("stopped the idle warm engine %s (pid %s) before this one starts, in %.1f s", other["key"],
+                         other["pid"], time.monotonic() - started)
 
 
 def _share_a_gpu(a: str | None, b: str | None) -> bool:
@@ -351,7 +351,9 @@ def _wait_ready(folder: Path, key: str, process: subprocess.Popen | None) -> dic
             raise EngineStartError(f"{error['type']}: {error['message']}", where=str(folder / "engine.log"),
                                    fix="the engine's log (its last lines are above) says why it stopped")
         if time.monotonic() - last_log >= WAIT_LOG_S:
-            log.info("the warm target engine %s is loading (%.0f s so far)", key, time.monotonic() - started)
+            log.info("the warm target engine %s is loading (%.0f s so far; its log: %s; if it hangs, "
+                     "`python -m draftsmith.engines stop %s` ends it and the job loads cold)",
+                     key, time.monotonic() - started, folder / "engine.log", key)
             last_log = time.monotonic()
         time.sleep(POLL_S)
 
@@ -509,6 +511,21 @@ def idle_engines() -> list[dict]:
             and not _held_elsewhere(Path(e["folder"]) / "start.lock")]
 
 
+def stop_if_idle(folder: Path) -> bool:
+    """Stop ``folder``'s engine if it is idle now, not as it was when listed: no job attached, none
+    attaching or starting it. Its start lock is held through the stop, so that no job attaches to an
+    engine on its way out. Whether it was stopped."""
+    with open(folder / "start.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a job is starting it or attaching to it
+            return False
+        state = engine_state(folder)
+        if not state["alive"] or state.get("status") != "ready" or state.get("attached"):
+            return False
+        return stop_engine(folder)
+
+
 def stop_engine(folder: Path, *, timeout: float = STOP_WAIT_S) -> bool:
     """Ask ``folder``'s engine to exit (SIGTERM) and wait until its lock is free, then end its whole
     process group (vLLM's engine core and workers with it); whether it was alive."""
@@ -572,7 +589,12 @@ def _held_elsewhere(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _held(path: Path) -> Iterator[None]:
+def _held(path: Path, *, waiting: str) -> Iterator[None]:
+    """``path`` flock-ed for the block; the log says what it waits for when another process holds it."""
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: waiting for it", waiting)
+            fcntl.flock(f, fcntl.LOCK_EX)
         yield
