@@ -302,15 +302,18 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
     shared = job("evaluate", "evaluate")
     assert loads_in(tmp_path / "evaluate.log") == [], shared["log"]  # no load of the target: attached
     assert "loaded into the speculator slot of the engine shared with capture" in shared["log"]
+    [engine] = [e for e in warm.list_engines() if e["alive"]]
+    assert engine["jobs"] == 2
     own = job("evaluate", "own-engine", shared=False)
     assert len(loads_in(tmp_path / "own-engine.log")) == 1
+    # a job's own engine on the same devices: the idle shared engine is stopped first
+    assert f"stopped the idle warm engine {engine['key']}" in own["log"]
+    assert not warm.engine_alive(Path(engine["folder"]))
     for key in ("tau", "acceptance_rate_by_position", "num_tokens", "lossless"):
         assert shared[key] == own[key], key
     steps = sum(CYCLE_STEPS.values(), [])
     assert shared["tau"] == pytest.approx(1 + sum(steps) / len(steps))
     assert shared["vllm"]["speculative_config"]["model"] == str(draft)
-    [engine] = [e for e in warm.list_engines() if e["alive"]]
-    assert engine["jobs"] == 2
 
 
 def test_the_end_of_a_run_says_which_engines_stay_up(tmp_path, monkeypatch, capsys):
@@ -392,10 +395,45 @@ def test_an_engine_a_job_came_to_since_the_list_is_not_stopped(tmp_path, monkeyp
 
             fcntl.flock(attaching, fcntl.LOCK_EX)  # a job attaching holds the start lock
             monkeypatch.setattr(warm, "idle_engines", lambda: listed)
-            warm._stop_idle_beside("new", {"identity": {"gpus": "GPU-0,GPU-1"}, "kwargs": {"model": "/m/T"}})
+            warm._stop_idle_beside("new", "GPU-0,GPU-1", str(tmp_path / "target"))
         assert warm.engine_alive(root / "attached") and warm.engine_alive(root / "attaching")
         assert not warm.engine_alive(root / "idle")
         assert json.loads((root / "idle" / "stopped").read_text()) == {"attached": None}
+    finally:
+        for process in engines.values():
+            process.kill()
+            process.wait()
+
+
+def test_idle_engines_asleep_never_pin_more_than_the_machine_allows_between_them(tmp_path, monkeypatch):
+    """Each target passes the one-engine memory rule; two of them asleep with the new one would not:
+    the idle one on other GPUs is stopped before the new one starts. A job that loads an engine of its
+    own stops the idle ones on its GPUs (an engine asleep still holds some of a GPU's memory)."""
+    from draftsmith.targets import inspect
+
+    root = tmp_path / "engines"
+    monkeypatch.setenv(warm.ENGINE_DIR_ENV, str(root))
+    warm.registry()
+    targets = {}
+    for name in ("a", "b", "c"):
+        targets[name] = tmp_path / name
+        targets[name].mkdir()
+        (targets[name] / "model.safetensors").write_bytes(b"0" * 300)
+    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: 1000)  # 800 bytes may sleep, one target 300
+    assert warm.too_large_to_keep(targets["a"]) is None
+    engines = {"a": fake_engine(root, "a", gpus="GPU-0", model=str(targets["a"])),
+               "b": fake_engine(root, "b", gpus="GPU-1", model=str(targets["b"]))}
+    try:
+        state = json.loads((root / "b" / "state.json").read_text())
+        (root / "b" / "state.json").write_text(json.dumps({**state, "attached": 4242}))  # b serves a job
+        warm._stop_idle_beside("c", "GPU-2", str(targets["c"]))  # 900 bytes asleep with a and b: a goes
+        assert not warm.engine_alive(root / "a") and warm.engine_alive(root / "b")
+
+        (root / "b" / "state.json").write_text(json.dumps(state))  # b idle again
+        warm._stop_idle_beside(None, "GPU-3", None)  # a job's own engine elsewhere: b stays
+        assert warm.engine_alive(root / "b")
+        warm._stop_idle_beside(None, "GPU-1,GPU-3", None)  # on b's GPU: b goes
+        assert not warm.engine_alive(root / "b")
     finally:
         for process in engines.values():
             process.kill()

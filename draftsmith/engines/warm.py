@@ -106,11 +106,10 @@ def too_large_to_keep(model_path: str | Path) -> str | None:
     (training, the data loaders), and pinning more than the machine has can stop it. The figure is
     the weight files' size against the machine's total (or its cgroup's limit), so every job of a
     run decides alike."""
-    from draftsmith.targets.identity import checkpoint_files
     from draftsmith.targets.inspect import host_memory_bytes
 
-    folder = Path(model_path)  # safetensors only: the preflight refuses pickled weights
-    weights = sum(p.stat().st_size for p in checkpoint_files(folder)) if folder.is_dir() else 0
+    folder = Path(model_path)
+    weights = weight_bytes(folder)
     memory = host_memory_bytes()
     if weights <= HOST_SHARE_FOR_WEIGHTS * memory:
         return None
@@ -119,10 +118,24 @@ def too_large_to_keep(model_path: str | Path) -> str | None:
             f"sleeps between jobs")
 
 
+def weight_bytes(model_path: str | Path | None) -> int:
+    """The size of the weight files vLLM loads from a target's folder (safetensors only: the
+    preflight refuses pickled weights); 0 for what is not a folder."""
+    from draftsmith.targets.identity import checkpoint_files
+
+    folder = Path(model_path) if model_path else None
+    return sum(p.stat().st_size for p in checkpoint_files(folder)) if folder and folder.is_dir() else 0
+
+
+def registry_folder() -> Path:
+    """Where this user's warm engines are registered on this machine (the folder may not exist)."""
+    return Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"draftsmith-engines-{_user()}")
+
+
 def registry() -> Path:
     """This user's folder of warm engines on this machine. Attaching to an engine is controlling it
     (and unpickling what it sends), so the folder must be the user's alone: refused otherwise."""
-    root = Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"draftsmith-engines-{_user()}")
+    root = registry_folder()
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = root.lstat()
     if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -160,7 +173,7 @@ def engine_identity(kwargs: dict) -> dict:
         "content": {name: weights_fingerprint(path) for name, path in folders.items() if path},
         "code": code_fingerprint(*ENGINE_CODE),
         "vllm": installed_vllm_version(),
-        "gpus": os.environ.get(JOB_GPUS_ENV) or os.environ.get("CUDA_VISIBLE_DEVICES") or "all",
+        "gpus": _job_gpus(),
         "environment": environment,
         "python": sys.executable,
         "host": socket.gethostname(),
@@ -220,6 +233,8 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
         if speculator_slot is not None:  # engines.shared asks for one only where an engine stays warm
             raise ValueError("a speculator slot is built by a warm engine's process: set DRAFTSMITH_KEEP_WARM_S, "
                              "on a machine whose memory holds the target's weights")
+        if registry_folder().is_dir():  # engines a run kept warm before still sleep on these GPUs
+            _stop_idle_beside(None, _job_gpus(), None)
         return _in_process(kwargs, what, set_num_threads)
     from vllm.platforms import current_platform
 
@@ -274,7 +289,7 @@ def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
         elif state.get("status") in ("ready", "loading"):
             log.warning("the warm target engine %s (pid %s) is gone (%s): loading the target cold; its log: %s",
                         key, state.get("pid"), _exit_reason(state), folder / "engine.log")
-        _stop_idle_beside(key, spec)
+        _stop_idle_beside(key, spec["identity"]["gpus"], spec["kwargs"].get("model"))
         with target_load(f"{spec['what']} in a warm engine process") as load:
             _start(folder, key, spec)
             engine = _attach(folder, key, spec["what"], cold=True)
@@ -282,16 +297,38 @@ def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
         return engine
 
 
-def _stop_idle_beside(key: str, spec: dict) -> None:
-    """Stop the idle engines that would share a GPU with the new one, or hold another copy of the
-    same target's weights in host memory."""
-    gpus, model = spec["identity"]["gpus"], spec["kwargs"].get("model")
+def _stop_idle_beside(key: str | None, gpus: str, model: str | None) -> None:
+    """Before an engine of ``model`` starts on ``gpus``: stop the idle engines that share a GPU with
+    it, hold another copy of its weights, or whose weights asleep would, with the ones of every
+    other live engine and its own, pin more than ``HOST_SHARE_FOR_WEIGHTS`` of the machine's memory
+    (``too_large_to_keep`` counts one engine; two runs' engines would count twice). ``key`` and
+    ``model`` are None for an engine of the job's own, which keeps nothing in host memory."""
+    from draftsmith.targets.inspect import host_memory_bytes
+
+    others = [e for e in list_engines() if e["alive"] and e["key"] != key]
+    pinned = weight_bytes(model) + sum(weight_bytes(e.get("model")) for e in others) if model else 0
+    budget = HOST_SHARE_FOR_WEIGHTS * host_memory_bytes() if model else 0
     for other in idle_engines():
-        if other["key"] != key and (_share_a_gpu(gpus, other.get("gpus")) or other.get("model") == model):
-            started = time.monotonic()
-            if stop_if_idle(Path(other["folder"])):
-                log.info("stopped the idle warm engine %s (pid %s) before this one starts, in %.1f s", other["key"],
-                         other["pid"], time.monotonic() - started)
+        if other["key"] == key:
+            continue
+        if _share_a_gpu(gpus, other.get("gpus")):
+            why = "it shares a GPU with the new one"
+        elif model is not None and other.get("model") == model:
+            why = "it holds another copy of the same target"
+        elif model is not None and pinned > budget:
+            why = f"the live engines' weights asleep would pass {HOST_SHARE_FOR_WEIGHTS:.0%} of the machine's memory"
+        else:
+            continue
+        started = time.monotonic()
+        if stop_if_idle(Path(other["folder"])):
+            pinned -= weight_bytes(other.get("model"))
+            log.info("stopped the idle warm engine %s (pid %s) before this one starts, in %.1f s: %s", other["key"],
+                     other["pid"], time.monotonic() - started, why)
+
+
+def _job_gpus() -> str:
+    """The devices a job's engine runs on, as its key and the idle engines' stop compare them."""
+    return os.environ.get(JOB_GPUS_ENV) or os.environ.get("CUDA_VISIBLE_DEVICES") or "all"
 
 
 def _share_a_gpu(a: str | None, b: str | None) -> bool:
