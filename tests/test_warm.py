@@ -504,3 +504,46 @@ def test_an_engine_that_cannot_write_its_state_still_shuts_down(service_main, mo
     service.main(folder)
     assert shut == ["the engine"]
     assert not (folder / "slot-draft").exists()
+
+
+# The engine process itself (draftsmith.engines.service) around a stand-in for vLLM's LLM.
+SERVICE_WITHOUT_VLLM = textwrap.dedent("""
+    import logging, sys
+    from pathlib import Path
+    from draftsmith.engines import service
+
+    class StandIn:
+        def generate(self, prompts, *args, **kwargs):
+            return [list(p) for p in prompts]
+        def collective_rpc(self, *args, **kwargs):
+            return [None]
+
+    service._load = lambda folder, spec, state: (StandIn(), 0.1)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    sys.exit(service.main(Path(sys.argv[1])))
+""")
+
+
+def test_an_engine_takes_the_idle_time_of_the_latest_job(tmp_path, monkeypatch):
+    """An engine started by a run with a long warm_target.minutes exits after the idle time of the
+    job that came last, so that a run that lowers it lowers it for the engines it uses."""
+    folder = tmp_path / "engine"
+    folder.mkdir(mode=0o700)
+    (folder / "spec.json").write_text(json.dumps({"kwargs": {"max_model_len": 64}, "what": "a stand-in engine",
+                                                  "keep_warm_s": 3600}))
+    engine = subprocess.Popen([sys.executable, "-c", SERVICE_WITHOUT_VLLM, str(folder)])
+    try:
+        deadline = time.monotonic() + 60
+        while warm.engine_state(folder).get("status") != "ready":
+            assert time.monotonic() < deadline and engine.poll() is None
+            time.sleep(0.05)
+        monkeypatch.setenv("DRAFTSMITH_KEEP_WARM_S", "1")
+        remote = warm.RemoteLLM(folder, "stand-in")
+        remote.attach()
+        assert remote.generate([[1, 2, 3]]) == [[1, 2, 3]]
+        remote.detach()
+        assert engine.wait(timeout=30) == 0
+        assert warm.engine_state(folder)["reason"] == "idle for 1 s"
+    finally:
+        engine.kill()
+        engine.wait()

@@ -66,8 +66,8 @@ def main(folder: Path) -> int:
         state.update(status="ready", load_seconds=round(load_seconds, 2),
                      max_model_len=engine_max_model_len(llm, spec["kwargs"].get("max_model_len")))
         _write(folder, state)
-        reason = _serve(folder, llm, listener, state, float(spec["keep_warm_s"]),
-                        sleeps=bool(spec["kwargs"].get("enable_sleep_mode")))
+        state["keep_warm_s"] = float(spec["keep_warm_s"])
+        reason = _serve(folder, llm, listener, state, sleeps=bool(spec["kwargs"].get("enable_sleep_mode")))
     except _Stop:
         pass
     except Exception as e:  # noqa: BLE001 - the job reads it in state.json, the user in this log
@@ -165,11 +165,13 @@ def _slot_draft(folder: Path, slot: dict) -> Path:
     return save_speculators(Eagle3Draft(config), folder / SLOT_DRAFT)
 
 
-def _serve(folder: Path, llm, listener: socket.socket, state: dict, keep_warm_s: float, sleeps: bool) -> str:
-    """Serve jobs one at a time until none comes for ``keep_warm_s`` seconds; why it stopped. An
-    engine with sleep mode sleeps whenever no job is attached, after a grace for the first job."""
+def _serve(folder: Path, llm, listener: socket.socket, state: dict, sleeps: bool) -> str:
+    """Serve jobs one at a time until none comes for ``state["keep_warm_s"]`` seconds (the latest
+    job's ``warm_target.minutes``); why it stopped. An engine with sleep mode sleeps whenever no job
+    is attached, after a grace for the first job."""
     asleep, idle_since = False, time.monotonic()
     while True:
+        keep_warm_s = state["keep_warm_s"]
         waited = time.monotonic() - idle_since
         grace = FIRST_JOB_S if sleeps and not asleep and state["jobs"] == 0 else keep_warm_s
         listener.settimeout(max(min(grace, keep_warm_s) - waited, 0.001))
@@ -225,7 +227,9 @@ def _session(folder: Path, llm, conn: Connection, state: dict) -> tuple[str | No
             log.info("job pid %s detached", state.get("attached"))
             return None, True
         if message[0] == "attach":
-            state.update(attached=message[1]["pid"], jobs=state["jobs"] + 1)
+            # the job's warm_target.minutes from now on: a run that changes it changes the engines it uses
+            state.update(attached=message[1]["pid"], jobs=state["jobs"] + 1,
+                         keep_warm_s=float(message[1].get("keep_warm_s", state["keep_warm_s"])))
             _write(folder, state)
             log.info("job pid %s attached (%s)", message[1]["pid"], " ".join(message[1]["argv"]))
             reply = ("ok", {"pid": os.getpid(), "load_seconds": state["load_seconds"], "jobs": state["jobs"] - 1,

@@ -450,7 +450,7 @@ class RemoteLLM:
             raise EngineGone(f"cannot reach the warm target engine {self.key}: {e}", where=str(self.folder),
                              fix="rerun the job: it loads the target cold") from e
         self._conn = Connection(sock.detach())
-        return self._request("attach", {"pid": os.getpid(), "argv": sys.argv[:3]})
+        return self._request("attach", {"pid": os.getpid(), "argv": sys.argv[:3], "keep_warm_s": keep_warm_seconds()})
 
     def detach(self) -> None:
         """End this job's session; returns once the engine has reset and gone to sleep, so that the
