@@ -104,6 +104,7 @@ def llama_eval(llama, tmp_path_factory, in_process_engine):
 def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
     """vLLM's run with the draft reproduced the HF loop's greedy decoding (evaluate_draft raises
     otherwise), in one engine, the draft's; vLLM's figures sit beside the HF loop's and agree."""
+    from draftsmith.evaluate.vllm import batch_size_for
     from draftsmith.plots import plot_evaluation
 
     written = json.loads(llama_eval.out.read_text())
@@ -130,7 +131,8 @@ def test_evaluate_draft_serves_the_draft_in_vllm(llama, llama_eval, tmp_path):
     # one engine decodes: vLLM's greedy decoding is not timed beside it (eval.separate_engines)
     assert v["seconds"] > 0 and v["greedy_seconds"] is None and v["speedup"] is None
     assert v["engine"]["dtype"] == "float32"
-    assert v["engine"]["max_num_seqs"] == len(LLAMA_PROMPTS)  # the batch it decodes, and its CUDA graphs' sizes
+    # sized to the batch it decodes (its CUDA graphs' sizes), to the next power of two
+    assert v["engine"]["max_num_seqs"] == batch_size_for(len(LLAMA_PROMPTS)) >= len(LLAMA_PROMPTS)
     # Checked: the HF loop's draft and baseline at k = 3 on every prompt, and vLLM's run on every
     # prompt; the sweep's k = 1 is replayed on the first 2, whose replay at k = 3 is the loop's run.
     assert written["lossless"]["checked_generations"] == 2 * len(LLAMA_PROMPTS) + len(LLAMA_PROMPTS)

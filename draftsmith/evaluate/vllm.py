@@ -40,6 +40,8 @@ from draftsmith.targets.vllm_compat import has_engine_arg, vocab_maps_allowed
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's own for an offline engine on a GPU
+
 
 @dataclass
 class VllmRun:
@@ -117,9 +119,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
                                   f"({settings.max_new_tokens}) exceeds the target's {limit} positions",
                                   where="eval.max_new_tokens", fix="lower eval.max_new_tokens or data.max_seq_len")
         max_model_len = limit
-    # Every prompt is decoded in one batch: an engine of evaluation's own needs no more sequences, and
-    # vLLM captures CUDA graphs only for the batch sizes up to it (a dozen sizes, not sixty).
-    engine_kwargs.setdefault("max_num_seqs", len(prompts))
+    engine_kwargs.setdefault("max_num_seqs", batch_size_for(len(prompts)))
     common = dict(dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                   trust_remote_code=bool(target.get("trust_remote_code", False)), **engine_kwargs)
     ids = [p.ids for p in prompts]
@@ -168,6 +168,14 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     run.baseline_counters = counters_from_records([g.accepted for g in run.baseline],
                                                   [g.proposed for g in run.baseline], settings.k)
     return run
+
+
+def batch_size_for(prompts: int) -> int:
+    """``max_num_seqs`` of an engine of evaluation's own, which decodes every prompt in one batch:
+    vLLM captures CUDA graphs only for the batch sizes up to it (a dozen for 16 prompts, not the
+    fifty of its default 256). Rounded up to a power of two, so that a few prompts more or fewer
+    still find the warm engine of the run before (the engine's key holds it)."""
+    return min(1 << max(prompts - 1, 0).bit_length(), DEFAULT_MAX_NUM_SEQS)
 
 
 def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, shared: SharedEngine | None,
