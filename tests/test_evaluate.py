@@ -802,9 +802,9 @@ def test_a_sweep_the_replay_cannot_run_is_decoded(backend):
 
 def test_evaluations_own_engine_holds_its_prompts_batch_in_a_power_of_two():
     """vLLM captures CUDA graphs up to ``max_num_seqs``: evaluation's own engine asks for the batch it
-    decodes, rounded up to a power of two (a few prompts more still find the warm engine), never more
-    than vLLM's default."""
-    from draftsmith.evaluate.vllm import DEFAULT_MAX_NUM_SEQS, batch_size_for
+    decodes, rounded up to a power of two (a few prompts more still find the warm engine), at most
+    ``MAX_EVAL_BATCH``."""
+    from draftsmith.evaluate.vllm import MAX_EVAL_BATCH, batch_size_for
 
     assert [batch_size_for(n) for n in (1, 2, 3, 16, 17, 80)] == [1, 2, 4, 16, 32, 128]
-    assert batch_size_for(10_000) == DEFAULT_MAX_NUM_SEQS
+    assert batch_size_for(10_000) == MAX_EVAL_BATCH
