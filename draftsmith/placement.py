@@ -11,7 +11,8 @@ both start on GPUs 0-3. A job therefore claims its devices itself before its eng
   the workflow was started with): one lock file per device, ``flock``-ed by this process in a
   machine-wide folder, taken all at once under a folder lock. The kernel drops ``flock`` locks when
   the last descriptor closes, so a job that exits, fails or is killed (SIGKILL, OOM) frees its
-  devices without any clean-up step. ``CUDA_VISIBLE_DEVICES`` is then set to the claimed ids, with
+  devices without any clean-up step (once the warm engine it was attached to, which holds copies
+  of the descriptors while it works for the job, has finished the call it was in). ``CUDA_VISIBLE_DEVICES`` is then set to the claimed ids, with
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA numbers devices as ``nvidia-smi`` does.
 
 Devices are listed by ``nvidia-smi`` (index and UUID; locks are named by UUID, so two checkouts or
@@ -98,6 +99,12 @@ def lock_dir() -> Path:
     return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "draftsmith-gpus")
 
 
+# The lock files of the claims this process holds: a warm engine serving this job holds copies of
+# their descriptors while it works for it (draftsmith.engines.warm), so that a job killed in the
+# middle of a call leaves its devices claimed until the engine has finished that call.
+_held_files: list = []
+
+
 @dataclass
 class Claim:
     """Devices held by this process until ``release`` (or its exit, however it ends)."""
@@ -106,14 +113,23 @@ class Claim:
     source: str  # "slurm", "lock" or "none"
     _files: list = field(default_factory=list, repr=False)
 
+    def __post_init__(self) -> None:
+        _held_files.extend(self._files)
+
     @property
     def visible(self) -> str:
         return ",".join(d.index for d in self.devices)
 
     def release(self) -> None:
         for f in self._files:
+            _held_files.remove(f)
             f.close()  # closing the last descriptor drops the flock
         self._files = []
+
+
+def held_device_locks() -> list[int]:
+    """The descriptors of the device locks this process holds (none under SLURM or on the CPU)."""
+    return [f.fileno() for f in _held_files]
 
 
 def _open_lock(path: Path):

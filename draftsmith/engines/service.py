@@ -37,7 +37,9 @@ METHODS = ("generate", "collective_rpc", "get_metrics")
 FATAL = ("EngineDeadError", "EngineGenerateError")
 FIRST_JOB_S = 60.0  # after its load, how long the engine stays awake for the job that started it
 SLOT_DRAFT = "slot-draft"  # the folder of the speculator slot's draft, beside the engine's state
-LOCK_WAIT_S = 2.0  # how long a new engine tries for its lock (engines.warm probes it for an instant)
+LOCK_WAIT_S = 2.0
+MAX_DEVICE_LOCKS = 64  # the most device-lock descriptors a job passes with its connection
+HANDSHAKE_S = 30.0  # how long a connection may take to pass them  # how long a new engine tries for its lock (engines.warm probes it for an instant)
 
 
 class _Stop(BaseException):
@@ -184,21 +186,32 @@ def _serve(folder: Path, llm, listener: socket.socket, state: dict, sleeps: bool
                 _sleep(llm)
                 asleep = True
             continue
-        conn = Connection(conn_socket.detach())
-        if asleep:
-            started = time.monotonic()
-            llm.wake_up()
-            asleep = False
-            log.info("woke up in %.1f s", time.monotonic() - started)
-        fatal, detached = _session(folder, llm, conn, state)
-        if fatal:
-            conn.close()
-            return f"vLLM's engine died ({fatal})"
-        with contextlib.suppress(Exception):  # engines without the capture extension have nothing to reset
-            llm.collective_rpc("draftsmith_reset")
-        if sleeps:
-            _sleep(llm)
-            asleep = True
+        try:  # the job's device locks, held until this engine is done with the GPU for it, even if it dies
+            conn_socket.settimeout(HANDSHAKE_S)
+            _, device_locks, _, _ = socket.recv_fds(conn_socket, 1, MAX_DEVICE_LOCKS)
+            conn_socket.settimeout(None)
+        except OSError:
+            conn_socket.close()
+            continue
+        try:
+            conn = Connection(conn_socket.detach())
+            if asleep:
+                started = time.monotonic()
+                llm.wake_up()
+                asleep = False
+                log.info("woke up in %.1f s", time.monotonic() - started)
+            fatal, detached = _session(folder, llm, conn, state)
+            if fatal:
+                conn.close()
+                return f"vLLM's engine died ({fatal})"
+            with contextlib.suppress(Exception):  # engines without the capture extension have nothing to reset
+                llm.collective_rpc("draftsmith_reset")
+            if sleeps:
+                _sleep(llm)
+                asleep = True
+        finally:
+            for lock in device_locks:
+                os.close(lock)
         state.update(attached=None, last_job=time.time())
         _write(folder, state)
         if detached:  # the job waits for this: its GPU memory is free when it goes on

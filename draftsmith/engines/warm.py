@@ -57,7 +57,7 @@ from typing import Any
 from draftsmith.engines.loads import target_load
 from draftsmith.errors import DraftsmithError
 from draftsmith.io import atomic_write_json, read_json
-from draftsmith.placement import JOB_GPUS_ENV, KEEP_WARM_ENV
+from draftsmith.placement import JOB_GPUS_ENV, KEEP_WARM_ENV, held_device_locks
 
 log = logging.getLogger(__name__)
 
@@ -445,6 +445,8 @@ class RemoteLLM:
         try:
             with socket_address(self.folder) as address:
                 sock.connect(address)
+            # the job's device locks, which the engine holds too while it works for this job
+            socket.send_fds(sock, [b"L"], held_device_locks())
         except OSError as e:
             sock.close()
             raise EngineGone(f"cannot reach the warm target engine {self.key}: {e}", where=str(self.folder),
