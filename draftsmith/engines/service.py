@@ -37,9 +37,9 @@ METHODS = ("generate", "collective_rpc", "get_metrics")
 FATAL = ("EngineDeadError", "EngineGenerateError")
 FIRST_JOB_S = 60.0  # after its load, how long the engine stays awake for the job that started it
 SLOT_DRAFT = "slot-draft"  # the folder of the speculator slot's draft, beside the engine's state
-LOCK_WAIT_S = 2.0
+LOCK_WAIT_S = 2.0  # how long a new engine tries for its lock (engines.warm probes it for an instant)
 MAX_DEVICE_LOCKS = 64  # the most device-lock descriptors a job passes with its connection
-HANDSHAKE_S = 30.0  # how long a connection may take to pass them  # how long a new engine tries for its lock (engines.warm probes it for an instant)
+HANDSHAKE_S = 30.0  # how long a connection may take to pass them
 
 
 class _Stop(BaseException):

@@ -21,7 +21,8 @@ hooks), the vLLM release, the GPUs (the UUIDs the job claimed), the engine's env
 (secrets left out) and the Python running it. A job attaches only to an engine of its own key,
 so a changed target, draft, setting, release or GPU set never meets a stale engine. One job at a
 time is attached (others queue at the socket; the GPU claims make that rare); a job that dies
-leaves the engine serving the next one. Between jobs a CUDA engine sleeps (vLLM's sleep mode: its
+leaves the engine serving the next one, and its GPU claim held until the engine has finished the
+call it was in (the job passes its device locks' descriptors with its connection). Between jobs a CUDA engine sleeps (vLLM's sleep mode: its
 weights in host memory, its GPU memory free for training) and wakes in seconds when a job attaches;
 an engine left idle for ``KEEP_WARM_ENV`` seconds exits. Before a new engine starts, idle engines
 on the same GPUs or of the same target are stopped, so that they hold neither GPU nor host memory a
@@ -234,7 +235,10 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
             raise ValueError("a speculator slot is built by a warm engine's process: set DRAFTSMITH_KEEP_WARM_S, "
                              "on a machine whose memory holds the target's weights")
         if registry_folder().is_dir():  # engines a run kept warm before still sleep on these GPUs
-            _stop_idle_beside(None, _job_gpus(), None)
+            try:
+                _stop_idle_beside(None, _job_gpus(), None)
+            except DraftsmithError as e:  # a registry that is not the user's alone: this job needs none
+                log.warning("the warm engines beside this job are left as they are: %s", e.what)
         return _in_process(kwargs, what, set_num_threads)
     from vllm.platforms import current_platform
 
