@@ -3,13 +3,15 @@
 
 It takes FOLDER's lock for its whole life, binds FOLDER's socket, loads ``vllm.LLM`` with the
 arguments of FOLDER's spec.json (with a speculator slot, its draft built first: see
-``draftsmith.engines.shared``), then serves one attached job at a time: each request names an
-``LLM`` method (``generate``, ``collective_rpc``, ``get_metrics``) and gets its result or the
-exception's text back (its traceback goes to this process's log). A job that detaches or dies ends
-its session; the capture hooks' state is reset and, where the engine was started with sleep mode,
-it sleeps until the next job attaches (so it does after its load, when the job that started it is
-gone). With no job for ``keep_warm_s`` seconds, or on SIGTERM, it shuts the engine down and exits;
-an engine that vLLM reports dead exits at once, so the next job loads cold.
+``draftsmith.engines.shared``), then serves one attached job at a time: a job's connection first
+passes copies of its device locks' descriptors, held until the engine is asleep again; each
+request names an ``LLM`` method (``generate``, ``collective_rpc``, ``get_metrics``) and gets its
+result or the exception's text back (its traceback goes to this process's log). A job that
+detaches or dies ends its session; the capture hooks' state is reset and, where the engine was
+started with sleep mode, it sleeps until the next job attaches (so it does after its load, when the
+job that started it is gone). With no job for the latest job's ``keep_warm_s`` seconds, or on
+SIGTERM, it shuts the engine down and exits; an engine that vLLM reports dead exits at once, so the
+next job loads cold.
 """
 
 from __future__ import annotations
