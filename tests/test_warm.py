@@ -594,3 +594,34 @@ def test_a_job_killed_mid_call_keeps_its_gpus_until_the_engine_is_done(tmp_path,
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_a_request_cut_short_ends_the_session_instead_of_answering_the_next(tmp_path, monkeypatch):
+    """A job interrupted (Ctrl-C) while the engine computes must not read that answer as the answer
+    to its next request: the session ends, later requests say so, and the engine serves on."""
+    monkeypatch.setenv("DRAFTSMITH_KEEP_WARM_S", "60")
+    folder = tmp_path / "engine"
+    engine = stand_in_engine(folder, STAND_IN_SECONDS="2")
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        remote = warm.RemoteLLM(folder, "stand-in")
+        remote.attach()
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            remote.generate([[1, 2]])
+        with pytest.raises(warm.EngineGone):
+            remote.collective_rpc("draftsmith_reset")
+        remote.detach()
+        again = warm.RemoteLLM(folder, "stand-in")  # the next job
+        again.attach()
+        assert again.generate([[3]]) == [[3]]
+        again.detach()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        engine.kill()
+        engine.wait()

@@ -490,6 +490,10 @@ class RemoteLLM:
             raise EngineGone(f"the warm target engine {self.key} stopped during {what!r}: {_exit_reason(state)}",
                              where=str(self.folder / "engine.log"),
                              fix="rerun the job: it loads the target cold (the engine's log says why it stopped)") from e
+        except BaseException:  # interrupted (Ctrl-C) before the answer: the next request would read this one's
+            conn, self._conn = self._conn, None
+            conn.close()  # the engine ends the session once it has answered
+            raise
         if reply[0] == "ok":
             return reply[1]
         _, kind, text = reply
