@@ -41,9 +41,9 @@ STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "train_draft",
 
 def run_mode(work: Path, case: str, mode: str) -> dict:
     """One workflow run and a rerun of evaluate_draft; the figures of each job that runs the target."""
-    from draftsmith.engines import warm
+    from draftsmith.engines import registry
 
-    os.environ[warm.ENGINE_DIR_ENV] = str(work / "engines")  # the run's jobs inherit it
+    os.environ[registry.ENGINE_DIR_ENV] = str(work / "engines")  # the run's jobs inherit it
     try:
         workdir, configfile, _ = vllm_workflow(work, case, **MODES[mode])
         started = time.monotonic()
@@ -57,8 +57,8 @@ def run_mode(work: Path, case: str, mode: str) -> dict:
                                        **_figures(workdir)["evaluate_draft"]}
         return run
     finally:
-        for engine in warm.list_engines():
-            warm.stop_engine(Path(engine["folder"]))
+        for engine in registry.list_engines():
+            registry.stop_engine(Path(engine["folder"]))
 
 
 def _figures(workdir: Path) -> dict:

@@ -96,7 +96,7 @@ def run_phase(args: argparse.Namespace) -> dict:
 
 def phase_env(args: argparse.Namespace, phase: str) -> dict:
     """The phase's environment: the warm phases keep the engine warm; each cache set has its folder."""
-    from draftsmith.engines.warm import ENGINE_DIR_ENV
+    from draftsmith.engines.registry import ENGINE_DIR_ENV
     from draftsmith.placement import ENGINE_ENV_DEFAULTS, KEEP_WARM_ENV
 
     caches = args.work / ("caches-empty" if phase == "cold" else "caches")
@@ -114,10 +114,10 @@ def wake_seconds(engines: Path) -> list[float]:
 
 def stop_engines() -> None:
     """Stop every engine of the bench's registry (``DRAFTSMITH_ENGINE_DIR``, set by ``main``)."""
-    from draftsmith.engines import warm
+    from draftsmith.engines import registry
 
-    for engine in warm.list_engines():
-        warm.stop_engine(Path(engine["folder"]))
+    for engine in registry.list_engines():
+        registry.stop_engine(Path(engine["folder"]))
 
 
 def summarize(phases: dict, engines: Path) -> dict:

@@ -12,8 +12,9 @@ both start on GPUs 0-3. A job therefore claims its devices itself before its eng
   machine-wide folder, taken all at once under a folder lock. The kernel drops ``flock`` locks when
   the last descriptor closes, so a job that exits, fails or is killed (SIGKILL, OOM) frees its
   devices without any clean-up step (once the warm engine it was attached to, which holds copies
-  of the descriptors while it works for the job, has finished the call it was in). ``CUDA_VISIBLE_DEVICES`` is then set to the claimed ids, with
-  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA numbers devices as ``nvidia-smi`` does.
+  of the descriptors while it works for the job, has finished the call it was in).
+  ``CUDA_VISIBLE_DEVICES`` is then set to the claimed ids, with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so
+  that CUDA numbers devices as ``nvidia-smi`` does.
 
 Devices are listed by ``nvidia-smi`` (index and UUID; locks are named by UUID, so two checkouts or
 containers on one machine contend for the same physical GPU), or by ``DRAFTSMITH_DEVICES`` (a

@@ -14,17 +14,17 @@ import tiny
 def warm_engine_registry(tmp_path_factory):
     """Warm target engines that tests start (directly, or through a workflow's jobs, which inherit
     the variable) live in a registry of the session's own, and none outlives the session."""
-    from draftsmith.engines import warm
+    from draftsmith.engines import registry
 
-    saved = os.environ.get(warm.ENGINE_DIR_ENV)
-    os.environ[warm.ENGINE_DIR_ENV] = str(tmp_path_factory.mktemp("warm-engines"))
+    saved = os.environ.get(registry.ENGINE_DIR_ENV)
+    os.environ[registry.ENGINE_DIR_ENV] = str(tmp_path_factory.mktemp("warm-engines"))
     yield
-    for engine in warm.list_engines():
-        warm.stop_engine(Path(engine["folder"]))
+    for engine in registry.list_engines():
+        registry.stop_engine(Path(engine["folder"]))
     if saved is None:
-        os.environ.pop(warm.ENGINE_DIR_ENV, None)
+        os.environ.pop(registry.ENGINE_DIR_ENV, None)
     else:
-        os.environ[warm.ENGINE_DIR_ENV] = saved
+        os.environ[registry.ENGINE_DIR_ENV] = saved
 
 
 @pytest.fixture(scope="session")

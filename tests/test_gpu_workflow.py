@@ -42,12 +42,12 @@ TARGET_STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "evalua
 @pytest.fixture
 def engines(tmp_path, monkeypatch):
     """The test's own registry of warm engines (its jobs inherit it), every engine stopped after."""
-    from draftsmith.engines import warm
+    from draftsmith.engines import registry
 
     monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(tmp_path / "engines"))
     yield
-    for engine in warm.list_engines():
-        warm.stop_engine(Path(engine["folder"]))
+    for engine in registry.list_engines():
+        registry.stop_engine(Path(engine["folder"]))
 
 
 @vllm_test

@@ -24,6 +24,16 @@ from safetensors.torch import load_file, save_file
 
 import tiny
 from draftsmith.engines import warm
+from draftsmith.engines.registry import (
+    ENGINE_DIR_ENV,
+    engine_alive,
+    engine_state,
+    idle_engines,
+    list_engines,
+    say_warm_engines,
+    stop_engine,
+)
+from draftsmith.engines.registry import registry as registry_root
 from draftsmith.errors import DraftsmithError
 from tiny_vllm import ENGINE_ARGS, HAS_VLLM, vllm_test
 
@@ -51,8 +61,8 @@ def registry(tmp_path, monkeypatch):
     folder = tmp_path / "engines"
     monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(folder))
     yield folder
-    for engine in warm.list_engines():
-        warm.stop_engine(Path(engine["folder"]))
+    for engine in list_engines():
+        stop_engine(Path(engine["folder"]))
 
 
 def run_job(model: Path, log: Path, *, keep_warm: float = 120, crash: bool = False,
@@ -78,7 +88,7 @@ def loads_in(log: Path) -> list[str]:
 def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_path, registry, monkeypatch):
     # a registry deep in a project folder: its sockets' paths are longer than a Unix socket's address holds
     deep = registry / ("a-project-folder-of-a-long-name-" * 3)
-    monkeypatch.setenv(warm.ENGINE_DIR_ENV, str(deep))
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(deep))
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     first = run_job(model, tmp_path / "first.log")
     assert first["loaded"] and len(loads_in(tmp_path / "first.log")) == 1
@@ -87,7 +97,7 @@ def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_pa
     phases = dict(phase.rsplit(" ", 2)[:2] for phase in start[1].strip().split(", "))
     assert list(phases) == ["the process and its imports", "importing vLLM", "vLLM's load"]
     assert 0 < sum(map(float, phases.values())) <= float(start[0]) + 0.05 * (len(phases) + 1)  # each rounded to 0.1 s
-    [engine] = warm.list_engines()
+    [engine] = list_engines()
     assert engine["alive"] and engine["status"] == "ready" and engine["attached"] is None
     assert len(os.fsencode(Path(engine["folder"]) / "socket")) > 108
 
@@ -99,8 +109,8 @@ def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_pa
     run_job(model, tmp_path / "crashed.log", crash=True)
     after = run_job(model, tmp_path / "after.log")
     assert not after["loaded"] and after["tokens"] == first["tokens"]
-    [engine] = warm.list_engines()
-    assert engine["jobs"] == 4 and engine["pid"] == warm.engine_state(Path(engine["folder"]))["pid"]
+    [engine] = list_engines()
+    assert engine["jobs"] == 4 and engine["pid"] == engine_state(Path(engine["folder"]))["pid"]
 
 
 @vllm_test
@@ -109,14 +119,14 @@ def test_changed_weights_never_meet_a_stale_engine(tmp_path, registry):
     engine of the old ones, on the same devices, stopped first)."""
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     first = run_job(model, tmp_path / "first.log")
-    [old] = warm.list_engines()
+    [old] = list_engines()
     weights = load_file(model / "model.safetensors")
     weights = {name: (-w if name.endswith("lm_head.weight") else w) for name, w in weights.items()}
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     changed = run_job(model, tmp_path / "changed.log")
     assert changed["loaded"] and changed["tokens"] != first["tokens"]
     assert "stopped the idle warm engine " + old["key"] in (tmp_path / "changed.log").read_text()
-    engines = {e["key"]: e for e in warm.list_engines()}
+    engines = {e["key"]: e for e in list_engines()}
     assert not engines[old["key"]]["alive"] and engines[old["key"]]["status"] == "exited"
     assert [e["alive"] for k, e in engines.items() if k != old["key"]] == [True]
 
@@ -125,10 +135,10 @@ def test_changed_weights_never_meet_a_stale_engine(tmp_path, registry):
 def test_a_dead_engine_means_a_cold_load_said_in_the_log(tmp_path, registry):
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     first = run_job(model, tmp_path / "first.log")
-    [engine] = warm.list_engines()
+    [engine] = list_engines()
     os.kill(engine["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while warm.engine_state(Path(engine["folder"]))["alive"] and time.monotonic() < deadline:
+    while engine_state(Path(engine["folder"]))["alive"] and time.monotonic() < deadline:
         time.sleep(0.1)
     again = run_job(model, tmp_path / "again.log")
     assert again["loaded"] and again["tokens"] == first["tokens"]
@@ -141,11 +151,11 @@ def test_a_dead_engine_means_a_cold_load_said_in_the_log(tmp_path, registry):
 def test_an_idle_engine_exits(tmp_path, registry):
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     run_job(model, tmp_path / "first.log", keep_warm=2)
-    [engine] = warm.list_engines()
+    [engine] = list_engines()
     deadline = time.monotonic() + 60
-    while warm.engine_state(Path(engine["folder"]))["alive"] and time.monotonic() < deadline:
+    while engine_state(Path(engine["folder"]))["alive"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    state = warm.engine_state(Path(engine["folder"]))
+    state = engine_state(Path(engine["folder"]))
     assert not state["alive"] and state["status"] == "exited" and state["reason"] == "idle for 2 s"
 
 
@@ -158,13 +168,13 @@ def test_a_target_too_large_for_the_machines_memory_asleep_is_not_kept_warm(tmp_
     first = run_job(model, tmp_path / "first.log", machine_memory=weights)
     again = run_job(model, tmp_path / "again.log", machine_memory=weights)
     assert first["loaded"] and again["loaded"] and again["tokens"] == first["tokens"]
-    assert warm.list_engines() == []
+    assert list_engines() == []
     text = (tmp_path / "again.log").read_text()
     assert len(loads_in(tmp_path / "again.log")) == 1
     assert f"would take more than 80% of this machine's {weights / 1e9:.1f} GB" in text
     assert "the engine is this job's own and ends with it" in text
     kept = run_job(model, tmp_path / "kept.log", machine_memory=2 * weights)  # 50%: kept warm
-    assert kept["loaded"] and [e["alive"] for e in warm.list_engines()] == [True]
+    assert kept["loaded"] and [e["alive"] for e in list_engines()] == [True]
 
 
 def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeypatch, caplog):
@@ -302,13 +312,13 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
     shared = job("evaluate", "evaluate")
     assert loads_in(tmp_path / "evaluate.log") == [], shared["log"]  # no load of the target: attached
     assert "loaded into the speculator slot of the engine shared with capture" in shared["log"]
-    [engine] = [e for e in warm.list_engines() if e["alive"]]
+    [engine] = [e for e in list_engines() if e["alive"]]
     assert engine["jobs"] == 2
     own = job("evaluate", "own-engine", shared=False)
     assert len(loads_in(tmp_path / "own-engine.log")) == 1
     # a job's own engine on the same devices: the idle shared engine is stopped first
     assert f"stopped the idle warm engine {engine['key']}" in own["log"]
-    assert not warm.engine_alive(Path(engine["folder"]))
+    assert not engine_alive(Path(engine["folder"]))
     for key in ("tau", "acceptance_rate_by_position", "num_tokens", "lossless"):
         assert shared[key] == own[key], key
     steps = sum(CYCLE_STEPS.values(), [])
@@ -318,9 +328,9 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
 
 def test_the_end_of_a_run_says_which_engines_stay_up(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(tmp_path / "engines"))
-    warm.say_warm_engines()
+    say_warm_engines()
     assert capsys.readouterr().err == ""
-    folder = warm.registry() / "0123456789abcdef"
+    folder = registry_root() / "0123456789abcdef"
     folder.mkdir()
     (folder / "state.json").write_text(json.dumps({"status": "ready", "pid": os.getpid()}))
     # a process holding the engine's lock, as an engine process holds it
@@ -329,13 +339,13 @@ def test_the_end_of_a_run_says_which_engines_stay_up(tmp_path, monkeypatch, caps
                                str(folder / "lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        warm.say_warm_engines()
+        say_warm_engines()
     finally:
         holder.kill()
         holder.wait()
     said = capsys.readouterr().err
     assert "1 warm target engine(s) stay up" in said and "python -m draftsmith.engines list | stop" in said
-    assert not warm.engine_alive(folder)  # the lock goes with its process
+    assert not engine_alive(folder)  # the lock goes with its process
 
 
 def test_a_registry_that_is_not_the_users_alone_is_refused(tmp_path, monkeypatch):
@@ -344,7 +354,7 @@ def test_a_registry_that_is_not_the_users_alone_is_refused(tmp_path, monkeypatch
     shared.chmod(0o777)
     monkeypatch.setenv("DRAFTSMITH_ENGINE_DIR", str(shared))
     with pytest.raises(DraftsmithError, match="is not this user's alone") as error:
-        warm.registry()
+        registry_root()
     assert "DRAFTSMITH_ENGINE_DIR" in error.value.fix
 
 
@@ -372,7 +382,7 @@ def fake_engine(root: Path, key: str, *, gpus: str, model: str) -> subprocess.Po
     (folder / "spec.json").write_text(json.dumps({"identity": {"gpus": gpus}, "kwargs": {"model": model}}))
     process = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE, str(folder)])
     deadline = time.monotonic() + 30
-    while not (folder / "state.json").exists() or not warm.engine_alive(folder):
+    while not (folder / "state.json").exists() or not engine_alive(folder):
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.05)
     return process
@@ -382,11 +392,11 @@ def test_an_engine_a_job_came_to_since_the_list_is_not_stopped(tmp_path, monkeyp
     """A new engine stops the idle ones beside it from a list read once; an engine a job attached to
     (or is attaching to) since then is left serving it, an engine still idle is stopped."""
     root = tmp_path / "engines"
-    monkeypatch.setenv(warm.ENGINE_DIR_ENV, str(root))
-    warm.registry()
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(root))
+    registry_root()
     engines = {key: fake_engine(root, key, gpus="GPU-0", model="/m/other") for key in ("attached", "attaching", "idle")}
     try:
-        listed = warm.idle_engines()
+        listed = idle_engines()
         assert sorted(e["key"] for e in listed) == sorted(engines)
         state = json.loads((root / "attached" / "state.json").read_text())
         (root / "attached" / "state.json").write_text(json.dumps({**state, "attached": 4242}))  # a job came
@@ -394,10 +404,10 @@ def test_an_engine_a_job_came_to_since_the_list_is_not_stopped(tmp_path, monkeyp
             import fcntl
 
             fcntl.flock(attaching, fcntl.LOCK_EX)  # a job attaching holds the start lock
-            monkeypatch.setattr(warm, "idle_engines", lambda: listed)
+            monkeypatch.setattr(warm, "idle_engines", lambda engines: listed)
             warm._stop_idle_beside("new", "GPU-0,GPU-1", str(tmp_path / "target"))
-        assert warm.engine_alive(root / "attached") and warm.engine_alive(root / "attaching")
-        assert not warm.engine_alive(root / "idle")
+        assert engine_alive(root / "attached") and engine_alive(root / "attaching")
+        assert not engine_alive(root / "idle")
         assert json.loads((root / "idle" / "stopped").read_text()) == {"attached": None}
     finally:
         for process in engines.values():
@@ -412,8 +422,8 @@ def test_idle_engines_asleep_never_pin_more_than_the_machine_allows_between_them
     from draftsmith.targets import inspect
 
     root = tmp_path / "engines"
-    monkeypatch.setenv(warm.ENGINE_DIR_ENV, str(root))
-    warm.registry()
+    monkeypatch.setenv(ENGINE_DIR_ENV, str(root))
+    registry_root()
     targets = {}
     for name in ("a", "b", "c"):
         targets[name] = tmp_path / name
@@ -427,13 +437,13 @@ def test_idle_engines_asleep_never_pin_more_than_the_machine_allows_between_them
         state = json.loads((root / "b" / "state.json").read_text())
         (root / "b" / "state.json").write_text(json.dumps({**state, "attached": 4242}))  # b serves a job
         warm._stop_idle_beside("c", "GPU-2", str(targets["c"]))  # 900 bytes asleep with a and b: a goes
-        assert not warm.engine_alive(root / "a") and warm.engine_alive(root / "b")
+        assert not engine_alive(root / "a") and engine_alive(root / "b")
 
         (root / "b" / "state.json").write_text(json.dumps(state))  # b idle again
         warm._stop_idle_beside(None, "GPU-3", None)  # a job's own engine elsewhere: b stays
-        assert warm.engine_alive(root / "b")
+        assert engine_alive(root / "b")
         warm._stop_idle_beside(None, "GPU-1,GPU-3", None)  # on b's GPU: b goes
-        assert not warm.engine_alive(root / "b")
+        assert not engine_alive(root / "b")
     finally:
         for process in engines.values():
             process.kill()
@@ -539,7 +549,7 @@ def test_an_engine_takes_the_idle_time_of_the_latest_job(tmp_path, monkeypatch):
         assert remote.generate([[1, 2, 3]]) == [[1, 2, 3]]
         remote.detach()
         assert engine.wait(timeout=30) == 0
-        assert warm.engine_state(folder)["reason"] == "idle for 1 s"
+        assert engine_state(folder)["reason"] == "idle for 1 s"
     finally:
         engine.kill()
         engine.wait()
@@ -552,7 +562,7 @@ def stand_in_engine(folder: Path, **env) -> subprocess.Popen:
                                                   "keep_warm_s": 3600}))
     engine = subprocess.Popen([sys.executable, "-c", SERVICE_WITHOUT_VLLM, str(folder)], env={**os.environ, **env})
     deadline = time.monotonic() + 60
-    while warm.engine_state(folder).get("status") != "ready":
+    while engine_state(folder).get("status") != "ready":
         assert time.monotonic() < deadline and engine.poll() is None
         time.sleep(0.05)
     return engine

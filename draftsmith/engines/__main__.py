@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.engines.warm import engine_alive, forget_engine, list_engines, registry, stop_engine, stop_if_idle
+from draftsmith.engines.registry import engine_alive, forget_engine, list_engines, registry, stop_engine, stop_if_idle
 
 
 def main(argv: list[str] | None = None) -> int:

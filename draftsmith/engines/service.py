@@ -121,7 +121,7 @@ def _take(lock) -> bool:
 def _listen(folder: Path) -> socket.socket:
     """The socket jobs attach at, bound before the load: a path it cannot take stops it before minutes
     of loading, not after."""
-    from draftsmith.engines.warm import socket_address
+    from draftsmith.engines.registry import socket_address
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with socket_address(folder) as address:

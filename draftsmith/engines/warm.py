@@ -5,14 +5,8 @@ instead of loading the target again (about half an hour for a 1T model).
 A job asks for an engine by its exact arguments (``open_llm``). Without ``KEEP_WARM_ENV`` set (the
 Python API, tests, benches) it gets ``vllm.LLM`` in its own process, as before. With it (the
 workflow sets it from ``warm_target.minutes``) the engine runs in a process of its own
-(``draftsmith.engines.service``), found by its key in a per-user folder of this machine:
-
-    <root>/<key>/spec.json    what the engine runs: LLM arguments, identity, lifetime
-                 lock         locked (POSIX, lockf) by the engine process for its whole life: alive = locked
-                 start.lock   flock-ed by the job starting it (one start at a time)
-                 state.json   loading | ready | failed (with the error), pid, load seconds, who is attached
-                 socket       where jobs attach (the folder is the user's alone: mode 0700)
-                 engine.log   the engine's own output
+(``draftsmith.engines.service``), found by its key in a per-user folder of this machine
+(``draftsmith.engines.registry``).
 
 The key hashes everything that decides what the engine computes: every ``LLM`` argument, the
 content fingerprint of each folder they name (the target's weights, config and tokenizer; a draft
@@ -22,8 +16,9 @@ hooks), the vLLM release, the GPUs (the UUIDs the job claimed), the engine's env
 so a changed target, draft, setting, release or GPU set never meets a stale engine. One job at a
 time is attached (others queue at the socket; the GPU claims make that rare); a job that dies
 leaves the engine serving the next one, and its GPU claim held until the engine has finished the
-call it was in (the job passes its device locks' descriptors with its connection). Between jobs a CUDA engine sleeps (vLLM's sleep mode: its
-weights in host memory, its GPU memory free for training) and wakes in seconds when a job attaches;
+call it was in (the job passes its device locks' descriptors with its connection). Between jobs a
+CUDA engine sleeps (vLLM's sleep mode: its weights in host memory, its GPU memory free for training)
+and wakes in seconds when a job attaches;
 an engine left idle for ``KEEP_WARM_ENV`` seconds exits. Before a new engine starts, idle engines
 on the same GPUs or of the same target are stopped, so that they hold neither GPU nor host memory a
 new one needs. If the engine a job expected is gone (exited, crashed, or exiting as the job came),
@@ -35,34 +30,39 @@ this fits Snakemake's model of jobs.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import getpass
 import hashlib
 import json
 import logging
 import os
-import shutil
-import signal
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from draftsmith.engines.loads import target_load
+from draftsmith.engines.registry import (
+    POLL_S,
+    engine_state,
+    exit_reason,
+    held,
+    idle_engines,
+    list_engines,
+    registry,
+    registry_folder,
+    socket_address,
+    stop_if_idle,
+    wait_stopped,
+)
 from draftsmith.errors import DraftsmithError
-from draftsmith.io import atomic_write_json, read_json
+from draftsmith.io import atomic_write_json
 from draftsmith.placement import JOB_GPUS_ENV, KEEP_WARM_ENV, held_device_locks
 
 log = logging.getLogger(__name__)
 
-ENGINE_DIR_ENV = "DRAFTSMITH_ENGINE_DIR"  # the registry's folder (default: <tmp>/draftsmith-engines-<user>)
 # The environment an engine's numerics or placement depend on; the rest (OMP_NUM_THREADS, which
 # Snakemake sets per rule, paths) is the job's, not the engine's; secrets decide nothing and stay out.
 ENGINE_ENV_PREFIXES = ("VLLM_", "NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "NVSHMEM_", "HF_", "TRANSFORMERS_")
@@ -72,8 +72,6 @@ ENGINE_CODE = ("draftsmith.engines.service", "draftsmith.extract.vllm_worker")
 # The most of the machine's memory a warm engine's weights may take asleep (too_large_to_keep).
 HOST_SHARE_FOR_WEIGHTS = 0.8
 WAIT_LOG_S = 60.0
-POLL_S = 0.25
-STOP_WAIT_S = 120.0
 LOG_TAIL_LINES = 40
 
 
@@ -128,29 +126,10 @@ def weight_bytes(model_path: str | Path | None) -> int:
     return sum(p.stat().st_size for p in checkpoint_files(folder)) if folder and folder.is_dir() else 0
 
 
-def registry_folder() -> Path:
-    """Where this user's warm engines are registered on this machine (the folder may not exist)."""
-    return Path(os.environ.get(ENGINE_DIR_ENV) or Path(tempfile.gettempdir()) / f"draftsmith-engines-{_user()}")
 
 
-def registry() -> Path:
-    """This user's folder of warm engines on this machine. Attaching to an engine is controlling it
-    (and unpickling what it sends), so the folder must be the user's alone: refused otherwise."""
-    root = registry_folder()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = root.lstat()
-    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise DraftsmithError(f"the warm engines' folder {root} is not this user's alone (a link, another owner, "
-                              f"or mode {oct(info.st_mode & 0o777)})", where=str(root),
-                              fix=f"remove it, or name a folder of your own in {ENGINE_DIR_ENV}")
-    return root
 
 
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +256,7 @@ def engine_max_model_len(llm, asked: int | None) -> int:
 
 
 def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
-    with _held(folder / "start.lock", waiting=f"another job is starting or attaching to the warm target engine {key}"):
+    with held(folder / "start.lock", waiting=f"another job is starting or attaching to the warm target engine {key}"):
         state = engine_state(folder)
         if state["alive"] and state.get("status") == "loading":  # started by a job that is gone: it loads on
             log.info("the warm target engine %s (pid %s) is still loading: waiting for it", key, state.get("pid"))
@@ -287,12 +266,12 @@ def _attach_or_start(folder: Path, key: str, spec: dict) -> Engine:
                 return _attach(folder, key, spec["what"])
             except EngineGone as e:  # it exited as this job came (its idle time up, say)
                 log.warning("%s: loading the target cold", e.what)
-                _wait_stopped(folder, state.get("pid"))
+                wait_stopped(folder, state.get("pid"))
         elif state["alive"]:  # exited or failed, its process still shutting down
-            _wait_stopped(folder, state.get("pid"))
+            wait_stopped(folder, state.get("pid"))
         elif state.get("status") in ("ready", "loading"):
             log.warning("the warm target engine %s (pid %s) is gone (%s): loading the target cold; its log: %s",
-                        key, state.get("pid"), _exit_reason(state), folder / "engine.log")
+                        key, state.get("pid"), exit_reason(state), folder / "engine.log")
         _stop_idle_beside(key, spec["identity"]["gpus"], spec["kwargs"].get("model"))
         with target_load(f"{spec['what']} in a warm engine process") as load:
             _start(folder, key, spec)
@@ -310,11 +289,10 @@ def _stop_idle_beside(key: str | None, gpus: str, model: str | None) -> None:
     from draftsmith.targets.inspect import host_memory_bytes
 
     others = [e for e in list_engines() if e["alive"] and e["key"] != key]
-    pinned = weight_bytes(model) + sum(weight_bytes(e.get("model")) for e in others) if model else 0
+    sizes = {e["key"]: weight_bytes(e.get("model")) for e in others} if model else {}
+    pinned = weight_bytes(model) + sum(sizes.values()) if model else 0
     budget = HOST_SHARE_FOR_WEIGHTS * host_memory_bytes() if model else 0
-    for other in idle_engines():
-        if other["key"] == key:
-            continue
+    for other in idle_engines(others):
         if _share_a_gpu(gpus, other.get("gpus")):
             why = "it shares a GPU with the new one"
         elif model is not None and other.get("model") == model:
@@ -325,7 +303,7 @@ def _stop_idle_beside(key: str | None, gpus: str, model: str | None) -> None:
             continue
         started = time.monotonic()
         if stop_if_idle(Path(other["folder"])):
-            pinned -= weight_bytes(other.get("model"))
+            pinned -= sizes.get(other["key"], 0)
             log.info("stopped the idle warm engine %s (pid %s) before this one starts, in %.1f s: %s", other["key"],
                      other["pid"], time.monotonic() - started, why)
 
@@ -416,24 +394,6 @@ def _attach(folder: Path, key: str, what: str, *, cold: bool = False) -> Engine:
 # ---------------------------------------------------------------------------------------------
 # Talking to an engine process
 
-# Linux holds a Unix socket's address in 108 bytes; a registry deep in a project folder goes past it.
-SOCKET_PATH_BYTES = 100
-
-
-@contextlib.contextmanager
-def socket_address(folder: Path) -> Iterator[str]:
-    """The address of ``folder``'s socket for ``bind`` or ``connect``: its path, or where that is too
-    long for a Unix socket, the same file reached through a descriptor of the folder
-    (``/proc/self/fd/N/socket``), valid while the block runs."""
-    path = str(folder / "socket")
-    if len(os.fsencode(path)) <= SOCKET_PATH_BYTES:
-        yield path
-        return
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        yield f"/proc/self/fd/{descriptor}/socket"
-    finally:
-        os.close(descriptor)
 
 
 class RemoteLLM:
@@ -487,7 +447,7 @@ class RemoteLLM:
         except (OSError, EOFError) as e:
             self._conn = None
             state = engine_state(self.folder)
-            raise EngineGone(f"the warm target engine {self.key} stopped during {what!r}: {_exit_reason(state)}",
+            raise EngineGone(f"the warm target engine {self.key} stopped during {what!r}: {exit_reason(state)}",
                              where=str(self.folder / "engine.log"),
                              fix="rerun the job: it loads the target cold (the engine's log says why it stopped)") from e
         except BaseException:  # interrupted (Ctrl-C) before the answer: the next request would read this one's
@@ -501,147 +461,29 @@ class RemoteLLM:
                               where=f"{self.folder / 'engine.log'} (the traceback)")
 
 
-# ---------------------------------------------------------------------------------------------
-# The registry
 
 
-def engine_state(folder: Path) -> dict:
-    """What ``folder``'s engine wrote of itself, and whether its process holds the lock (``alive``)."""
-    try:
-        state = read_json(folder / "state.json")
-    except (FileNotFoundError, ValueError):
-        state = {}
-    state["alive"] = engine_alive(folder)
-    return state
 
 
-def engine_alive(folder: Path) -> bool:
-    """Whether a process holds ``folder``'s engine lock. A POSIX record lock (``lockf``), not
-    ``flock``: the processes vLLM forks inherit an ``flock`` and would keep a dead engine "alive"."""
-    return _locked_elsewhere(folder / "lock", fcntl.lockf)
 
 
-def _locked_elsewhere(path: Path, lock) -> bool:
-    """Whether another process holds ``lock`` (``fcntl.lockf`` or ``fcntl.flock``) on ``path``:
-    tried without waiting, and let go at once."""
-    try:
-        f = open(path, "a")
-    except FileNotFoundError:
-        return False
-    with f:
-        try:
-            lock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # lockf: EAGAIN or EACCES; flock: BlockingIOError
-            return True
-        lock(f, fcntl.LOCK_UN)
-        return False
 
 
-def list_engines() -> list[dict]:
-    """Every engine folder of this user on this machine, live or not, with its spec's description."""
-    found = []
-    for folder in sorted(p for p in registry().iterdir() if p.is_dir()):
-        state = engine_state(folder)
-        try:
-            spec = read_json(folder / "spec.json")
-        except (FileNotFoundError, ValueError):
-            spec = {}
-        found.append({**state, "key": folder.name, "folder": str(folder), "what": spec.get("what"),
-                      "gpus": (spec.get("identity") or {}).get("gpus"),
-                      "model": ((spec.get("kwargs") or {}).get("model"))})
-    return found
 
 
-def idle_engines() -> list[dict]:
-    """Live, ready engines no job is attached to nor starting (its start lock free)."""
-    return [e for e in list_engines() if e["alive"] and e.get("status") == "ready" and not e.get("attached")
-            and not _held_elsewhere(Path(e["folder"]) / "start.lock")]
 
 
-def stop_if_idle(folder: Path) -> bool:
-    """Stop ``folder``'s engine if it is idle now, not as it was when listed: no job attached, none
-    attaching or starting it. Its start lock is held through the stop, so that no job attaches to an
-    engine on its way out. Whether it was stopped."""
-    with open(folder / "start.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a job is starting it or attaching to it
-            return False
-        state = engine_state(folder)
-        if not state["alive"] or state.get("status") != "ready" or state.get("attached"):
-            return False
-        return stop_engine(folder)
 
 
-def stop_engine(folder: Path, *, timeout: float = STOP_WAIT_S) -> bool:
-    """Ask ``folder``'s engine to exit (SIGTERM) and wait until its lock is free, then end its whole
-    process group (vLLM's engine core and workers with it); whether it was alive."""
-    state = engine_state(folder)
-    if not state["alive"] or not state.get("pid"):
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(int(state["pid"]), signal.SIGTERM)
-    _wait_stopped(folder, state["pid"], timeout)
-    return True
 
 
-def _wait_stopped(folder: Path, pid: int | None, timeout: float = STOP_WAIT_S) -> None:
-    """Wait for ``folder``'s engine to release its lock; past ``timeout``, kill its process group (it
-    leads a session of its own) and wait as long again."""
-    for kill in (False, True):
-        deadline = time.monotonic() + timeout
-        while engine_alive(folder):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(POLL_S)
-        else:
-            return
-        if kill and pid:
-            raise DraftsmithError(f"the warm target engine in {folder} (pid {pid}) does not exit", where=str(folder),
-                                  fix=f"kill its processes (kill -9 -- -{pid}) and rerun")
-        if pid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(pid), signal.SIGKILL)
 
 
-def say_warm_engines() -> None:
-    """At the end of a Snakemake run: which target engines stay up for the next one, and how to stop
-    them (they hold the target's weights in host memory while they sleep)."""
-    live = [e for e in list_engines() if e["alive"]]
-    if live:
-        print(f"{len(live)} warm target engine(s) stay up for the next run (each until it has been idle for "
-              "warm_target.minutes): python -m draftsmith.engines list | stop", file=sys.stderr)
 
 
-def forget_engine(folder: Path) -> None:
-    """Remove the folder of an engine that is gone, unless a job is starting it again."""
-    with open(folder / "start.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        if not engine_alive(folder):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _exit_reason(state: dict) -> str:
-    if state.get("status") == "exited":
-        return state.get("reason") or "it exited"
-    return "its process is gone (killed, or it crashed: see its log)"
 
 
-def _held_elsewhere(path: Path) -> bool:
-    """Whether another process holds an ``flock`` on ``path`` (a job starting or attaching)."""
-    return _locked_elsewhere(path, fcntl.flock)
 
 
-@contextlib.contextmanager
-def _held(path: Path, *, waiting: str) -> Iterator[None]:
-    """``path`` flock-ed for the block; the log says what it waits for when another process holds it."""
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("%s: waiting for it", waiting)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield
