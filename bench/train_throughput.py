@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_idle import idle_report, load_trace  # noqa: E402
 from trainer_quality import SPECULATORS_DEFAULT_OPTIMIZER  # noqa: E402  (one definition of speculators' defaults)
 
-from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, num_flops_per_token  # noqa: E402
+from draftsmith.draft.config import Eagle3DraftConfig  # noqa: E402
+from draftsmith.draft.model import Eagle3Draft, num_flops_per_token  # noqa: E402
 from draftsmith.train import (  # noqa: E402
     PAD_MULTIPLE,
     TTTObjective,

@@ -207,7 +207,8 @@ def speculators_model(inputs: dict, args: argparse.Namespace, variant: str, reci
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.models.eagle3.core import Eagle3DraftModel
 
-    from draftsmith.draft import Eagle3DraftConfig, draft_rows
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import draft_rows
     from draftsmith.engines.weights import load_embedding_and_head
     from draftsmith.targets.inspect import read_target_json
 
@@ -355,7 +356,7 @@ class Evaluator:
     def __call__(self, draft: Path, out: Path) -> dict:
         if self.decoder is None:
             return self._loop(draft, out)
-        from draftsmith.draft import load_speculators
+        from draftsmith.draft.speculators_format import load_speculators
         from draftsmith.evaluate import acceptance_stats
         from draftsmith.evaluate.replay import match_lengths, replay
 

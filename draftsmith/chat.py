@@ -3,6 +3,7 @@ exactly the tokens each assistant turn wrote."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import re
@@ -30,12 +31,13 @@ def encode_text(tokenizer, text: str, **kwargs):
         raise TokenizerFailure(f"the tokenizer failed: {type(e).__name__}: {e}") from e
 
 
-def load_tokenizer(tokenizer_dir: str | Path):
-    """The target's fast tokenizer; character offsets (for the loss mask) need a fast one."""
-    from transformers import AutoTokenizer
-
+def load_tokenizer(tokenizer_dir: str | Path, tokenizer_class: str | None = None):
+    """The target's fast tokenizer; character offsets (for the loss mask) need a fast one.
+    ``tokenizer_class``: the dotted class AutoTokenizer picks for this folder (target.json's
+    ``tokenizer_class``), loaded directly; None, or a class of the model's own code, goes through
+    AutoTokenizer."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer = _tokenizer_loader(tokenizer_class).from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"cannot load a tokenizer from {tokenizer_dir}: {e}", where=str(tokenizer_dir),
                         fix="point at the target model folder; it must hold tokenizer.json and "
@@ -46,6 +48,20 @@ def load_tokenizer(tokenizer_dir: str | Path):
                         fix="add tokenizer.json (save the tokenizer once with AutoTokenizer(..., "
                             "use_fast=True).save_pretrained) so character offsets are available")
     return tokenizer
+
+
+def _tokenizer_loader(tokenizer_class: str | None):
+    # Importing AutoTokenizer imports torch and transformers' generation code (seconds); the class it
+    # picks does not. A model's own code lives in transformers_modules, which only AutoTokenizer imports.
+    if tokenizer_class is not None and tokenizer_class.startswith("transformers."):
+        module, _, name = tokenizer_class.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            pass  # a transformers release without that class: AutoTokenizer picks again
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:

@@ -90,13 +90,15 @@ def trainer_memory(device: str) -> tuple[str, int] | None:
     flex on the smallest GPU torch sees, sdpa in host memory (cgroup limit included) on the CPU;
     None where this job cannot see the trainer's device (SLURM runs it on another node, or
     device: cuda without a GPU, which inspect_target refuses)."""
-    import torch
-
     from draftsmith.targets.inspect import host_memory_bytes
 
     if os.environ.get("SLURM_JOB_ID"):
         return None
-    if device != "cpu" and torch.cuda.is_available():
+    if device == "cpu":
+        return "sdpa", host_memory_bytes()
+    import torch  # only here: the preflight imports no torch where it need not ask for GPUs
+
+    if torch.cuda.is_available():
         return "flex", min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     if device == "cuda":
         return None

@@ -313,16 +313,23 @@ def check_user_turns(tokenizer, model_path: str | Path, systems: Sequence[str | 
 
 
 def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path: str | Path,
-                settings: PreflightSettings, *, self_written: Sequence[str | None] | None = None) -> dict:
+                settings: PreflightSettings, *, self_written: Sequence[str | None] | None = None,
+                target: Mapping | None = None) -> dict:
     """Run every weight-free check against the target folder ``model_path`` and write what was
     checked to ``out_path``. ``self_written``: the target also writes conversations itself
-    (data.sources: self), after each of these system prompts (None: no system turn)."""
+    (data.sources: self), after each of these system prompts (None: no system turn). ``target``:
+    inspect_target's description of the folder (target.json), whose text config, architecture and
+    tokenizer class spare this job importing transformers' model code and torch (seconds of a
+    check that takes one); None reads them from the folder."""
     from draftsmith.chat import ChatRenderer, load_tokenizer, require_chat_template
 
-    raw = read_config(model_path)
-    text = text_config(raw)
+    if target is None:
+        raw = read_config(model_path)
+        text = text_config(raw)
+        architecture = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
+    else:
+        text, architecture = target["text_config"], target["architecture"]
     check_vocab(text.get("vocab_size"), settings.draft_vocab_size)
-    architecture = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
     report = {"engines": check_engines(architecture, settings.engines)}
     if settings.check_fits:
         from draftsmith.fits import check_context, check_train_fits, trainer_memory
@@ -332,7 +339,7 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
     if not sources and self_written is None:
         raise DataError("no data sources given", where="config key data.sources",
                         fix="list at least one .jsonl/.json/.parquet file or save_to_disk folder, or self")
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, (target or {}).get("tokenizer_class"))
     if self_written is not None:
         report["self_written"] = check_user_turns(tokenizer, model_path, self_written)
     renderer = ChatRenderer(tokenizer)

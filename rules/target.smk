@@ -49,6 +49,9 @@ rule inspect_target:
 
 rule check_setup:
     input:
+        # for the tokenizer class AutoTokenizer picks: loading that class alone spares this job the
+        # seconds of importing torch (docs/benchmarks.md, "Preflight and planning")
+        target=rules.inspect_target.output.target,
         config=target_config(),
         tokenizer=target_tokenizer_files(),
         sources=user_sources(),

@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from draftsmith.draft import VARIANTS, DraftKVCache, Eagle3Draft, Eagle3DraftConfig, load_speculators, save_speculators
+from draftsmith.draft.config import VARIANTS, Eagle3DraftConfig
+from draftsmith.draft.model import DraftKVCache, Eagle3Draft
+from draftsmith.draft.speculators_format import load_speculators, save_speculators
 from draftsmith.errors import TrainingError
 from draftsmith.train import TTTObjective, scored_positions
 from draftsmith.train.attention import document_blocks

@@ -365,7 +365,9 @@ def test_logit_gap(backend, model, references):
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, target):
-    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+    from draftsmith.draft.speculators_format import save_speculators
 
     config = Eagle3DraftConfig.from_target(target, draft_vocab_size=128)
     torch.manual_seed(1)
@@ -405,7 +407,7 @@ class _Recomputing(Drafter):
 
 
 def test_eagle3_draft_is_lossless_and_incremental(backend, references, draft_dir):
-    from draftsmith.draft import load_speculators
+    from draftsmith.draft.speculators_format import load_speculators
 
     draft = load_speculators(draft_dir)
     proposals = {"incremental": [], "recomputed": []}
@@ -496,7 +498,8 @@ def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_di
 
 def test_eagle3_through_a_multimodal_wrapper(tmp_path):
     """The aux states come from the decoder layers found through the wrapper's layers_path."""
-    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
 
     llava_dir = tiny.build_llava(tmp_path / "llava")
     info = inspect_target(llava_dir)
@@ -654,7 +657,7 @@ def _trace_of(backend, prompt, continuation):
 def test_replayed_match_lengths_are_the_loop_drafters_chains(backend, draft_dir):
     """At every row, the teacher-forced pass scores what the incremental drafter proposes from there:
     on text that continues with the draft's own chain, so that some chains match to full depth."""
-    from draftsmith.draft import load_speculators
+    from draftsmith.draft.speculators_format import load_speculators
     from draftsmith.evaluate.replay import match_lengths
 
     draft, depth = load_speculators(draft_dir), 3
@@ -677,7 +680,7 @@ def test_replayed_match_lengths_are_the_loop_drafters_chains(backend, draft_dir)
 
 
 def test_replay_is_the_loops_run(backend, references, draft_dir):
-    from draftsmith.draft import load_speculators
+    from draftsmith.draft.speculators_format import load_speculators
     from draftsmith.evaluate.replay import match_lengths, replay, trace_greedy
 
     draft = load_speculators(draft_dir)

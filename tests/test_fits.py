@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.draft import Eagle3DraftConfig
+from draftsmith.draft.config import Eagle3DraftConfig
 from draftsmith.errors import ConfigError
 from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.fits import StepShape, attention_span, check_train_fits, process_memory

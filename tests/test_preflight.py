@@ -322,30 +322,75 @@ def test_the_sample_and_its_kinds_are_reported(chatml_tools_tokenizer, tmp_path,
 
 @pytest.mark.slow
 def test_a_refused_preflight_says_what_where_and_fix_and_keeps_the_traceback_in_the_log(tmp_path, monkeypatch):
-    """Both preflight jobs refused through snakemake (--keep-going): the console shows each error's
-    what, where and fix and no traceback; each job's log keeps the traceback (a chained one for a
-    folder that is not a save_to_disk folder); inspect_target leaves what it learned beside the
-    target.json it did not write."""
+    """Each preflight job refused through snakemake: the console shows the error's what, where and fix
+    and no traceback; the job's log keeps the traceback (a chained one for a folder that is not a
+    save_to_disk folder); inspect_target leaves what it learned beside the target.json it did not
+    write, and check_setup, which reads target.json, waits for a target that passes."""
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     workdir, config = tiny_workflow(tmp_path)
     # the tiny target's config grown to 34B parameters (preflight reads no weights): 137 GB in float32,
     # more than this machine's memory for extraction on the hf backend
     model_config = tmp_path / "model" / "config.json"
-    model_config.write_text(json.dumps({**json.loads(model_config.read_text()), "hidden_size": 8192,
-                                        "intermediate_size": 32768, "num_hidden_layers": 40, "head_dim": 1024}))
+    fitting = model_config.read_text()
+    model_config.write_text(json.dumps({**json.loads(fitting), "hidden_size": 8192, "intermediate_size": 32768,
+                                        "num_hidden_layers": 40, "head_dim": 1024}))
     (tmp_path / "not_a_dataset").mkdir()
     config["data"]["sources"] = [str(tmp_path / "not_a_dataset")]
     config.update(vocab={"draft_vocab_size": 64}, extraction={"backend": "hf"}, train={"batch_tokens": 256})
-    run = snakemake(workdir, "--keep-going", "preflight", configfile=write_config(workdir, config), check=False)
+    configfile = write_config(workdir, config)
+    run = snakemake(workdir, "--keep-going", "preflight", configfile=configfile, check=False)
     console = run.stdout + run.stderr
     assert run.returncode != 0
     refused = "results/t/target.refused.json"
     for says in ("TargetError: the target's weights take", f"(layers, quantization, weight bytes) is in {refused}",
-                 "DataError: ", "is a folder but not one written by datasets' save_to_disk", "where:", "fix:"):
+                 "where:", "fix:"):
+        assert says in console, console[-6000:]
+    assert "Traceback" not in console, console[-6000:]
+    assert "Traceback" in (workdir / "logs/t/inspect_target.log").read_text()
+    assert not (workdir / "results/t/target.json").exists() and not (workdir / "logs/t/check_setup.log").exists()
+    assert json.loads((workdir / refused).read_text())["num_hidden_layers"] == 40
+
+    model_config.write_text(fitting)  # the target fits: check_setup runs and refuses the data source
+    run = snakemake(workdir, "preflight", configfile=configfile, check=False)
+    console = run.stdout + run.stderr
+    assert run.returncode != 0
+    for says in ("DataError: ", "is a folder but not one written by datasets' save_to_disk", "where:", "fix:"):
         assert says in console, console[-6000:]
     assert "Traceback" not in console, console[-6000:]
     check_setup_log = (workdir / "logs/t/check_setup.log").read_text()
     assert "Traceback" in check_setup_log and "The above exception was the direct cause" in check_setup_log
-    assert "Traceback" in (workdir / "logs/t/inspect_target.log").read_text()
-    assert not (workdir / "results/t/target.json").exists()
-    assert json.loads((workdir / refused).read_text())["num_hidden_layers"] == 40
+
+
+def test_check_setup_given_target_json_imports_no_torch_and_loads_autotokenizers_class(llama_dir, tmp_path):
+    """The workflow's check_setup reads inspect_target's description: the tokenizer class AutoTokenizer
+    picked is loaded alone, and neither torch nor transformers' model code is imported (seconds of a
+    check that takes one); a class this transformers lacks goes back through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from draftsmith.chat import load_tokenizer
+    from draftsmith.targets.inspect import write_target_json
+
+    description = write_target_json(tmp_path / "target.json", llama_dir)
+    chosen = AutoTokenizer.from_pretrained(llama_dir)
+    assert description["tokenizer_class"] == f"{type(chosen).__module__}.{type(chosen).__name__}"
+    for recorded in (description["tokenizer_class"], "transformers.NoSuchTokenizer"):
+        loaded = load_tokenizer(llama_dir, recorded)
+        assert type(loaded) is type(chosen) and loaded("Hello there")["input_ids"] == chosen("Hello there")["input_ids"]
+
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    code = f"""
+import sys
+from draftsmith.preflight import PreflightSettings, check_setup
+from draftsmith.targets.inspect import read_target_json
+settings = PreflightSettings(device="cpu", draft_vocab_size=64, extraction_backend="hf", eval_backend="hf")
+check_setup({str(llama_dir)!r}, [{str(source)!r}], {str(tmp_path / "preflight.json")!r}, settings,
+            target=read_target_json({str(tmp_path / "target.json")!r}))
+print(sorted(m for m in ("torch", "transformers.modeling_utils", "transformers.models.auto.auto_factory")
+             if m in sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+    assert json.loads((tmp_path / "preflight.json").read_text())["train_memory"]

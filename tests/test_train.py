@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows
+from draftsmith.draft.config import Eagle3DraftConfig
+from draftsmith.draft.model import Eagle3Draft, draft_rows
 from draftsmith.engines.weights import load_embedding_and_head
 from draftsmith.errors import TrainingError
 from draftsmith.extract.hidden_states import HiddenStateIndex, ShardRows, merge_parts, read_shard

@@ -53,7 +53,9 @@ NEW_TOKENS = 24
 def random_draft(target: dict, out_dir, draft_vocab_size: int = 128):
     """A random-init draft; under the full vocabulary, over the even target ids (d2t maps draft
     id i to target id 2i)."""
-    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+    from draftsmith.draft.speculators_format import save_speculators
 
     config = Eagle3DraftConfig.from_target(target, draft_vocab_size=draft_vocab_size)
     torch.manual_seed(1)
@@ -186,7 +188,9 @@ def build_cycle_draft(target: dict, out_dir):
     draft step advances one token: exact) and leaves a cycle-B token where it is; the lm_head maps a
     cycle-A state to its successor and a cycle-B state two ahead. Cycle B's first draft token
     (t_{p+2} = successor²(t_p)) is therefore right and the later ones repeat it: wrong."""
-    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+    from draftsmith.draft.speculators_format import save_speculators
 
     hidden = target["hidden_size"]
     config = Eagle3DraftConfig.from_target(target, draft_vocab_size=hidden)  # draft id i = target id i

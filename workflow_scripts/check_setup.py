@@ -6,6 +6,7 @@ from pathlib import Path
 from draftsmith.gate import deciding, gate_for_run
 from draftsmith.logs import setup_logging
 from draftsmith.preflight import PreflightSettings, check_setup
+from draftsmith.targets.inspect import read_target_json
 
 setup_logging(snakemake.log[0])
 with deciding(gate_for_run(snakemake.config["run"])):
@@ -15,4 +16,5 @@ with deciding(gate_for_run(snakemake.config["run"])):
         snakemake.output.report,
         PreflightSettings.from_config(snakemake.params.config),
         self_written=snakemake.params.self_written,
+        target=read_target_json(snakemake.input.target),
     )

@@ -161,7 +161,9 @@ def _slot_draft(folder: Path, slot: dict) -> Path:
     draft brings can be loaded into the slot."""
     import torch
 
-    from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, save_speculators
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+    from draftsmith.draft.speculators_format import save_speculators
 
     config = Eagle3DraftConfig.from_target(slot["slot"]["target"], draft_vocab_size=slot["slot"]["draft_vocab_size"],
                                            **slot["slot"]["draft"])

@@ -195,7 +195,7 @@ class HFDecoder(DecodingBackend):
             return NgramDrafter(spec.ngram_max)
         if spec.kind == "target":
             return TargetDrafter(self.target)
-        from draftsmith.draft import load_speculators
+        from draftsmith.draft.speculators_format import load_speculators
 
         draft = load_speculators(spec.path, dtype=self.dtype, device=self.target.device).eval()
         check_draft_fits(draft.config, spec.path, self.target.aux_layer_ids,

@@ -70,7 +70,7 @@ class Eagle3Drafter(Drafter):
     needs_aux_states = True
 
     def __init__(self, draft: torch.nn.Module) -> None:
-        from draftsmith.draft import DraftKVCache
+        from draftsmith.draft.model import DraftKVCache
 
         self.draft = draft
         self.device = draft.fc.weight.device

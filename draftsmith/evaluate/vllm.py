@@ -77,7 +77,7 @@ def check_servable(target: dict, draft_dir: str | Path) -> None:
     draft trained for another target."""
     from safetensors import safe_open
 
-    from draftsmith.draft import Eagle3DraftConfig
+    from draftsmith.draft.config import Eagle3DraftConfig
     from draftsmith.io import read_json
 
     support = (target.get("backends") or {}).get("vllm") or {}
@@ -224,7 +224,7 @@ def draft_misfit(slot_dir: str | Path | None, draft_dir: str | Path) -> str | No
     ``slot_dir`` (another shape, tensors of other names or shapes), or None when it can."""
     from safetensors import safe_open
 
-    from draftsmith.draft import Eagle3DraftConfig
+    from draftsmith.draft.config import Eagle3DraftConfig
     from draftsmith.io import read_json
 
     if slot_dir is None:

@@ -259,7 +259,10 @@ def inspect_tokenizer(model_path: Path, vocab_size: int, trust_remote_code: bool
                           fix="add the model's chat template (chat_template.jinja or tokenizer_config.json "
                               "'chat_template') to the folder")
     return {"tokenizer_size": len(tokenizer), "has_chat_template": True,
-            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+            # the class AutoTokenizer picked, so check_setup loads the same one without AutoTokenizer's
+            # imports (torch and transformers' generation code: seconds of a check that takes one)
+            "tokenizer_class": f"{type(tokenizer).__module__}.{type(tokenizer).__name__}"}
 
 
 def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | None = None,

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
-from draftsmith.draft import Eagle3Draft
+from draftsmith.draft.model import Eagle3Draft
 from draftsmith.errors import TrainingError
 from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
 from draftsmith.train.settings import TrainSettings

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith.draft import Eagle3Draft, Eagle3DraftConfig, draft_rows, save_speculators
+from draftsmith.draft.config import Eagle3DraftConfig
+from draftsmith.draft.model import Eagle3Draft, draft_rows
+from draftsmith.draft.speculators_format import save_speculators
 from draftsmith.errors import TrainingError, out_of_memory_as
 from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.fits import StepShape, attention_span, check_step_fits, check_warmup, process_memory

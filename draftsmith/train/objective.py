@@ -14,7 +14,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.draft import Eagle3Draft
+from draftsmith.draft.model import Eagle3Draft
 from draftsmith.errors import TrainingError
 from draftsmith.train.attention import TTTAttention
 
