@@ -399,3 +399,38 @@ def test_supported_vllm_releases_are_a_stated_range():
         problem = support_range_problem(version)
         assert problem is not None and version in problem
     assert "tested" in support_range_problem("0.10.2")
+
+
+def test_a_cpu_engines_kv_cache_is_sized_to_its_target(tmp_path, monkeypatch):
+    """Room for the larger of max_model_len and CPU_KV_TOKENS tokens: each layer's keys and values
+    of every KV head, or for MLA one latent and its rotary part; none where that would pass
+    CPU_KV_SHARE of the machine's memory (vLLM's own rule applies)."""
+    from draftsmith.targets import vllm_compat
+    from tiny_vllm import build_deepseek_v3
+
+    llama = build_llama(tmp_path / "llama", num_layers=4)  # 1 KV head of 32
+    engine = {"model": str(llama), "dtype": "float32", "max_model_len": 128}
+    assert vllm_compat.cpu_kv_cache_bytes(engine) == 4 * (2 * 1 * 32) * 4 * vllm_compat.CPU_KV_TOKENS
+    long = {**engine, "dtype": "bfloat16", "max_model_len": 4 * vllm_compat.CPU_KV_TOKENS}
+    assert vllm_compat.cpu_kv_cache_bytes(long) == 4 * (2 * 1 * 32) * 2 * 4 * vllm_compat.CPU_KV_TOKENS
+    mla = build_deepseek_v3(tmp_path / "mla")
+    assert vllm_compat.cpu_kv_cache_bytes({**engine, "model": str(mla)}) == 4 * (512 + 64) * 4 * vllm_compat.CPU_KV_TOKENS
+    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 2**20)
+    assert vllm_compat.cpu_kv_cache_bytes(engine) is None
+
+
+@vllm_test
+@pytest.mark.skipif(ON_CUDA, reason="the CPU build's KV cache")
+def test_a_cpu_engine_without_vllm_cpu_kvcache_space_gets_the_sized_cache(tmp_path, in_process_engine, monkeypatch):
+    """Without VLLM_CPU_KVCACHE_SPACE the CPU build would take 90% of the machine's memory for its KV
+    cache; the capture engine asks for the sized one, and vLLM allocates that."""
+    from draftsmith.targets.vllm_compat import cpu_kv_cache_bytes
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    path = build_llama(tmp_path / "target", num_layers=4)
+    backend = _engine(path, [1, 4])
+    try:
+        asked = cpu_kv_cache_bytes({"model": str(path), "dtype": CAPTURE_DTYPE, "max_model_len": MAX_MODEL_LEN})
+        assert backend.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == asked
+    finally:
+        backend.close()

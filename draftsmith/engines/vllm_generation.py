@@ -46,7 +46,7 @@ def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = 
     )
     if max_num_seqs is not None:
         args["max_num_seqs"] = int(max_num_seqs)
-    args.update(platform_workarounds(dtype))
+    args.update(platform_workarounds(args))
     args.update(overrides)
     return engine_kwargs(args)
 

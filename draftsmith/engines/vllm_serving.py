@@ -151,7 +151,7 @@ class VllmServer:
             disable_log_stats=False,        # LLM.get_metrics() needs the stat loggers
             language_model_only=True,       # text prompts: no vision tower in memory
         )
-        kwargs.update(platform_workarounds(dtype))
+        kwargs.update(platform_workarounds(kwargs))
         if self.speculative_config:
             kwargs["speculative_config"] = self.speculative_config
             kwargs["per_request_spec_decode_metrics"] = "detailed"  # each output's accepted/proposed per step

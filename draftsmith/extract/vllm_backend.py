@@ -83,7 +83,7 @@ def capture_engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype
     )
     if shared is not None:
         kwargs.update(disable_log_stats=False, per_request_spec_decode_metrics="detailed", logprobs_mode="raw_logits")
-    kwargs.update(platform_workarounds(dtype))
+    kwargs.update(platform_workarounds(kwargs))
     kwargs.update(llm_kwargs)
     return engine_kwargs(kwargs)
 

@@ -108,17 +108,22 @@ def spec_decode_record(completion) -> tuple[list[int], list[int]] | None:
     return list(record.per_step_accepted), list(record.per_step_drafted)
 
 
-def platform_workarounds(dtype: str) -> dict:
-    """Engine arguments that keep vLLM exact on this platform for a target run in ``dtype`` (and, on
-    a GPU, the start method that keeps its engine processes working)."""
+def platform_workarounds(engine: dict) -> dict:
+    """Engine arguments that keep vLLM exact on this platform for the engine of ``engine`` (its
+    ``LLM`` arguments so far: model, dtype, max_model_len, trust_remote_code), its KV cache sized to
+    it on the CPU, and, on a GPU, the start method that keeps its engine processes working."""
     import torch  # here, not at the top: preflight imports this module and must stay fast
     from vllm.platforms import current_platform
 
+    dtype = engine.get("dtype", "auto")
     if current_platform.is_cpu():
         # The CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding) rotates
         # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
         # The PyTorch-native rotary is exact.
         args = {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}
+        kv_bytes = cpu_kv_cache_bytes(engine)
+        if kv_bytes is not None and has_engine_arg("kv_cache_memory_bytes"):
+            args["kv_cache_memory_bytes"] = kv_bytes
         if dtype == "float32" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
             # On a CPU with AMX tiles vLLM picks its AMX MLA kernels, which take bf16 weights only
             # (float32 stops the load: "expect weight to be bfloat16, ..."); its reference CPU MLA
@@ -131,6 +136,36 @@ def platform_workarounds(dtype: str) -> dict:
     # __main__ guard, so spawn is always safe.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     return {}
+
+
+# Tokens of KV cache a CPU engine gets beyond one sequence of max_model_len: a regeneration batch of
+# 64 answers of 1,024 tokens runs without preemption; two CPU sockets decode no wider batch faster.
+CPU_KV_TOKENS = 65536
+CPU_KV_SHARE = 0.5  # at most this share of the machine's memory; more is left to vLLM's own rule
+
+
+def cpu_kv_cache_bytes(engine: dict) -> int | None:
+    """The KV cache of a CPU engine of ``engine`` (its ``LLM`` arguments): room for the larger of
+    max_model_len and ``CPU_KV_TOKENS`` tokens. Left to itself the CPU build takes 90% of the
+    machine's memory less the engine's and spends a minute zeroing it (21 GB and 48 s on a 24 GB
+    machine), beside a trainer that needs that memory. None where the estimate passes
+    ``CPU_KV_SHARE`` of the memory (vLLM's own rule and its error then apply). ``VLLM_CPU_KVCACHE_SPACE``
+    (GiB), when set, overrides it in vLLM."""
+    from transformers import AutoConfig
+
+    from draftsmith.targets.inspect import host_memory_bytes
+
+    text = AutoConfig.from_pretrained(engine["model"], trust_remote_code=bool(engine.get("trust_remote_code"))
+                                      ).get_text_config()
+    if getattr(text, "kv_lora_rank", None):  # MLA caches one latent and its rotary part per token and layer
+        width = text.kv_lora_rank + text.qk_rope_head_dim
+    else:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        width = 2 * (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim
+    element = 2 if engine.get("dtype") in ("bfloat16", "float16", "half") else 4  # auto: float32 at most
+    max_model_len = engine.get("max_model_len") or getattr(text, "max_position_embeddings", 0)
+    kv_bytes = text.num_hidden_layers * width * element * max(int(max_model_len), CPU_KV_TOKENS)
+    return kv_bytes if kv_bytes <= CPU_KV_SHARE * host_memory_bytes() else None
 
 
 def shutdown_llm(llm, set_num_threads) -> None:
