@@ -90,7 +90,7 @@ def trainer_memory(device: str) -> tuple[str, int] | None:
     flex on the smallest GPU torch sees, sdpa in host memory (cgroup limit included) on the CPU;
     None where this job cannot see the trainer's device (SLURM runs it on another node, or
     device: cuda without a GPU, which inspect_target refuses)."""
-    from draftsmith.targets.inspect import host_memory_bytes
+    from draftsmith.placement import host_memory_bytes
 
     if os.environ.get("SLURM_JOB_ID"):
         return None
@@ -114,7 +114,7 @@ def process_memory(device) -> tuple[int, str]:
     LOCAL_WORLD_SIZE)."""
     import torch
 
-    from draftsmith.targets.inspect import host_memory_bytes
+    from draftsmith.placement import host_memory_bytes
 
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory, _MEMORY["flex"]

@@ -256,3 +256,16 @@ def engine_placement(gpus: int, env: Mapping[str, str] | None = None, *,
         yield claim
     finally:
         claim.release()
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory, or the limit of the cgroup this process runs in where lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total

@@ -552,7 +552,7 @@ def _(tmp, env):
     from unittest import mock
 
     # device: cpu with extraction on the hf backend; the tiny target's 2 MB (float32) on a 1 MB machine
-    with mock.patch.dict(os.environ), mock.patch("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**6):
+    with mock.patch.dict(os.environ), mock.patch("draftsmith.placement.host_memory_bytes", lambda: 10**6):
         os.environ.pop("SLURM_JOB_ID", None)
         _inspect(tmp, env["model"], hf_stages={"extract_hidden_states": 0})
 
@@ -748,7 +748,7 @@ def _(tmp, env):
     from unittest import mock
 
     # train.batch_tokens a million, on a store of about 180 tokens and a 1 MB machine
-    with mock.patch("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**6):
+    with mock.patch("draftsmith.placement.host_memory_bytes", lambda: 10**6):
         _train(tmp, env, batch_tokens=1_000_000, warmup_steps=0)
 
 

@@ -71,7 +71,7 @@ def test_a_warmup_as_long_as_the_run_trains_and_one_step_longer_is_refused(input
 def test_train_draft_estimates_the_step_from_the_largest_batch_of_the_store(inputs, tmp_path, monkeypatch):
     """train.batch_tokens a million on a 649-token store: the batch the store makes is what must fit
     (the million would need about 17 GB, that batch about 11 MB), and what the fix offers fits."""
-    import draftsmith.targets.inspect
+    import draftsmith.placement
 
     s = settings(batch_tokens=1_000_000, warmup_steps=0, max_steps=1)
     metas, steps = plan_run(HiddenStateIndex.load(inputs["index"]), s, 1, inputs["index"])
@@ -84,7 +84,7 @@ def test_train_draft_estimates_the_step_from_the_largest_batch_of_the_store(inpu
     need = shape.bytes(largest)
     assert shape.bytes(s.batch_tokens) > 1000 * need
 
-    monkeypatch.setattr(draftsmith.targets.inspect, "host_memory_bytes", lambda: need - 1)
+    monkeypatch.setattr(draftsmith.placement, "host_memory_bytes", lambda: need - 1)
     with pytest.raises(ConfigError) as info:
         train(inputs, tmp_path / "refused", s)
     e = info.value
@@ -95,7 +95,7 @@ def test_train_draft_estimates_the_step_from_the_largest_batch_of_the_store(inpu
     assert f"lower train.batch_tokens to {fits} or less" in e.fix
     assert shape.bytes(fits) <= need - 1 < shape.bytes(fits + 1)
 
-    monkeypatch.setattr(draftsmith.targets.inspect, "host_memory_bytes", lambda: need)
+    monkeypatch.setattr(draftsmith.placement, "host_memory_bytes", lambda: need)
     assert train(inputs, tmp_path / "fits", s)["steps"] == 1
 
 
@@ -128,9 +128,9 @@ def test_gpu_batches_are_padded_to_the_largest_batch_not_to_batch_tokens(inputs)
 
 
 def test_cpu_training_processes_of_one_node_share_its_memory(monkeypatch):
-    import draftsmith.targets.inspect
+    import draftsmith.placement
 
-    monkeypatch.setattr(draftsmith.targets.inspect, "host_memory_bytes", lambda: 10**9)
+    monkeypatch.setattr(draftsmith.placement, "host_memory_bytes", lambda: 10**9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     have, what = process_memory(torch.device("cpu"))
     assert have == 5 * 10**8 and "a 1/2 share of the CPU's memory" in what

@@ -206,7 +206,7 @@ def test_a_refused_target_leaves_what_was_learned_beside_target_json(llama_dir, 
     from draftsmith.targets.inspect import write_target_json
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**6)  # a 1 MB machine
+    monkeypatch.setattr("draftsmith.placement.host_memory_bytes", lambda: 10**6)  # a 1 MB machine
     out = tmp_path / "results" / "target.json"
     with pytest.raises(TargetError) as error:
         write_target_json(out, llama_dir, hf_stages={"extract_hidden_states": 0})
@@ -219,6 +219,6 @@ def test_a_refused_target_leaves_what_was_learned_beside_target_json(llama_dir, 
     assert learned["num_hidden_layers"] == 8 and learned["quantization"] is None and learned["weight_bytes"] > 0
     assert learned["refused"]["where"] == error.value.where and "into this machine's memory" in learned["refused"]["what"]
 
-    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**12)
+    monkeypatch.setattr("draftsmith.placement.host_memory_bytes", lambda: 10**12)
     write_target_json(out, llama_dir, hf_stages={"extract_hidden_states": 0})
     assert out.exists() and not refused.exists()

@@ -117,7 +117,7 @@ def test_the_cpu_path_refuses_a_target_larger_than_the_machine(tmp_path, monkeyp
     config = {"device": "cpu", "regenerate": {"enabled": False, "backend": "hf"},
               "extraction": {"backend": "hf", "tensor_parallel_size": 1, "device_map": None}, "eval": {"backend": "vllm"}}
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 24 * 2**30)
+    monkeypatch.setattr("draftsmith.placement.host_memory_bytes", lambda: 24 * 2**30)
     with pytest.raises(TargetError) as e:
         write_target_json(tmp_path / "target.json", folder, trust_remote_code=True,
                           hf_stages=hf_stages(config, gpu=False))
@@ -125,7 +125,7 @@ def test_the_cpu_path_refuses_a_target_larger_than_the_machine(tmp_path, monkeyp
         in e.value.what and "compressed-tensors" in e.value.what
     assert "extraction.backend" in e.value.where and "device: cuda" in e.value.fix
     assert not (tmp_path / "target.json").exists()
-    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 10**12)  # float32 on the CPU: ~620 GB
+    monkeypatch.setattr("draftsmith.placement.host_memory_bytes", lambda: 10**12)  # float32 on the CPU: ~620 GB
     write_target_json(tmp_path / "target.json", folder, trust_remote_code=True, hf_stages=hf_stages(config, gpu=False))
 
 

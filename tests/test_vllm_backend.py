@@ -415,7 +415,7 @@ def test_a_cpu_engines_kv_cache_is_sized_to_its_target(tmp_path, monkeypatch):
     assert vllm_compat.cpu_kv_cache_bytes(long) == 4 * (2 * 1 * 32) * 2 * 4 * vllm_compat.CPU_KV_TOKENS
     mla = build_deepseek_v3(tmp_path / "mla")
     assert vllm_compat.cpu_kv_cache_bytes({**engine, "model": str(mla)}) == 4 * (512 + 64) * 4 * vllm_compat.CPU_KV_TOKENS
-    monkeypatch.setattr("draftsmith.targets.inspect.host_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr("draftsmith.placement.host_memory_bytes", lambda: 2**20)
     assert vllm_compat.cpu_kv_cache_bytes(engine) is None
 
 

@@ -42,10 +42,10 @@ JOB = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from draftsmith.logs import setup_logging
     from draftsmith.engines.vllm_serving import VllmServer
-    import draftsmith.targets.inspect
+    import draftsmith.placement
     if __name__ == "__main__":
         if os.environ.get("MACHINE_MEMORY"):  # a machine of this much memory
-            draftsmith.targets.inspect.host_memory_bytes = lambda: int(os.environ["MACHINE_MEMORY"])
+            draftsmith.placement.host_memory_bytes = lambda: int(os.environ["MACHINE_MEMORY"])
         setup_logging({log!r})
         with VllmServer({model!r}, dtype="float32", max_model_len=64, **{engine_args!r}) as server:
             if os.environ.get("CRASH_AFTER_ATTACH"):
@@ -180,8 +180,8 @@ def test_a_target_too_large_for_the_machines_memory_asleep_is_not_kept_warm(tmp_
 def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeypatch, caplog):
     """Capture and evaluation share an engine only where it can stay warm: the same measure of the
     weights against the machine's memory as each job's engine."""
+    from draftsmith import placement
     from draftsmith.engines import shared
-    from draftsmith.targets import inspect
 
     model = tiny.build_llama(tmp_path / "target", num_layers=1)
     weights = (model / "model.safetensors").stat().st_size
@@ -196,9 +196,9 @@ def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeyp
               "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
               "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64}}
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: 2 * weights)
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: 2 * weights)
     assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is not None
-    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: weights)
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: weights)
     assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is None
     assert "capture and evaluation load the target each in their own engine" in caplog.text
 
@@ -419,7 +419,7 @@ def test_idle_engines_asleep_never_pin_more_than_the_machine_allows_between_them
     """Each target passes the one-engine memory rule; two of them asleep with the new one would not:
     the idle one on other GPUs is stopped before the new one starts. A job that loads an engine of its
     own stops the idle ones on its GPUs (an engine asleep still holds some of a GPU's memory)."""
-    from draftsmith.targets import inspect
+    from draftsmith import placement
 
     root = tmp_path / "engines"
     monkeypatch.setenv(ENGINE_DIR_ENV, str(root))
@@ -429,7 +429,7 @@ def test_idle_engines_asleep_never_pin_more_than_the_machine_allows_between_them
         targets[name] = tmp_path / name
         targets[name].mkdir()
         (targets[name] / "model.safetensors").write_bytes(b"0" * 300)
-    monkeypatch.setattr(inspect, "host_memory_bytes", lambda: 1000)  # 800 bytes may sleep, one target 300
+    monkeypatch.setattr(placement, "host_memory_bytes", lambda: 1000)  # 800 bytes may sleep, one target 300
     assert warm.too_large_to_keep(targets["a"]) is None
     engines = {"a": fake_engine(root, "a", gpus="GPU-0", model=str(targets["a"])),
                "b": fake_engine(root, "b", gpus="GPU-1", model=str(targets["b"]))}

@@ -105,7 +105,7 @@ def too_large_to_keep(model_path: str | Path) -> str | None:
     (training, the data loaders), and pinning more than the machine has can stop it. The figure is
     the weight files' size against the machine's total (or its cgroup's limit), so every job of a
     run decides alike."""
-    from draftsmith.targets.inspect import host_memory_bytes
+    from draftsmith.placement import host_memory_bytes
 
     folder = Path(model_path)
     weights = weight_bytes(folder)
@@ -286,7 +286,7 @@ def _stop_idle_beside(key: str | None, gpus: str, model: str | None) -> None:
     other live engine and its own, pin more than ``HOST_SHARE_FOR_WEIGHTS`` of the machine's memory
     (``too_large_to_keep`` counts one engine; two runs' engines would count twice). ``key`` and
     ``model`` are None for an engine of the job's own, which keeps nothing in host memory."""
-    from draftsmith.targets.inspect import host_memory_bytes
+    from draftsmith.placement import host_memory_bytes
 
     others = [e for e in list_engines() if e["alive"] and e["key"] != key]
     sizes = {e["key"]: weight_bytes(e.get("model")) for e in others} if model else {}

@@ -450,19 +450,6 @@ def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "a
         fix="; ".join(HF_STAGE_FIXES[r] for r in too_big))
 
 
-def host_memory_bytes() -> int:
-    """This machine's memory, or the limit of the cgroup this process runs in where lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
 def check_fits_host(info: dict, rules: list[str], *, dtype: str = "auto") -> None:
     """Refuse a run on the CPU whose HF stages (``rules``) cannot hold the target's weights in this
     machine's memory. Under SLURM those jobs run on other nodes, with the memory they ask for."""
@@ -471,6 +458,8 @@ def check_fits_host(info: dict, rules: list[str], *, dtype: str = "auto") -> Non
     # auto is float32 on the CPU, as engines.hf_model.model_dtype_name has it (which imports this
     # module, so it cannot be imported here)
     cpu_dtype = "float32" if dtype == "auto" else dtype
+    from draftsmith.placement import host_memory_bytes
+
     need, have = weight_bytes(info, cpu_dtype), host_memory_bytes()
     if need <= have:
         return

@@ -153,7 +153,7 @@ def cpu_kv_cache_bytes(engine: dict) -> int | None:
     (GiB), when set, overrides it in vLLM."""
     from transformers import AutoConfig
 
-    from draftsmith.targets.inspect import host_memory_bytes
+    from draftsmith.placement import host_memory_bytes
 
     text = AutoConfig.from_pretrained(engine["model"], trust_remote_code=bool(engine.get("trust_remote_code"))
                                       ).get_text_config()
