@@ -15,8 +15,9 @@ batch and closes it:
   engine as ``cold-cached``).
 
 Before each phase the page cache is dropped where the bench may (root; each phase records whether
-it was), so a load reads the weights from the disk. The figures of each phase: vLLM's import,
-opening the engine (the load, or the attach with its wake-up), generating (other prompts in each
+it was), so a load reads the weights from the disk; ``--keep-page-cache`` leaves it as a run's next
+job finds it. The figures of each phase: the imports every stage's job pays anyway (torch,
+transformers' ``AutoTokenizer``), what importing vLLM adds to them, opening the engine (the load, or the attach with its wake-up), generating (other prompts in each
 phase, so no prefix cache helps), closing (with sleep mode, putting the engine to sleep); the
 summary gives attach ÷ each load.
 
@@ -62,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="engines without torch.compile and CUDA graphs")
     p.add_argument("--phases", nargs="+", default=["warm-start", "attach", "cold-cached", "cold"],
                    choices=["warm-start", "attach", "cold-cached", "cold", "cold-eager"])
+    p.add_argument("--keep-page-cache", action="store_true",
+                   help="leave the page cache as a run's next job finds it (vLLM's files read just before)")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process
     p.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # the model, in this process
     args = p.parse_args(argv)
@@ -72,7 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_phase(args: argparse.Namespace) -> dict:
     """One job: import vLLM, open the regeneration engine, generate once, close; each step's seconds."""
     started = time.perf_counter()
-    # timed: every job that runs an engine pays it (SamplingParams alone is seconds of vLLM's lazy imports)
+    # timed apart: what every stage's job imports anyway (torch, and AutoTokenizer's transformers), then
+    # what vLLM adds to it (SamplingParams alone is seconds of vLLM's lazy imports)
+    import torch  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
+
+    job_imported = time.perf_counter()
     from vllm import SamplingParams  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
 
@@ -89,7 +97,8 @@ def run_phase(args: argparse.Namespace) -> dict:
     loaded = generator.engine.loaded
     generator.close()
     closed = time.perf_counter()
-    return {"loaded": loaded, "import_seconds": round(imported - started, 2),
+    return {"loaded": loaded, "job_import_seconds": round(job_imported - started, 2),
+            "import_seconds": round(imported - job_imported, 2),
             "open_seconds": round(opened - imported, 2), "generate_seconds": round(generated - opened, 2),
             "close_seconds": round(closed - generated, 2), "tokens": sum(map(len, tokens))}
 
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
             if phase == "cold":
                 shutil.rmtree(args.work / "caches-empty", ignore_errors=True)
             for _ in range(args.attaches if phase == "attach" else 1):
-                dropped = drop_page_cache()
+                dropped = False if args.keep_page_cache else drop_page_cache()
                 subprocess.run([*itself, "--phase", phase], check=True, stdout=sys.stderr, env=phase_env(args, phase))
                 result = json.loads((args.work / f"phase-{phase}.json").read_text())
                 if result["loaded"] != (phase != "attach"):  # else the ratios would compare other things
