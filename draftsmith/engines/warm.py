@@ -126,12 +126,6 @@ def weight_bytes(model_path: str | Path | None) -> int:
     return sum(p.stat().st_size for p in checkpoint_files(folder)) if folder and folder.is_dir() else 0
 
 
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------
 # What an engine is
 
@@ -395,7 +389,6 @@ def _attach(folder: Path, key: str, what: str, *, cold: bool = False) -> Engine:
 # Talking to an engine process
 
 
-
 class RemoteLLM:
     """The part of ``vllm.LLM`` the stages use (``generate``, ``collective_rpc``, ``get_metrics``),
     run by a warm engine process over its socket."""
@@ -459,31 +452,3 @@ class RemoteLLM:
         _, kind, text = reply
         raise EngineCallError(f"{kind} in the warm target engine, in {what!r}: {text}",
                               where=f"{self.folder / 'engine.log'} (the traceback)")
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
