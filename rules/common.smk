@@ -12,7 +12,7 @@ from draftsmith.fingerprint import script_fingerprint
 from draftsmith.gate import gate_for_run, mark_planned
 from draftsmith.preflight import PreflightSettings
 from draftsmith.targets.identity import files_fingerprint, weights_fingerprint
-from draftsmith.targets.vllm_support import installed_vllm_version
+from draftsmith.targets.vllm_install import installed_vllm_version
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"

@@ -431,6 +431,6 @@ def test_a_cpu_engine_without_vllm_cpu_kvcache_space_gets_the_sized_cache(tmp_pa
     backend = _engine(path, [1, 4])
     try:
         asked = cpu_kv_cache_bytes({"model": str(path), "dtype": CAPTURE_DTYPE, "max_model_len": MAX_MODEL_LEN})
-        assert backend.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == asked
+        assert backend.llm.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == asked
     finally:
         backend.close()

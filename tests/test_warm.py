@@ -51,7 +51,8 @@ JOB = textwrap.dedent("""
             if os.environ.get("CRASH_AFTER_ATTACH"):
                 os._exit(3)  # a job killed while attached (no detach, no clean-up)
             served, _, _ = server.generate([[5, 6, 7, 8], [40, 41]], max_new_tokens=8)
-            print("RESULT", json.dumps({{"tokens": [s.tokens for s in served], "loaded": server.engine.loaded}}))
+            print("RESULT", json.dumps({{"tokens": [s.tokens for s in served], "loaded": server.engine.loaded,
+                                         "imported_vllm": "vllm" in sys.modules}}))
 """)
 
 
@@ -92,6 +93,7 @@ def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_pa
     model = tiny.build_llama(tmp_path / "target", num_layers=2)
     first = run_job(model, tmp_path / "first.log")
     assert first["loaded"] and len(loads_in(tmp_path / "first.log")) == 1
+    assert not first["imported_vllm"]  # the engine's process imports it: the job would wait for its own import
     # where the engine process's start went beyond vLLM's own load, each step timed
     [start] = re.findall(r"was ready ([\d.]+) s after its process started: (.*)", (tmp_path / "first.log").read_text())
     phases = dict(phase.rsplit(" ", 2)[:2] for phase in start[1].strip().split(", "))
@@ -103,6 +105,7 @@ def test_the_next_job_attaches_and_a_crashed_one_leaves_the_engine_usable(tmp_pa
 
     again = run_job(model, tmp_path / "again.log")
     assert not again["loaded"] and again["tokens"] == first["tokens"]
+    assert not again["imported_vllm"]  # requests and answers in plain data: seconds of imports saved
     assert loads_in(tmp_path / "again.log") == []  # no load of the target, and the log says what it did instead
     assert "attached to the warm target engine" in (tmp_path / "again.log").read_text()
 
@@ -489,6 +492,7 @@ def test_a_new_engine_takes_its_lock_from_a_liveness_probe(service_main, monkeyp
 def test_an_engine_that_cannot_write_its_state_still_shuts_down(service_main, monkeypatch):
     """A full disk while the engine records a job or its exit: vLLM is shut down all the same, and the
     speculator slot's draft it built is removed."""
+    from draftsmith.engines.plain import ServedLLM
     from draftsmith.io import storage_error
     from draftsmith.targets import vllm_compat
 
@@ -496,7 +500,7 @@ def test_an_engine_that_cannot_write_its_state_still_shuts_down(service_main, mo
     (folder / "slot-draft").mkdir()
     (folder / "slot-draft" / "model.safetensors").write_bytes(b"0" * 1024)
     shut = []
-    monkeypatch.setattr(service, "_load", lambda folder, spec, state: ("the engine", 0.1))
+    monkeypatch.setattr(service, "_load", lambda folder, spec, state: (ServedLLM("the engine"), 0.1))
     monkeypatch.setattr(vllm_compat, "shutdown_llm", lambda llm, set_num_threads: shut.append(llm))
     monkeypatch.setattr("draftsmith.engines.warm.engine_max_model_len", lambda llm, asked: 64)
     written = service._write
@@ -522,7 +526,8 @@ SERVICE_WITHOUT_VLLM = textwrap.dedent("""
     from pathlib import Path
     from draftsmith.engines import service
 
-    class StandIn:
+    class StandIn:  # plain.ServedLLM's calls, with no vLLM behind them
+        llm = None
         def generate(self, prompts, *args, **kwargs):
             if os.environ.get("STAND_IN_SECONDS"):  # a long call, which it says it has begun
                 Path(sys.argv[1], "generating").touch()

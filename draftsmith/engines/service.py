@@ -5,8 +5,9 @@ It takes FOLDER's lock for its whole life, binds FOLDER's socket, loads ``vllm.L
 arguments of FOLDER's spec.json (with a speculator slot, its draft built first: see
 ``draftsmith.engines.shared``), then serves one attached job at a time: a job's connection first
 passes copies of its device locks' descriptors, held until the engine is asleep again; each
-request names an ``LLM`` method (``generate``, ``collective_rpc``, ``get_metrics``) and gets its
-result or the exception's text back (its traceback goes to this process's log). A job that
+request names a call of ``draftsmith.engines.plain.ServedLLM`` (``generate``, ``collective_rpc``,
+``get_metrics``, in plain data) and gets its result or the exception's text back (its traceback
+goes to this process's log). A job that
 detaches or dies ends its session; the capture hooks' state is reset and, where the engine was
 started with sleep mode, it sleeps until the next job attaches (so it does after its load, when the
 job that started it is gone). With no job for the latest job's ``keep_warm_s`` seconds, or on
@@ -68,7 +69,7 @@ def main(folder: Path) -> int:
         from draftsmith.engines.warm import engine_max_model_len
 
         state.update(status="ready", load_seconds=round(load_seconds, 2),
-                     max_model_len=engine_max_model_len(llm, spec["kwargs"].get("max_model_len")))
+                     max_model_len=engine_max_model_len(llm.llm, spec["kwargs"].get("max_model_len")))
         _write(folder, state)
         state["keep_warm_s"] = float(spec["keep_warm_s"])
         reason = _serve(folder, llm, listener, state, sleeps=bool(spec["kwargs"].get("enable_sleep_mode")))
@@ -97,7 +98,7 @@ def main(folder: Path) -> int:
             with contextlib.suppress(Exception):  # the process ends either way
                 from draftsmith.targets.vllm_compat import shutdown_llm
 
-                shutdown_llm(llm, set_num_threads)
+                shutdown_llm(llm.llm, set_num_threads)
         # the speculator slot's draft (a GB or more with a large vocabulary) is the engine's alone
         shutil.rmtree(folder / SLOT_DRAFT, ignore_errors=True)
     return 0
@@ -131,7 +132,8 @@ def _listen(folder: Path) -> socket.socket:
 
 
 def _load(folder: Path, spec: dict, state: dict):
-    """``vllm.LLM`` of the spec's arguments (and its speculator slot); the load's seconds. Each step's
+    """``vllm.LLM`` of the spec's arguments (and its speculator slot), as ``plain.ServedLLM``; the
+    load's seconds. Each step's
     seconds go to ``state["phases"]``, so that the job that started the engine can say where its
     start went beyond vLLM's own load."""
     phases = state.setdefault("phases", {})
@@ -139,6 +141,7 @@ def _load(folder: Path, spec: dict, state: dict):
     started = time.monotonic()
     from vllm import LLM
 
+    from draftsmith.engines.plain import ServedLLM
     from draftsmith.engines.vllm_serving import eagle3_config
 
     phases["importing vLLM"] = round(time.monotonic() - started, 2)
@@ -151,7 +154,7 @@ def _load(folder: Path, spec: dict, state: dict):
     with target_load(spec["what"]) as load:
         llm = LLM(**kwargs)
     phases["vLLM's load"] = round(load.seconds, 2)
-    return llm, load.seconds
+    return ServedLLM(llm), load.seconds
 
 
 def _slot_draft(folder: Path, slot: dict) -> Path:

@@ -2,8 +2,9 @@
 parallelism.
 
 Only vLLM's public API is used (``LLM``, ``SamplingParams``, ``TokensPrompt``), which every
-supported release provides; the engine arguments are built in one place (``engine_args``) and
-pass through the version table of :mod:`draftsmith.targets.vllm_compat`.
+supported release provides, through ``draftsmith.engines.plain`` (the requests as plain data, so a
+job attached to a warm engine imports no vLLM); the engine arguments are built in one place
+(``engine_args``) and pass through the version table of :mod:`draftsmith.targets.vllm_compat`.
 
 Sampling is mapped one to one from the regenerate settings: ``temperature`` (0 = greedy),
 ``top_p``, ``max_new_tokens`` -> ``max_tokens``, and the run's seed -> a per-request ``seed``
@@ -12,11 +13,12 @@ have drawn. The model folder's generation_config.json is ignored (``generation_c
 the HF path replaces it: "greedy" means argmax, "temperature t" only that. Generation stops at
 exactly the stop set given (``ignore_eos`` plus ``stop_token_ids``), as HF's ``eos_token_id``.
 
-vLLM is imported only when an engine is created, so this module imports without it.
+vLLM is imported only where an engine loads in this process, so this module imports without it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 
@@ -25,6 +27,7 @@ import torch
 from draftsmith.engines.warm import open_llm
 from draftsmith.errors import TargetError
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
+from draftsmith.targets.vllm_install import vllm_device_type
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +37,13 @@ def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = 
                 max_model_len: int | None = None, enforce_eager: bool = False, **overrides) -> dict:
     """Every argument the regeneration engine is built with, as the installed vLLM takes them;
     ``enforce_eager`` runs it without torch.compile and CUDA graphs on a GPU too."""
-    from vllm.platforms import current_platform
-
     args = dict(
         model=str(model_path), tokenizer=str(model_path), tensor_parallel_size=int(tensor_parallel_size),
         dtype=dtype, trust_remote_code=bool(trust_remote_code), max_model_len=max_model_len,
         generation_config="vllm",       # the model's sampling defaults would change what "greedy" means
         seed=0,
         # On the CPU torch.compile costs half a minute per engine and gains nothing.
-        enforce_eager=enforce_eager or current_platform.is_cpu(),
+        enforce_eager=enforce_eager or vllm_device_type() == "cpu",
     )
     if max_num_seqs is not None:
         args["max_num_seqs"] = int(max_num_seqs)
@@ -55,12 +56,10 @@ class VllmGenerator:
     """The target loaded once in vLLM; ``generate`` returns the new token ids of each prompt."""
 
     def __init__(self, model_path: str, **kwargs) -> None:
-        try:
-            import vllm  # noqa: F401 - here, to say which environment to run in
-        except ImportError as e:
-            raise TargetError(f"vLLM cannot be imported: {e}", where="regenerate.backend",
+        if importlib.util.find_spec("vllm") is None:  # found, not imported: a warm engine imports it
+            raise TargetError("vLLM is not installed in this environment", where="regenerate.backend",
                               fix="run in the vLLM environment (envs/vllm.yaml, or scripts/setup.sh --cuda) "
-                                  "or set regenerate.backend: hf") from e
+                                  "or set regenerate.backend: hf")
         self.args = engine_args(model_path, **kwargs)
         # An in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaces torch.set_num_threads
         # with a no-op; close() puts it back.
@@ -88,9 +87,6 @@ class VllmGenerator:
 
         A prompt too long for the engine's context gets as many new tokens as fit, down to none.
         """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         greedy = temperature == 0
         params, inputs, fits = [], [], []
         for n, ids in enumerate(prompts):
@@ -101,15 +97,15 @@ class VllmGenerator:
             if room < 1:
                 continue  # nothing fits: an empty answer, dropped and counted by prepare_dataset
             fits.append(n)
-            params.append(SamplingParams(
+            params.append(dict(
                 max_tokens=min(max_new_tokens, room), temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else top_p, seed=None if greedy or seeds is None else int(seeds[n]),
                 ignore_eos=True, stop_token_ids=[int(t) for t in stop_ids], detokenize=False))
-            inputs.append(TokensPrompt(prompt_token_ids=[int(t) for t in ids]))
+            inputs.append([int(t) for t in ids])
         out: list[list[int]] = [[] for _ in prompts]
         if inputs:
-            for n, output in zip(fits, self.llm.generate(inputs, params, use_tqdm=False)):
-                out[n] = [int(t) for t in output.outputs[0].token_ids]
+            for n, output in zip(fits, self.llm.generate(inputs, params)):
+                out[n] = output.token_ids
         return out
 
     def close(self) -> None:

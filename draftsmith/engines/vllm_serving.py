@@ -16,11 +16,14 @@ engine's aggregate counters (``LLM.get_metrics()``, which needs ``disable_log_st
 (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/reader.py). The counters live in the process's
 Prometheus registry and only grow, so a run's figures are the difference of two readings.
 
-vLLM is imported only when an engine is created, so this module imports without it.
+Requests and answers pass as plain data (``draftsmith.engines.plain``): vLLM is imported only
+where an engine loads in this process, so this module, and a job attached to a warm engine, import
+without it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import Sequence
@@ -31,7 +34,8 @@ import torch
 
 from draftsmith.engines.warm import open_llm
 from draftsmith.errors import EvaluationError
-from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds, spec_decode_record
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
+from draftsmith.targets.vllm_install import vllm_device_type
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +114,8 @@ def counters_from_records(accepted: Sequence[Sequence[int]], proposed: Sequence[
 
 
 def read_spec_counters(metrics) -> SpecCounters:
-    """The spec-decode counters from ``LLM.get_metrics()``; zeros when vLLM recorded none yet."""
+    """The spec-decode counters from ``get_metrics()`` (vLLM's metrics as ``plain.Metric``); zeros
+    when vLLM recorded none yet."""
     out = SpecCounters()
     for metric in metrics:
         for attr, name in COUNTERS.items():
@@ -135,12 +140,10 @@ class VllmServer:
                  max_model_len: int | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, enforce_eager: bool = False,
                  slot_engine: tuple[dict, dict] | None = None, **llm_kwargs) -> None:
-        try:
-            from vllm.platforms import current_platform
-        except ImportError as e:
-            raise EvaluationError(f"vLLM cannot be imported: {e}", where="eval.backend",
-                                  fix="run in the vLLM environment (envs/vllm.yaml) or set eval.backend: hf") from e
-        cpu = current_platform.is_cpu()
+        if importlib.util.find_spec("vllm") is None:  # found, not imported: a warm engine imports it
+            raise EvaluationError("vLLM is not installed in this environment", where="eval.backend",
+                                  fix="run in the vLLM environment (envs/vllm.yaml) or set eval.backend: hf")
+        cpu = vllm_device_type() == "cpu"
         self.speculative_config = dict(speculative_config) if speculative_config else None
         kwargs = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
@@ -161,7 +164,7 @@ class VllmServer:
             kwargs, slot = slot_engine
             self.speculative_config = {"method": "eagle3", "model": None,
                                        "num_speculative_tokens": slot["num_speculative_tokens"]}
-        self.settings = {"platform": current_platform.device_type,
+        self.settings = {"platform": vllm_device_type(),
                          **{k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}}
         if slot is not None:  # eager, as capture's hooks need: its timings are not a deployment's
             self.settings["shared_with_capture"] = True
@@ -204,23 +207,18 @@ class VllmServer:
         Generation stops at ``max_new_tokens`` or after any of ``stop_ids`` (kept in the output);
         the tokenizer's own EOS is ignored, so the stop set is exactly the one given.
         """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True,
-                                stop_token_ids=[int(t) for t in stop_ids], detokenize=False)
-        inputs = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in prompts]
+        params = dict(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True,
+                      stop_token_ids=[int(t) for t in stop_ids], detokenize=False)
         before = self.counters()
         started = time.perf_counter()
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params)
         seconds = time.perf_counter() - started
         served = []
         for output in outputs:
-            completion = output.outputs[0]
-            record = spec_decode_record(completion)
+            record = output.spec_record
             if record is None:
                 record = (None, None) if self.speculative_config else ([], [])
-            served.append(Served([int(t) for t in completion.token_ids], *record))
+            served.append(Served(output.token_ids, *record))
         return served, self.counters() - before, seconds
 
     def score(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], *,
@@ -228,26 +226,22 @@ class VllmServer:
         """The target's argmax and logits at every position of each ``outputs[i]`` after
         ``prompts[i]``, and its next ``extend`` greedy tokens, in one prefill of the whole text per
         prompt (vLLM's prompt logits: the engine needs ``logprobs_mode="raw_logits"``)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if self.settings.get("logprobs_mode") != "raw_logits":
             raise EvaluationError("the engine returns log-probabilities, not the logits the lossless check compares",
                                   where="VllmServer", fix='start the engine with logprobs_mode="raw_logits"')
-        params = SamplingParams(temperature=0.0, max_tokens=extend, ignore_eos=True, prompt_logprobs=1,
-                                detokenize=False)
+        params = dict(temperature=0.0, max_tokens=extend, ignore_eos=True, prompt_logprobs=1, detokenize=False)
         texts = [[int(t) for t in (*p, *o)] for p, o in zip(prompts, outputs, strict=True)]
-        results = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in texts], params, use_tqdm=False)
+        results = self.llm.generate(texts, params)
         scored = []
         for prompt, output, result in zip(prompts, outputs, results):
             best, best_logit, token_logit = [], [], []
             for position, token in enumerate(output, start=len(prompt)):
-                entry = result.prompt_logprobs[position]  # {token id: Logprob(logit, rank)}, the text's token too
-                top = int(token) if entry[int(token)].rank == 1 else next(t for t, v in entry.items() if v.rank == 1)
+                entry = result.prompt_logprobs[position]  # {token id: (logit, rank)}, the text's token too
+                top = int(token) if entry[int(token)][1] == 1 else next(t for t, (_, rank) in entry.items() if rank == 1)
                 best.append(int(top))
-                best_logit.append(float(entry[top].logprob))
-                token_logit.append(float(entry[int(token)].logprob))
-            scored.append(Scored(best, best_logit, token_logit, [int(t) for t in result.outputs[0].token_ids]))
+                best_logit.append(entry[top][0])
+                token_logit.append(entry[int(token)][0])
+            scored.append(Scored(best, best_logit, token_logit, result.token_ids))
         return scored
 
     def close(self) -> None:

@@ -134,7 +134,7 @@ def engine_identity(kwargs: dict) -> dict:
     """Everything that decides what an engine with these ``LLM`` arguments computes, as JSON."""
     from draftsmith.fingerprint import code_fingerprint
     from draftsmith.targets.identity import weights_fingerprint
-    from draftsmith.targets.vllm_support import installed_vllm_version
+    from draftsmith.targets.vllm_install import installed_vllm_version
 
     folders = {"model": kwargs.get("model"), "tokenizer": kwargs.get("tokenizer")}
     speculator = kwargs.get("speculative_config") or {}
@@ -177,8 +177,9 @@ def absolute_paths(kwargs: dict) -> dict:
 
 @dataclass
 class Engine:
-    """A job's handle on the target loaded in vLLM: ``llm`` is ``vllm.LLM`` (in this process) or a
-    ``RemoteLLM`` (a warm engine); ``loaded`` is False when the job attached to a warm one."""
+    """A job's handle on the target loaded in vLLM: ``llm`` is ``plain.ServedLLM`` (vLLM in this
+    process) or a ``RemoteLLM`` (a warm engine), which answer alike in plain data; ``loaded`` is
+    False when the job attached to a warm one."""
 
     llm: Any
     load_seconds: float
@@ -213,10 +214,10 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
             except DraftsmithError as e:  # a registry that is not the user's alone: this job needs none
                 log.warning("the warm engines beside this job are left as they are: %s", e.what)
         return _in_process(kwargs, what, set_num_threads)
-    from vllm.platforms import current_platform
+    from draftsmith.targets.vllm_install import vllm_device_type
 
     kwargs = absolute_paths(kwargs)
-    if current_platform.is_cuda_alike():
+    if vllm_device_type() == "cuda":
         # Between jobs the engine sleeps: its weights in host memory, the GPU free for training.
         kwargs = {**kwargs, "enable_sleep_mode": True}
     identity = {**engine_identity(kwargs), "speculator_slot": speculator_slot}
@@ -230,11 +231,12 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
 def _in_process(kwargs: dict, what: str, set_num_threads) -> Engine:
     from vllm import LLM
 
+    from draftsmith.engines.plain import ServedLLM
     from draftsmith.targets.vllm_compat import shutdown_llm
 
     with target_load(what) as load:
         llm = LLM(**kwargs)
-    return Engine(llm, load.seconds, True, engine_max_model_len(llm, kwargs.get("max_model_len")),
+    return Engine(ServedLLM(llm), load.seconds, True, engine_max_model_len(llm, kwargs.get("max_model_len")),
                   lambda: shutdown_llm(llm, set_num_threads))
 
 
@@ -390,8 +392,8 @@ def _attach(folder: Path, key: str, what: str, *, cold: bool = False) -> Engine:
 
 
 class RemoteLLM:
-    """The part of ``vllm.LLM`` the stages use (``generate``, ``collective_rpc``, ``get_metrics``),
-    run by a warm engine process over its socket."""
+    """``plain.ServedLLM``'s calls (``generate``, ``collective_rpc``, ``get_metrics``), run by a warm
+    engine process over its socket: requests and answers are plain data, so the job imports no vLLM."""
 
     def __init__(self, folder: Path, key: str) -> None:
         self.folder, self.key = folder, key

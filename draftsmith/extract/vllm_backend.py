@@ -12,12 +12,14 @@ spool and this process carry half the bytes and this process does no quantising.
 ``capture_stream`` starts each batch before it maps the previous one's files, so the engine does
 not wait between batches for the last passes to reach the spool.
 
-vLLM is imported only when a backend is created, so this module imports without it.
+vLLM is imported only where an engine loads in this process (requests pass as plain data,
+``draftsmith.engines.plain``), so this module, and a job attached to a warm engine, import without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -107,11 +109,9 @@ class VllmBackend(CaptureBackend):
                  shared: SharedEngine | None = None, **llm_kwargs) -> None:
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
-        try:
-            import vllm  # noqa: F401 - here, to say which environment to run in
-        except ImportError as e:
-            raise ExtractionError(f"vLLM cannot be imported: {e}", where="extraction.backend",
-                                  fix="install vLLM (envs/vllm.yaml) or use extraction.backend: hf") from e
+        if importlib.util.find_spec("vllm") is None:  # found, not imported: a warm engine imports it
+            raise ExtractionError("vLLM is not installed in this environment", where="extraction.backend",
+                                  fix="install vLLM (envs/vllm.yaml) or use extraction.backend: hf")
         if os.environ.get("VLLM_USE_V1") == "0":
             raise ExtractionError("the vLLM backend needs the V1 engine", where="VLLM_USE_V1",
                                   fix="unset VLLM_USE_V1")
@@ -176,9 +176,6 @@ class VllmBackend(CaptureBackend):
                 self._abandon()
 
     def _run(self, batch: list[list[int]]) -> _Ran:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if not batch:
             return _Ran([], [], {"passes": [], "found": [], "error": None})
         for n, ids in enumerate(batch):
@@ -189,9 +186,8 @@ class VllmBackend(CaptureBackend):
         # Equal samples have equal states: each distinct prompt runs once.
         keys = [tuple(int(t) for t in ids) for ids in batch]
         distinct = list(dict.fromkeys(keys))
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.llm.collective_rpc("draftsmith_expect", args=([list(p) for p in distinct],))
-        self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in distinct], params, use_tqdm=False)
+        self.llm.generate([list(p) for p in distinct], {"max_tokens": 1, "temperature": 0.0, "detokenize": False})
         result = next(r for r in self.llm.collective_rpc("draftsmith_collect") if r is not None)
         self.stalled_s = result["stalled_s"]
         return _Ran(keys, distinct, result)

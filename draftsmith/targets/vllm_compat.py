@@ -22,13 +22,13 @@ second engine in a process once llvmlite is loaded (the n-gram proposer imports 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
-from functools import cache
 
 from packaging.version import InvalidVersion, Version
+
+from draftsmith.targets.vllm_install import engine_arg_names, vllm_device_type
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +80,9 @@ def support_range_problem(version: str) -> str | None:
     return None
 
 
-@cache
-def _engine_arg_names() -> frozenset[str]:
-    from vllm.engine.arg_utils import EngineArgs
-
-    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
-
-
 def has_engine_arg(name: str) -> bool:
     """Whether the installed vLLM's engine takes the argument ``name``."""
-    return name in _engine_arg_names()
+    return name in engine_arg_names()
 
 
 def engine_kwargs(kwargs: dict) -> dict:
@@ -113,10 +106,9 @@ def platform_workarounds(engine: dict) -> dict:
     ``LLM`` arguments so far: model, dtype, max_model_len, trust_remote_code), its KV cache sized to
     it on the CPU, and, on a GPU, the start method that keeps its engine processes working."""
     import torch  # here, not at the top: preflight imports this module and must stay fast
-    from vllm.platforms import current_platform
 
     dtype = engine.get("dtype", "auto")
-    if current_platform.is_cpu():
+    if vllm_device_type() == "cpu":
         # The CPU rotary kernel (RotaryEmbedding.forward_cpu -> torch.ops._C.rotary_embedding) rotates
         # 3-D [tokens, heads>1, dim] queries wrongly; MLA attention (DeepSeek) passes such queries.
         # The PyTorch-native rotary is exact.

