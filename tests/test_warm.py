@@ -510,7 +510,7 @@ def test_an_engine_that_cannot_write_its_state_still_shuts_down(service_main, mo
             raise storage_error(folder / "state.json", OSError(28, "No space left on device"))
         written(folder, state)
 
-    def serve(folder, llm, listener, state, keep_warm_s, sleeps):
+    def serve(folder, llm, listener, state, sleeps):
         write(folder, {**state, "status": "attached"})  # a job's arrival, recorded on a full disk
 
     monkeypatch.setattr(service, "_write", write)
