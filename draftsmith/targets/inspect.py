@@ -453,13 +453,13 @@ def check_fits_devices(info: dict, hf_stages: dict[str, int], *, dtype: str = "a
 def check_fits_host(info: dict, rules: list[str], *, dtype: str = "auto") -> None:
     """Refuse a run on the CPU whose HF stages (``rules``) cannot hold the target's weights in this
     machine's memory. Under SLURM those jobs run on other nodes, with the memory they ask for."""
+    from draftsmith.placement import host_memory_bytes  # here: tests give the machine another memory
+
     if os.environ.get("SLURM_JOB_ID"):
         return
     # auto is float32 on the CPU, as engines.hf_model.model_dtype_name has it (which imports this
     # module, so it cannot be imported here)
     cpu_dtype = "float32" if dtype == "auto" else dtype
-    from draftsmith.placement import host_memory_bytes
-
     need, have = weight_bytes(info, cpu_dtype), host_memory_bytes()
     if need <= have:
         return
