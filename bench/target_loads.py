@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--case", choices=list(VLLM_CASES), default="deepseek_v3")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    parser.add_argument("--out", type=Path, default=None, help="the summary as JSON")
+    parser.add_argument("--out", type=Path, default=None, help="the summary as JSON (rewritten after each mode)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="target-loads-"))
     summary = {"case": args.case, "modes": {}}
@@ -96,9 +96,9 @@ def main() -> int:
         folder.mkdir(parents=True)
         summary["modes"][mode] = run_mode(folder, args.case, mode)
         print(table(summary), file=sys.stderr)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1))
+        if args.out:  # after each mode: a run cut short keeps the modes it finished
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
     return 0
 
