@@ -10,9 +10,14 @@ Two ways to run it, each in a workdir of its own:
 - ``after``: the defaults: engines stay warm between jobs, capture and evaluation share one engine.
 
     python bench/target_loads.py --case deepseek_v3 --modes before after --out /tmp/loads.json
+    python bench/target_loads.py --case llama_8b --modes before after --out /tmp/loads-8b.json
 
-The cases are the GPU lane's (``tests/workflow_helpers.py``: ``VLLM_CASES``); the summary (JSON, also
-on stdout) holds each mode's per-stage figures and the totals, and a Markdown table goes to stderr.
+The cases are the GPU lane's (``tests/workflow_helpers.py``: ``VLLM_CASES``) and ``llama_8b``: the
+lane's Llama case with a real-size target, the Llama-3-8B shape in bf16 with random weights
+(``bench/regeneration.py``'s build, 16 GB, made once for both modes), without the HF loop's check
+(an 8B target in the HF loop beside the sleeping engine tells nothing about loads). The summary
+(JSON, also on stdout) holds each mode's per-stage figures and the totals, and a Markdown table
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,16 +42,21 @@ MODES = {
     "before": {"warm_target": {"minutes": 0}, "eval": {"separate_engines": True}},
     "after": {},
 }
+BENCH_CASES = {"llama_8b": ("llama", "8b")}  # case: (the lane's case it runs, the bench/regeneration.py shape)
 STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "train_draft", "evaluate_draft")
 
 
-def run_mode(work: Path, case: str, mode: str) -> dict:
-    """One workflow run and a rerun of evaluate_draft; the figures of each job that runs the target."""
+def run_mode(work: Path, case: str, mode: str, target: dict) -> dict:
+    """One workflow run and a rerun of evaluate_draft; the figures of each job that runs the target.
+    ``target``: config sections that replace the case's target (empty: the case's own)."""
     from draftsmith.engines import registry
 
     os.environ[registry.ENGINE_DIR_ENV] = str(work / "engines")  # the run's jobs inherit it
+    sections = {**MODES[mode]}
+    for section, value in target.items():
+        sections[section] = {**sections.get(section, {}), **value}
     try:
-        workdir, configfile, _ = vllm_workflow(work, case, **MODES[mode])
+        workdir, configfile, _ = vllm_workflow(work, case, **sections)
         started = time.monotonic()
         snakemake(workdir, "--resources", "gpu=1", configfile=configfile, timeout=3600)
         run = {"wall_seconds": round(time.monotonic() - started, 1),
@@ -59,6 +70,16 @@ def run_mode(work: Path, case: str, mode: str) -> dict:
     finally:
         for engine in registry.list_engines():
             registry.stop_engine(Path(engine["folder"]))
+
+
+def build_target(folder: Path, shape: str) -> Path:
+    """The random-init Llama of ``shape`` (bf16, on the GPU), built in a process of its own so that
+    this one holds no CUDA context beside the engines; kept for the next mode and the next run."""
+    code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+            "from regeneration import build_target; build_target(Path(sys.argv[3]), sys.argv[4], 'bfloat16', 'cuda')")
+    subprocess.run([sys.executable, "-c", code, str(ROOT / "bench"), str(ROOT / "tests"), str(folder), shape],
+                   check=True, stdout=sys.stderr)
+    return folder
 
 
 def _figures(workdir: Path) -> dict:
@@ -83,18 +104,23 @@ def table(summary: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", choices=list(VLLM_CASES), default="deepseek_v3")
+    parser.add_argument("--case", choices=[*VLLM_CASES, *BENCH_CASES], default="deepseek_v3")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="the summary as JSON (rewritten after each mode)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="target-loads-"))
     summary = {"case": args.case, "modes": {}}
+    case, target = args.case, {}
+    if case in BENCH_CASES:
+        case, shape = BENCH_CASES[args.case]
+        target = {"target": {"path": str(build_target(work / f"model-{shape}", shape)), "dtype": "bfloat16"},
+                  "eval": {"hf_check": False}}
     for mode in args.modes:
         folder = work / mode
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        summary["modes"][mode] = run_mode(folder, args.case, mode)
+        summary["modes"][mode] = run_mode(folder, case, mode, target)
         print(table(summary), file=sys.stderr)
         if args.out:  # after each mode: a run cut short keeps the modes it finished
             args.out.parent.mkdir(parents=True, exist_ok=True)
