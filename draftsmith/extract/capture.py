@@ -69,7 +69,7 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
             target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
             final_layer_id=target_info["final_layer_id"], lm_head_path=target_info.get("lm_head_path"),
             dtype=settings.model_dtype, device=device, device_map=settings.device_map, trust_remote_code=trust,
-            fp8=fp8)
+            fp8=fp8, logit_transform=target_info.get("logit_transform"))
     if name == "vllm":
         support = (target_info.get("backends") or {}).get("vllm") or {}
         if support and not support.get("supported"):

@@ -26,8 +26,40 @@ from draftsmith.engines.hf_model import load_hf_model
 from draftsmith.errors import ExtractionError, out_of_memory_as
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.hidden_states import CapturedRows, Fp8Rows, quantize_fp8
+from draftsmith.targets.logits import apply_logit_transform
+from draftsmith.targets.logits import describe as describe_logits
 
 log = logging.getLogger(__name__)
+
+TEACHER_TOLERANCE = 0.02  # of the largest logit: bf16 rounding is 0.4%; a missed scale or cap is tens of %
+
+
+@torch.inference_mode()
+def check_teacher_logits(model: nn.Module, head: nn.Module, transform: dict | None, tokens: int = 32) -> None:
+    """Stop when the target's logits are not what training's teacher computes from the captured
+    final state (its lm_head's weight, then ``transform``): a family that scales, caps or biases its
+    logits in a way target.json does not know would train the draft against another distribution."""
+    vocab = head.weight.shape[0]
+    ids = torch.arange(3, 3 + tokens, device=model.get_input_embeddings().weight.device)[None] % vocab
+    seen = {}
+    handle = head.register_forward_pre_hook(lambda module, args: seen.setdefault("final", args[0]))
+    try:
+        logits = model(input_ids=ids).logits.float()
+    finally:
+        handle.remove()
+    final = seen["final"].to(head.weight.device).float()
+    teacher = apply_logit_transform(final @ head.weight.float().T, transform).to(logits.device)
+    error = (teacher - logits).abs().max().item() / max(logits.abs().max().item(), 1e-6)
+    if error > TEACHER_TOLERANCE:
+        raise ExtractionError(
+            f"the target's logits are not what training's teacher computes from its final state "
+            f"({describe_logits(transform)}, over the lm_head's weight): they differ by {error:.0%} of the "
+            f"largest logit on {tokens} test tokens, so the draft would learn another distribution than the "
+            f"target's (the {type(model).__name__} head may scale, cap or bias its logits in its own way)",
+            where="target.json logit_transform (draftsmith.targets.logits.RULES)",
+            fix="add the family's rule to draftsmith.targets.logits.RULES, read from its modeling code's "
+                "forward after lm_head, then rerun inspect_target")
+
 
 class _StopForward(Exception):
     """Raised by the last hook that is needed, to end the forward pass early."""
@@ -87,14 +119,19 @@ class HfBackend(CaptureBackend):
     @classmethod
     def load(cls, model_path: str | Path, *, layers_path: str, capture_layer_ids: Sequence[int],
              final_layer_id: int, lm_head_path: str | None = None, dtype: str = "auto", device: str = "auto",
-             device_map: str | None = None, trust_remote_code: bool = False, fp8: bool = False) -> HfBackend:
-        """Load the target from its folder and hook the captured layers."""
+             device_map: str | None = None, trust_remote_code: bool = False, fp8: bool = False,
+             logit_transform: dict | None = None) -> HfBackend:
+        """Load the target from its folder, check that training's teacher formula gives its logits
+        (``logit_transform``: target.json's), and hook the captured layers."""
         model = load_hf_model(model_path, dtype=dtype, device=device, device_map=device_map,
                               trust_remote_code=trust_remote_code)
         log.info("hf backend: %s loaded (%s, first layer on %s); capturing layers %s%s",
                  type(model).__name__, next(model.parameters()).dtype,
                  model.get_input_embeddings().weight.device, capture_layer_ids,
                  " as fp8, quantised on the device" if fp8 else "")
+        head = model.get_submodule(lm_head_path) if lm_head_path else model.get_output_embeddings()
+        if head is not None:
+            check_teacher_logits(model, head, logit_transform)
         return cls(model, layers_path=layers_path, capture_layer_ids=capture_layer_ids,
                    final_layer_id=final_layer_id, lm_head_path=lm_head_path, fp8=fp8)
 

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 from draftsmith.errors import ConfigError, TargetError
 from draftsmith.io import atomic_write_json
 from draftsmith.placement import DEVICES_ENV
+from draftsmith.targets.logits import IDENTITY as IDENTITY_LOGITS
+from draftsmith.targets.logits import describe as describe_logits
+from draftsmith.targets.logits import logit_transform
 from draftsmith.targets.quantization import describe_quantization
 
 if TYPE_CHECKING:
@@ -307,6 +310,8 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
         "layers_path": layers_path,
         "embed_path": module_path(model, embed),
         "lm_head_path": module_path(model, head),
+        # what the target does to lm_head(final state) before it decodes: training's teacher does the same
+        "logit_transform": logit_transform(text_config.model_type, text_config.to_dict()),
         "tie_word_embeddings": head.weight is embed.weight,
         "num_hidden_layers": num_layers,
         "hidden_size": text_config.hidden_size,
@@ -485,6 +490,9 @@ def write_target_json(out_path: str | Path, model_path: str | Path, *, dtype: st
              info["layers_path"], info["hidden_size"], info["vocab_size"], info["aux_layer_ids"],
              info["final_layer_id"], info["num_parameters"] / 1e9, quantization_summary(info),
              info["weight_bytes"] / 1e9)
+    if info["logit_transform"] != IDENTITY_LOGITS:
+        log.info("target %s: its logits are %s; the draft is trained against the same", info["model_path"],
+                 describe_logits(info["logit_transform"]))
     try:
         check_fits_devices(info, dict(hf_stages or {}), dtype=dtype)
     except TargetError as e:

@@ -399,7 +399,7 @@ def _build(config: Eagle3DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor, targ
     objective = TTTObjective(draft, head.to(dtype), rows, ttt_steps=settings.ttt_steps,
                              ttt_decay=settings.ttt_decay, attention=attention,
                              hard_label_weight=settings.hard_label_weight, feature_noise=settings.feature_noise,
-                             flex_fn=flex_fn)
+                             logit_transform=read_json(target_json).get("logit_transform"), flex_fn=flex_fn)
     del embed, head
     draft.to(device)
     objective.to_device(device, dtype)

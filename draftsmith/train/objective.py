@@ -16,6 +16,7 @@ from torch import nn
 
 from draftsmith.draft.model import Eagle3Draft
 from draftsmith.errors import TrainingError
+from draftsmith.targets.logits import apply_logit_transform
 from draftsmith.train.attention import TTTAttention
 
 
@@ -173,7 +174,7 @@ class TTTObjective(nn.Module):
 
     def __init__(self, draft: Eagle3Draft, lm_head: torch.Tensor, rows: torch.Tensor, *, ttt_steps: int,
                  ttt_decay: float, attention: str, hard_label_weight: float = 0.0, feature_noise: float = 0.0,
-                 flex_fn=None, argmax_chunk: int = 2048) -> None:
+                 logit_transform: dict | None = None, flex_fn=None, argmax_chunk: int = 2048) -> None:
         super().__init__()
         self.draft = draft
         self.teacher = lm_head[rows]  # [Vd, H] draft-vocab rows, in draft order
@@ -182,6 +183,7 @@ class TTTObjective(nn.Module):
         self.rest = lm_head[outside]  # [V - Vd, H]: only for "is the true argmax in the draft vocab?"
         self.ttt_steps, self.ttt_decay, self.hard_label_weight = ttt_steps, ttt_decay, hard_label_weight
         self.feature_noise = feature_noise
+        self.logit_transform = logit_transform  # target.json's: the target's logits beyond its lm_head
         self.attention, self.flex_fn, self.argmax_chunk = attention, flex_fn, argmax_chunk
         self.steps_fn = self._steps
         self.kernels = LossKernels()
@@ -246,14 +248,16 @@ class TTTObjective(nn.Module):
         """The teacher at its rows: logits [N0, Vd], logsumexp, negative entropy, argmax, and (``exact``)
         whether the target's argmax over its whole vocabulary lies in the draft vocabulary."""
         x = final[teach_rows]
-        tz = x @ self.teacher.to(x.dtype).T
+        tz = apply_logit_transform(x @ self.teacher.to(x.dtype).T, self.logit_transform)
         tlse, negent, arg, top = self.kernels.rows(self.kernels.teacher, tz.shape[0], tz)
         in_vocab = None
         if exact:
             in_vocab = torch.ones_like(arg, dtype=torch.bool)
             if self.rest.shape[0]:
                 rest = self.rest.to(x.dtype)
-                max_out = torch.cat([(c @ rest.T).max(-1).values for c in x.split(self.argmax_chunk)])
+                # the transform rises monotonically: the maximum of the transformed is the transformed maximum
+                max_out = apply_logit_transform(
+                    torch.cat([(c @ rest.T).max(-1).values for c in x.split(self.argmax_chunk)]), self.logit_transform)
                 in_vocab = top >= max_out.float()
         return tz, tlse, negent, arg, in_vocab
 
