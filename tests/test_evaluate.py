@@ -225,6 +225,93 @@ def test_the_loop_keeps_layers_with_state_of_their_own():
                                                                  "LinearAttentionAndFullAttentionLayer"]
 
 
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_next", "nemotron_h"])
+def hybrid_dir(request, tmp_path_factory) -> Path:
+    """A tiny random-init target, saved with a tokenizer, whose layers are not all attention: LFM2
+    (short convolutions, whose cache keeps their last inputs), Qwen3-Next (gated DeltaNet linear
+    attention: a short convolution and a recurrent state that sums over every token) or Nemotron-H
+    (Mamba-2 layers, and MLP layers that cache nothing)."""
+    import transformers
+
+    shape = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0, bos_token_id=None,
+                 eos_token_id=None)
+    configs = {
+        "lfm2": lambda: transformers.Lfm2Config(layer_types=["conv", "full_attention"] * 2,
+                                                block_auto_adjust_ff_dim=False, **shape),
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(
+            layer_types=["linear_attention", "full_attention"] * 2, head_dim=32, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, **shape),
+        "nemotron_h": lambda: transformers.NemotronHConfig(
+            layer_types=["linear_attention", "mlp", "full_attention", "mlp"], head_dim=32, mamba_num_heads=4,
+            mamba_head_dim=16, ssm_state_size=16, n_groups=1, mamba_chunk_size=16, **shape),
+    }
+    path = tmp_path_factory.mktemp(request.param)
+    tiny.build_tokenizer(path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(configs[request.param]()).eval()
+    tiny._spread_weights(model)
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_target_with_conv_or_linear_attention_layers_speculates_losslessly(hybrid_dir):
+    """Rejected drafts are taken back out of conv and recurrent states too (transformers crops
+    neither by default): every drafter gives greedy decoding's tokens, one for one."""
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+
+    info = inspect_target(hybrid_dir)
+    model = load_target_model(hybrid_dir, dtype="float32", device="cpu")
+    backend = HFDecoder(model, [], 30, layers_path=info["layers_path"], aux_layer_ids=info["aux_layer_ids"])
+    prompt = Prompt("long", [*range(1, 40), 5, 17, 250, 3, 99, 41, 8, 5, 17, 250, 3])
+    ids = torch.tensor([prompt.ids])
+    truth = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert backend.greedy(prompt).tokens == truth
+    rng = random.Random(0)
+
+    def noisy(context, k):
+        done = len(context) - len(prompt.ids)
+        return [t if rng.random() > 0.4 else (t + 1) % 384 for t in (truth[done:] + [0] * k)[:k]]
+
+    for k in (1, 3):
+        run = backend.speculate(prompt, ScriptedDrafter(noisy), k)
+        assert run.tokens == truth, k
+        assert 0 in run.accepted and k in run.accepted  # rejections, and whole drafts kept
+    perfect = backend.speculate(prompt, DrafterSpec("target"), 3)
+    assert perfect.tokens == truth and set(perfect.accepted) == {3}
+    ngram = backend.speculate(prompt, DrafterSpec("ngram"), 3)  # the user's crash
+    assert ngram.tokens == truth
+    assert any(a < p for a, p in zip(ngram.accepted, ngram.proposed))
+    torch.manual_seed(0)
+    draft = Eagle3Drafter(Eagle3Draft(Eagle3DraftConfig.from_target(info, draft_vocab_size=info["vocab_size"])))
+    assert backend.speculate(prompt, draft, 3).tokens == truth
+
+
+def test_evaluate_draft_on_a_target_with_conv_or_linear_attention_layers(tmp_path, hybrid_dir):
+    """The stage as the user ran it (eval.backend: hf): an EAGLE-3 draft and the n-gram baseline
+    decoded, checked against greedy decoding and written to acceptance.json."""
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+    from draftsmith.draft.speculators_format import save_speculators
+
+    target_json = tmp_path / "target.json"
+    info = write_target_json(target_json, hybrid_dir)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(Eagle3DraftConfig.from_target(info, draft_vocab_size=info["vocab_size"]))
+    draft_dir = save_speculators(draft, tmp_path / "draft", dtype="float32")
+    heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
+        {"id": p.id, "messages": [], "prompt_ids": p.ids, "source": {"file": "x.jsonl", "line": i}}
+        for i, p in enumerate([*PROMPTS, Prompt("cycle", [5, 17, 250, 3, 99, 41, 8, 5, 17, 250, 3])])])
+    settings = EvalSettings(k=3, k_sweep=(1, 3), max_prompts=4, max_new_tokens=16, sweep_max_prompts=2,
+                            model_dtype="float32", device="cpu")
+    result = evaluate_draft(draft_dir, target_json, heldout, tmp_path / "acceptance.json", settings)
+    assert result["num_prompts"] == 4 and result["lossless"]["numerical_ties"] == []
+    assert result["baseline"]["kind"] == "ngram" and result["tau"] >= 1
+
+
 def _cycle_model(vocab: int = 32, cycle=(1, 2, 3, 4, 5)) -> LlamaForCausalLM:
     """A bigram target: it predicts the next token of ``cycle`` after each of its tokens (and the
     same token after any other), with attention and MLP outputs zeroed so each layer passes the

@@ -69,13 +69,40 @@ class HFTarget:
             states = args[0] if args else kwargs["hidden_states"]
             self._captured[layer_id] = states[0]
 
-    def new_cache(self):
-        """A KV cache the loop can crop back after a rejected draft, at any length."""
+    def new_cache(self, *, rewindable: bool = False):
+        """A KV cache for the target (sliding-window layers kept whole); ``rewindable``: one that
+        ``take_back`` can take rejected draft tokens back out of, at any length."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         _full_sliding_layers(cache)
+        if rewindable:
+            # A conv layer (LFM2's, linear attention's short convolution) keeps only its kernel's last
+            # inputs, and transformers refuses to crop it; recording, it keeps every input until the
+            # next crop, which then cuts exactly. Not for plain decoding: nothing would trim them.
+            cache.activate_past_recording()
         return cache
+
+    def snapshot(self, cache) -> list[torch.Tensor]:
+        """Copies of ``cache``'s recurrent states, for ``take_back``."""
+        return [state.clone() for state in _recurrent_states(cache)]
+
+    def take_back(self, cache, fed: Sequence[int], keep: int, snapshot: list[torch.Tensor]) -> None:
+        """Forget all but the first ``keep`` of the tokens ``fed`` to a rewindable ``cache`` since
+        ``snapshot(cache)`` returned ``snapshot``."""
+        if not snapshot or keep == len(fed):
+            # Keys, values and recorded conv inputs crop exactly (crop(-0) too: it trims the conv inputs).
+            _crop(cache, len(fed) - keep)
+            return
+        # A recurrent state cannot be cropped: back to the snapshot, before ``fed``, and run the kept
+        # tokens again in one forward, as the verification ran them (a step with a rejection costs one
+        # more forward of the target; transformers' assisted generation refuses such targets instead).
+        _crop(cache, len(fed))
+        for state, saved in zip(_recurrent_states(cache), snapshot, strict=True):
+            state.copy_(saved)
+        if keep:
+            self.forward(fed[:keep], cache, last_only=True)
+            _crop(cache, 0)
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int], cache, *, last_only: bool,
@@ -118,18 +145,19 @@ class TargetDrafter(Drafter):
 
     def begin(self, prompt_ids, first_token, aux_states) -> None:
         self.context = [*prompt_ids, first_token]
-        self.cache = self.target.new_cache()
+        self.cache = self.target.new_cache(rewindable=True)
         self.cached = 0
 
     def propose(self, k: int) -> list[int]:
         logits, _ = self.target.forward(self.context[self.cached:], self.cache, last_only=True)
         self.cached = len(self.context)
+        snapshot = self.target.snapshot(self.cache)
         out = []
         for j in range(k):
             out.append(int(logits[-1].argmax()))
             if j < k - 1:
                 logits, _ = self.target.forward(out[-1:], self.cache, last_only=True)
-        _drop(self.cache, k - 1)
+        self.target.take_back(self.cache, out[:-1], 0, snapshot)
         return out
 
     def commit(self, new_tokens, aux_states) -> None:
@@ -149,10 +177,23 @@ def _full_sliding_layers(cache) -> None:
                     for layer in cache.layers]
 
 
-def _drop(cache, n: int) -> None:
-    """Forget the last ``n`` positions of a transformers cache."""
-    if n > 0:
-        cache.crop(-n)
+def _recurrent_states(cache) -> list[torch.Tensor]:
+    """The recurrent states of a cache's linear-attention layers (Qwen3-Next's gated DeltaNet, Mamba):
+    each folds every token it has seen into one matrix, so no crop can take a token back out."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return [state for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+            for state in layer.recurrent_states.values() if state is not None]
+
+
+def _crop(cache, n: int) -> None:
+    """``cache.crop(-n)`` past the layers that cache nothing (Nemotron-H's MLP and MoE layers are
+    empty linear-attention layers, on which transformers' crop fails)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for layer in cache.layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin) or all(layer.is_conv_states_initialized.values()):
+            layer.crop(-n)
 
 
 def check_draft_fits(config, path: str | Path, aux_layer_ids: Sequence[int], vocab_size: int) -> None:
@@ -235,7 +276,7 @@ class HFDecoder(DecodingBackend):
         capture = drafter.needs_aux_states
         self._sync()
         started = time.perf_counter()
-        cache = self.target.new_cache()
+        cache = self.target.new_cache(rewindable=True)
         logits, aux = self.target.forward(prompt.ids, cache, last_only=True, capture=capture)
         tokens = [int(logits[-1].argmax())]
         accepted: list[int] = []
@@ -245,14 +286,16 @@ class HFDecoder(DecodingBackend):
             drafter.begin(list(prompt.ids), tokens[0], aux)
         while not done:
             draft = [int(t) for t in drafter.propose(k)][:k]
-            logits, aux = self.target.forward([tokens[-1], *draft], cache, last_only=False, capture=capture)
+            fed = [tokens[-1], *draft]
+            snapshot = self.target.snapshot(cache)
+            logits, aux = self.target.forward(fed, cache, last_only=False, capture=capture)
             choice = logits.argmax(-1).tolist()
             a = 0
             while a < len(draft) and draft[a] == choice[a]:
                 a += 1
             accepted.append(a)
             proposed.append(len(draft))
-            _drop(cache, len(draft) - a)  # the rejected proposals' keys and values
+            self.target.take_back(cache, fed, a + 1, snapshot)  # the rejected proposals
             new = [*draft[:a], choice[a]]
             for token in new:
                 tokens.append(token)
