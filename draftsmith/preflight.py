@@ -4,7 +4,8 @@ Beside inspect_target (which describes the target from its config in target.json
 checks the rest of what later stages will need, in seconds, so a mistake surfaces before any model
 loads: each raw data source is readable and in a known format, the target's chat template renders
 rows spread over each whole source (every kind of row among them: tool calls, system turns, ...)
-and they tokenise with a loss mask on the assistant's tokens, the draft vocabulary
+and they tokenise with a loss mask on the assistant's tokens, no more of them unusable (too long for
+data.max_seq_len, unreadable) than prepare_dataset allows (data.max_bad_fraction), the draft vocabulary
 fits the target's, and every stage that runs the target through vLLM has a vLLM that can capture
 it. It reads the target folder's config.json and tokenizer itself rather than target.json, so the
 two preflight jobs run side by side (each pays seconds of imports).
@@ -17,10 +18,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from draftsmith.conversations import (
+    REASON_FIXES,
     SAMPLE_STREAM_BYTES,
     BadRow,
     Conversation,
@@ -28,6 +30,7 @@ from draftsmith.conversations import (
     load_conversations,
     max_line_bytes,
     sample_rows,
+    source_type,
     to_row,
 )
 from draftsmith.errors import ConfigError, DataError, TargetError
@@ -44,6 +47,11 @@ SAMPLE_ROWS = 256
 # longer than RENDER_SECONDS (a long agentic row takes tens of milliseconds to render and mask).
 RENDER_ROWS = 32
 RENDER_SECONDS = 1.0
+# The reasons prepare_dataset drops a row for that only rendering it finds
+RENDER_REASONS = ("too_long_prompt", "template_error", "tokenizer_error")
+# The share of a source's rows prepare_dataset would drop is estimated from the rows rendered: it
+# refuses the source when even the low end of a one-sided 95% interval is over data.max_bad_fraction
+NOISE_Z = 1.645
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class PreflightSettings(StageSettings):
 
     format: str = from_schema("data.format")
     max_seq_len: int = from_schema("data.max_seq_len")
+    max_bad_fraction: float = from_schema("data.max_bad_fraction")
     draft_vocab_size: int = from_schema("vocab.draft_vocab_size")
     device: str = from_schema("device")
     num_layers: int = from_schema("draft.num_layers")
@@ -75,8 +84,6 @@ class PreflightSettings(StageSettings):
     NOT_SETTINGS = {"sources": "the rule's inputs (check_setup's sources argument)",
                     "heldout_fraction": "prepare_dataset's held-out split (DataSettings)",
                     "max_heldout": "prepare_dataset's held-out split (DataSettings)",
-                    "max_bad_fraction": "prepare_dataset's (DataSettings): it bounds malformed rows, while preflight "
-                                        "refuses any kind of row the chat template cannot render, whatever its share",
                     "max_samples": "prepare_dataset's training sample (DataSettings)"}
 
     def __post_init__(self) -> None:
@@ -117,63 +124,61 @@ def check_source(source: str | Path, format: str, max_seq_len: int,
                         "'conversations' (ShareGPT) or 'text'")
 
 
-def check_sample(tokenizer, row: Conversation, max_seq_len: int) -> dict:
-    """Render and tokenise one row as prepare_dataset will; a DataError when no token gets loss."""
-    from draftsmith.chat import ChatTemplateError, TokenizerFailure, encode_text, tokenize_conversation
-
-    try:
-        if row.is_chat:
-            ids, mask = tokenize_conversation(tokenizer, row.messages, row.tools)
-        else:
-            ids = list(encode_text(tokenizer, row.text)["input_ids"])
-            mask = [1] * len(ids)
-    except (ChatTemplateError, TokenizerFailure) as e:
-        raise DataError(f"the target's {'chat template' if isinstance(e, ChatTemplateError) else 'tokenizer'} "
-                        f"cannot render {row.where}: {e.what}", where=row.where,
-                        fix=e.fix or "check the chat template and tokenizer in the target folder") from e
-    if not any(mask[:max_seq_len]):
-        raise DataError(f"{row.where} has no assistant token within data.max_seq_len={max_seq_len} tokens "
-                        f"({len(ids)} tokens rendered)", where=row.where,
-                        fix="raise data.max_seq_len, or check that the chat template marks the assistant's turns")
-    return {"id": row.id, "tokens": len(ids), "loss_tokens": sum(mask)}
-
-
-def check_rows(source: str | Path, format: str, max_seq_len: int, renderer) -> dict:
-    """Read SAMPLE_ROWS rows spread over the whole of ``source`` and render some of them, every kind
-    among them, as prepare_dataset will; a DataError naming an example when the chat template or the
-    tokenizer cannot render a kind of row (prepare_dataset would drop each such row)."""
+def check_rows(source: str | Path, settings: PreflightSettings, renderer, first: Conversation) -> tuple[dict, dict]:
+    """Read SAMPLE_ROWS rows spread over the whole of ``source``, and ``first`` (its first usable row),
+    and render some of them, every kind among them, as prepare_dataset will; return what was seen and
+    ``first`` rendered. A DataError naming every kind of row the chat template or the tokenizer cannot
+    render (prepare_dataset would drop each such row), or when more of the sample than
+    data.max_bad_fraction would be unusable (prepare_dataset would stop)."""
     from draftsmith.chat import ChatTemplateError, TokenizerFailure
 
-    sampled, whole = sample_rows(source, SAMPLE_ROWS, max_line_bytes(max_seq_len))
-    usable, bad = [], Counter()
-    for sample in sampled:
-        row = to_row(sample.raw_row, format)
+    picked, whole = sample_rows(source, SAMPLE_ROWS, max_line_bytes(settings.max_seq_len))
+    sample = _Sample(source, settings, every_row=_every_row(source, picked, whole))
+    for sampled in picked:
+        row = to_row(sampled.raw_row, settings.format)
         if isinstance(row, BadRow):
-            bad[row.reason] += 1
+            sample.bad[row.reason] += 1
+            sample.bad_examples.setdefault(row.reason, (sampled, row.detail))
         else:
-            usable.append((sample, row, row_kind(row)))
-    kinds = Counter(kind for _, _, kind in usable)
-    rendered, failures, too_long = [], [], 0
+            sample.usable.append((sampled, row, row_kind(row)))
+    sample.rows = len(picked)
+    if not sample.usable or not _same_row(sample.usable[0][1], first):
+        # the source's first row is bad: its first usable row joins the sample, so that what preflight
+        # says of it comes from this accounting like any other row's
+        sample.usable.insert(0, (SampledRow(first.file, first.line, None), first, row_kind(first)))
+        sample.rows += 1
+    kinds = sample.kinds
+    described = {}
     started = time.perf_counter()
-    for index in render_order([kind for _, _, kind in usable], RENDER_ROWS):
-        sample, row, kind = usable[index]
-        if len(rendered) >= len(kinds) and time.perf_counter() - started > RENDER_SECONDS:
+    for index in render_order([kind for _, _, kind in sample.usable], RENDER_ROWS):
+        _, row, kind = sample.usable[index]
+        if sum(sample.rendered.values()) >= len(kinds) and time.perf_counter() - started > RENDER_SECONDS:
             break  # every kind is rendered once, whatever the time; more only while it is cheap
-        rendered.append(kind)
+        sample.rendered[kind] += 1
         try:
-            too_long += not any(_loss_mask(renderer, row)[:max_seq_len])
+            mask = _loss_mask(renderer, row)
         except (ChatTemplateError, TokenizerFailure) as e:
-            failures.append((index, kind, e))
-    if failures:
-        index, kind, error = min(failures, key=lambda failure: failure[0])  # the first in the source
-        failed = sum(k == kind for _, k, _ in failures)
-        raise _cannot_render(source, usable[index][0], kind, error, failed, rendered.count(kind), kinds[kind],
-                             len(sampled)) from error
+            sample.failed.append(_Failure(index, kind, e))
+            continue
+        if index == 0:
+            described = {"id": row.id, "tokens": len(mask), "loss_tokens": sum(mask)}
+        if not any(mask[:settings.max_seq_len]):
+            sample.failed.append(_Failure(index, kind, prompt_tokens=mask.index(1)))
+    if errors := [f.error for f in sample.failed if f.error]:  # whatever their share: training never sees them
+        raise sample.cannot_render() from errors[0]
     if not whole:
         log.warning("%s: a gzip stream cannot be seeked, so the preflight sampled only its first %d MiB",
                     source, SAMPLE_STREAM_BYTES >> 20)
-    return {"rows_sampled": len(sampled), "whole_source": whole, "bad_rows": dict(bad), "kinds": dict(kinds),
-            "rendered": len(rendered), "no_loss_within_max_seq_len": too_long}
+    share, lowest = sample.unusable_share()
+    if lowest > settings.max_bad_fraction:
+        raise DataError(sample.unusable_summary(share, lowest) + "; prepare_dataset would stop on this source",
+                        where=sample.examples(), fix=sample.fix())
+    if sample.bad or sample.failed:
+        log.warning("%s", sample.unusable_warning(share, lowest))
+    too_long = sum(f.error is None for f in sample.failed)
+    return {"rows_sampled": sample.rows, "whole_source": whole, "bad_rows": dict(sample.bad), "kinds": dict(kinds),
+            "rendered": sum(sample.rendered.values()), "no_loss_within_max_seq_len": too_long,
+            "unusable": dict(sample.unusable_counts()), "unusable_share": round(share, 4)}, described
 
 
 def row_kind(row: Conversation) -> str:
@@ -225,20 +230,170 @@ def _loss_mask(renderer, row: Conversation) -> list[int]:
     return mask
 
 
-def _cannot_render(source: str | Path, example: SampledRow, kind: str, error: Exception, failed: int,
-                   rendered: int, of_kind: int, sampled: int) -> DataError:
-    """The refusal of a kind of row the chat template or the tokenizer cannot render: ``failed`` of the
-    ``rendered`` rows of that kind failed, ``of_kind`` of the ``sampled`` rows are of it."""
-    from draftsmith.chat import ChatTemplateError
+def _same_row(a: Conversation, b: Conversation) -> bool:
+    """Whether two reads of rows are one row (a row found by seeking has no line number yet)."""
+    return (a.messages, a.tools, a.text) == (b.messages, b.tools, b.text)
 
-    part, reason = ("chat template", "template_error") if isinstance(error, ChatTemplateError) \
-        else ("tokenizer", "tokenizer_error")
-    return DataError(
-        f"the target's {part} cannot render the {kind} in {source}: {failed} of the {rendered} rendered fail "
-        f"({error.what}); rows of this kind are {of_kind} of the {sampled} rows sampled across the file "
-        f"({of_kind / sampled:.0%}), and prepare_dataset would drop each one it cannot render as {reason}",
-        where=f"{example.where} (one of them)",
-        fix=error.fix or f"make the target's {part} render these rows, or remove them from the source")
+
+def _every_row(source: str | Path, rows: list[SampledRow], whole: bool) -> bool:
+    """Whether ``rows``, sampled from ``source``, are all of its rows: fewer rows than asked of a source
+    read by index or in order; every byte of a .jsonl file (its offsets may fall twice in a long line)."""
+    if len(rows) >= SAMPLE_ROWS or not whole:
+        return False
+    if Path(source).is_file() and source_type(source) == ".jsonl":
+        return sum(len(r.raw) for r in rows if isinstance(r.raw, bytes)) == Path(source).stat().st_size
+    return True
+
+
+@dataclass
+class _Failure:
+    """A rendered row prepare_dataset would drop: ``index`` into the sample's usable rows, its kind, and
+    the chat template's or tokenizer's ``error``, or none for a row whose first answer token comes
+    after data.max_seq_len, ``prompt_tokens`` after its start."""
+
+    index: int
+    kind: str
+    error: Exception | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def reason(self) -> str:
+        """prepare_dataset's reason for dropping the row."""
+        from draftsmith.chat import ChatTemplateError
+
+        if self.error is None:
+            return "too_long_prompt"
+        return "template_error" if isinstance(self.error, ChatTemplateError) else "tokenizer_error"
+
+
+@dataclass
+class _Sample:
+    """What check_rows saw of a source: its ``rows`` sampled, the ``usable`` ones (sampled row, row, kind),
+    counts of the ``bad`` ones per reason (an example of each), the rows ``rendered`` of each kind and
+    those of them that ``failed``; ``every_row``: the sample is the whole source."""
+
+    source: str | Path
+    settings: PreflightSettings
+    every_row: bool
+    rows: int = 0
+    usable: list[tuple[SampledRow, Conversation, str]] = field(default_factory=list)
+    bad: Counter = field(default_factory=Counter)
+    bad_examples: dict[str, tuple[SampledRow, str]] = field(default_factory=dict)
+    rendered: Counter = field(default_factory=Counter)
+    failed: list[_Failure] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> Counter:
+        return Counter(kind for _, _, kind in self.usable)
+
+    def unusable_share(self) -> tuple[float, float]:
+        """The share of the sampled rows prepare_dataset would find unusable, and the lowest it may be
+        for what so few rows rendered can miss (one-sided, 95%). Every row that cannot be read is
+        counted; of each kind of row, the share of those rendered that fail stands for all its rows, the
+        kinds weighed by their rows (one of each kind is rendered first, so a rare kind is rendered more
+        than its share). A kind rendered whole in a sample that is the whole source is exact."""
+        expected, variance, kinds = float(sum(self.bad.values())), 0.0, self.kinds
+        for kind, rendered in self.rendered.items():
+            rows, failed = kinds[kind], sum(f.kind == kind for f in self.failed)
+            expected += rows * failed / rendered
+            share = (failed + 2) / (rendered + 4)  # never 0 or 1: 3 of 3 rendered failing is no certainty
+            if self.every_row:  # what is left to miss is the kind's rows not rendered
+                variance += rows ** 2 * share * (1 - share) / rendered * ((rows - rendered) / max(rows - 1, 1))
+            else:
+                variance += rows ** 2 * share * (1 - share) / rendered
+        return expected / self.rows, max(0.0, expected - NOISE_Z * variance ** 0.5) / self.rows
+
+    def unusable_counts(self) -> Counter:
+        """The rows prepare_dataset would drop, per reason: of those read, and of those rendered."""
+        return self.bad + Counter(f.reason for f in self.failed)
+
+    def counted(self, counts: Counter) -> str:
+        """``counts`` of unusable rows as prepare_dataset writes them, those of rendering out of the rows rendered."""
+        rendered = sum(self.rendered.values())
+        return ", ".join(f"{reason}={n}" + (f" of the {rendered} rendered" if reason in RENDER_REASONS else "")
+                         for reason, n in counts.most_common())
+
+    def unusable_summary(self, share: float, lowest: float) -> str:
+        """How many of the sampled rows are unusable, why, and how sure the estimate is."""
+        rendered, counts = sum(self.rendered.values()), self.counted(self.unusable_counts())
+        limit = self.settings.max_bad_fraction
+        if self.every_row and lowest == share:
+            how = f"every row of the source, {rendered} of them rendered"
+        else:
+            how = f"an estimate from {self.rows} sampled rows, {rendered} of them rendered"
+            how += f": at least {lowest:.1%} allowing for the sample's size" if share > limit else ""
+        return (f"about {round(share * self.rows)} of the {self.rows} rows sampled across {self.source} ({share:.1%}) "
+                f"are unusable, {'more than' if share > limit else 'within'} data.max_bad_fraction={limit}: "
+                f"{counts} ({how})")
+
+    def unusable_warning(self, share: float, lowest: float) -> str:
+        """The log's word on unusable rows that do not stop the preflight."""
+        if share > self.settings.max_bad_fraction:  # above the limit, but within what the sample can miss
+            return (f"{self.unusable_summary(share, lowest)}; prepare_dataset may stop on this source (e.g. "
+                    f"{self.examples(count_lines=False)}); fix: {self.fix()}")
+        return (f"{self.unusable_summary(share, lowest)}; prepare_dataset will drop them "
+                f"(e.g. {self.examples(count_lines=False)})")
+
+    def examples(self, count_lines: bool = True) -> str:
+        """The first row of each reason in the source, where it is and why it is unusable; without
+        ``count_lines``, a row found by seeking is named by the byte it starts at (a passing preflight
+        reads no file up to a row to count its line)."""
+        def where(sampled: SampledRow) -> str:
+            return sampled.where if count_lines or sampled.offset is None else f"{sampled.file} at byte {sampled.offset:,}"
+
+        examples = [(where(sampled), reason, detail) for reason, (sampled, detail) in self.bad_examples.items()]
+        for reason in dict.fromkeys(f.reason for f in self.failed):
+            failure = min((f for f in self.failed if f.reason == reason), key=lambda f: f.index)
+            detail = (f"the first answer starts after {failure.prompt_tokens} tokens, past data.max_seq_len="
+                      f"{self.settings.max_seq_len}") if failure.error is None else failure.error.what
+            examples.append((where(self.usable[failure.index][0]), reason, detail))
+        return "; ".join(f"{where} ({reason}: {detail})" for where, reason, detail in examples)
+
+    def fix(self) -> str:
+        """How to make prepare_dataset use the rows, reason by reason, or let it drop them."""
+        fixes = []
+        if prompts := [f.prompt_tokens for f in self.failed if f.error is None]:
+            longest = max(prompts)
+            fixes.append(f"raise data.max_seq_len from {self.settings.max_seq_len} to at least "
+                         f"{-(-(longest + 64) // 64) * 64} (the longest prompt rendered takes {longest} tokens "
+                         "before its first answer token; the rest leaves its answer room), or shorten or filter out "
+                         "the long prompts")
+        fixes += [f"{reason}: {REASON_FIXES[reason]}" for reason in self.bad if reason in REASON_FIXES]
+        return "; ".join([*fixes, "or raise data.max_bad_fraction (prepare_dataset then drops these rows)"])
+
+    def cannot_render(self) -> DataError:
+        """The refusal of every kind of row the chat template or the tokenizer cannot render, each with
+        its count among the rows rendered and sampled and an example."""
+        failed = [f for f in self.failed if f.error]
+        by_kind = {kind: [f for f in failed if f.kind == kind] for kind in dict.fromkeys(f.kind for f in failed)}
+        reasons = sorted({f.reason for f in failed})
+        part = " and ".join({"template_error": "chat template", "tokenizer_error": "tokenizer"}[r] for r in reasons)
+        kinds, rows = self.kinds, self.rows
+
+        def what(failures: list[_Failure]) -> str:
+            return "; ".join(dict.fromkeys(f.error.what for f in failures))
+
+        if len(by_kind) == 1:
+            (kind, failures), = by_kind.items()
+            told = f"the {kind} in {self.source}: {len(failures)} of the {self.rendered[kind]} rendered fail " \
+                   f"({what(failures)}); rows of this kind are"
+        else:
+            told = f"{len(by_kind)} kinds of row in {self.source}: " + "; ".join(
+                f"the {kind}: {len(failures)} of the {self.rendered[kind]} rendered fail ({what(failures)}), "
+                f"{kinds[kind]} of the {rows} rows sampled ({kinds[kind] / rows:.0%})" for kind, failures in by_kind.items())
+            told += "; rows of these kinds are"
+        total = sum(kinds[kind] for kind in by_kind)
+        others = self.bad + Counter(f.reason for f in self.failed if not f.error)
+        besides = f"; the sample's other unusable rows: {self.counted(others)}" if others else ""
+        firsts = [min(failures, key=lambda f: f.index) for failures in by_kind.values()]
+        where = f"{self.usable[firsts[0].index][0].where} (one of them)" if len(firsts) == 1 else \
+            "; ".join(f"{self.usable[f.index][0].where} (the {f.kind})" for f in firsts)
+        fixes = list(dict.fromkeys(f.error.fix for f in failed if f.error.fix))
+        return DataError(
+            f"the target's {part} cannot render {told} {total} of the {rows} rows sampled across the file "
+            f"({total / rows:.0%}), and prepare_dataset would drop each one it cannot render as "
+            f"{' or '.join(reasons)}{besides}",
+            where=where, fix="; ".join(fixes) or f"make the target's {part} render these rows, or remove them from the source")
 
 
 def read_config(model_path: str | Path) -> dict:
@@ -348,8 +503,7 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
         row, counts = check_source(source, settings.format, settings.max_seq_len)
         if row.is_chat:
             require_chat_template(tokenizer, model_path)
-        sample = check_sample(tokenizer, row, settings.max_seq_len)
-        spread = check_rows(source, settings.format, settings.max_seq_len, renderer)
+        spread, sample = check_rows(source, settings, renderer, row)
         checked.append({"source": str(source), **counts, "sample": sample, "spread": spread})
         log.info("%s: readable; %s renders to %d tokens, %d with loss; %d rows sampled across it, %d of them "
                  "rendered: %s", source, row.where, sample["tokens"], sample["loss_tokens"], spread["rows_sampled"],

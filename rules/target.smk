@@ -71,6 +71,7 @@ rule check_setup:
         config=stage_config(
             "data.format",
             "data.max_seq_len",
+            "data.max_bad_fraction",
             "regenerate.enabled",
             "vocab.draft_vocab_size",
             "device",

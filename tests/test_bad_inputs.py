@@ -633,6 +633,17 @@ def _(tmp, env):
     check_setup(env["model"], [source], tmp / "preflight.json", _settings())
 
 
+@case("preflight-too-many-prompts-past-max-seq-len", DataError,
+      "are unusable, more than data.max_bad_fraction=0.2: too_long_prompt=", "preflight.json")
+def _(tmp, env):
+    from draftsmith.preflight import check_setup
+
+    # 60 chats, every third with a prompt past data.max_seq_len=64 (33%, more than max_bad_fraction), row 1 short
+    long = " ".join(["What is the weather like today?"] * 20)
+    rows = [_chat(i, f"{long} ({i})" if i % 3 == 1 else None) for i in range(60)]
+    check_setup(env["model"], [tiny.write_jsonl(tmp / "long.jsonl", rows)], tmp / "preflight.json", _settings())
+
+
 @case("extraction-out-of-memory", ExtractionError, "lower extraction.batch_tokens", "hs/part-0.json")
 def _(tmp, env):
     from unittest import mock

@@ -394,3 +394,126 @@ print(sorted(m for m in ("torch", "transformers.modeling_utils", "transformers.m
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
     assert json.loads((tmp_path / "preflight.json").read_text())["train_memory"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The sample judged as prepare_dataset judges the file: rows too long for data.max_seq_len, and
+# every kind of row the chat template refuses, counted in one accounting wherever row 1 falls
+
+LONG_PROMPT = " ".join(["Hello there, how are you doing today? What is the weather like?"] * 8)
+
+
+def _chat(i: int, long: bool = False) -> dict:
+    """A chat whose prompt fits data.max_seq_len=48 of the ChatML tokenizer, or (``long``) runs past it."""
+    return {"messages": [{"role": "user", "content": f"{LONG_PROMPT if long else 'Hello'} ({i})"},
+                         {"role": "assistant", "content": f"Fine, thanks {i}."}]}
+
+
+def _long_rows(first_long: bool) -> list[dict]:
+    """60 chats, 24 of them (40%) with a prompt longer than 48 tokens; row 1 one of those or not."""
+    long = [i % 5 in (0, 2) for i in range(60)] if first_long else [i % 5 in (1, 3) for i in range(60)]
+    return [_chat(i, is_long) for i, is_long in enumerate(long)]
+
+
+@pytest.mark.parametrize("first_long", [False, True], ids=["row-1-short", "row-1-long"])
+def test_too_many_prompts_past_max_seq_len_are_refused_wherever_row_1_falls(target, tmp_path, first_long):
+    """prepare_dataset would drop 40% of the rows as too_long_prompt, more than data.max_bad_fraction=0.2:
+    preflight refuses with the same verdict, counts and fix whether row 1 is one of them or not."""
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", _long_rows(first_long))
+    with pytest.raises(DataError) as error:
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, max_seq_len=48))
+    e = error.value
+    found = re.search(r"about (\d+) of the 60 rows sampled across .*chats\.jsonl \((\d+\.\d)%\) are unusable, "
+                      r"more than data\.max_bad_fraction=0\.2", e.what)
+    assert found, e.what
+    assert 18 <= int(found.group(1)) <= 30 and 30 <= float(found.group(2)) <= 50, e.what
+    rendered = re.search(r"too_long_prompt=(\d+) of the (\d+) rendered", e.what)
+    assert rendered and int(rendered.group(2)) == 32 and 10 <= int(rendered.group(1)) <= 16, e.what
+    assert "an estimate from 60 sampled rows" in e.what
+    line = int(re.search(r"chats\.jsonl:(\d+) \(too_long_prompt", e.where).group(1))
+    assert LONG_PROMPT in (tmp_path / "chats.jsonl").read_text().splitlines()[line - 1]
+    assert re.search(r"raise data\.max_seq_len from 48 to at least \d+", e.fix), e.fix
+    assert "raise data.max_bad_fraction" in e.fix and "shorten" in e.fix
+    assert not (tmp_path / "p.json").exists()
+    # the limit is the config's: allowed more bad rows, preflight passes and says how many it saw
+    report = check_setup(target, [source], tmp_path / "p.json",
+                         _settings(draft_vocab_size=64, max_seq_len=48, max_bad_fraction=0.6))
+    spread = report["sources"][0]["spread"]
+    assert spread["no_loss_within_max_seq_len"] == int(rendered.group(1)) and spread["rendered"] == 32
+
+
+def test_a_few_prompts_past_max_seq_len_are_counted_in_a_warning(target, tmp_path, caplog):
+    """6 of 60 rows (10%) too long, row 1 among them: within data.max_bad_fraction, so preflight passes,
+    and its log says how many of the rows it rendered prepare_dataset will drop."""
+    rows = [_chat(i, long=i % 10 == 0) for i in range(60)]
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", rows)
+    with caplog.at_level("WARNING", logger="draftsmith.preflight"):
+        report = check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, max_seq_len=48))
+    spread = report["sources"][0]["spread"]
+    assert 1 <= spread["no_loss_within_max_seq_len"] <= 6 and spread["unusable"]["too_long_prompt"] >= 1
+    assert re.search(r"too_long_prompt=\d+ of the 32 rendered", caplog.text), caplog.text
+    assert "within data.max_bad_fraction=0.2" in caplog.text and f"{source}:1 (too_long_prompt" in caplog.text
+    assert report["sources"][0]["sample"]["tokens"] > 48  # row 1 is described, not refused
+
+
+
+def test_a_share_over_the_limit_within_the_samples_noise_is_a_warning(target, tmp_path, caplog):
+    """1,000 chats, a quarter of them (drawn at random) too long: 8 of the 32 rendered of the 257 sampled,
+    25% against data.max_bad_fraction=0.2, which 32 rows cannot tell from 20%: preflight warns that
+    prepare_dataset may stop, with the counts and the fix, and does not refuse."""
+    import random
+
+    draw = random.Random(3)
+    source = _write_source("json", tmp_path / "chats", [_chat(i, long=draw.random() < 0.25) for i in range(1000)])
+    with caplog.at_level("WARNING", logger="draftsmith.preflight"):
+        report = check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, max_seq_len=48))
+    assert report["sources"][0]["spread"]["unusable_share"] == 0.25
+    assert "too_long_prompt=8 of the 32 rendered (an estimate from 257 sampled rows" in caplog.text, caplog.text
+    assert "more than data.max_bad_fraction=0.2" in caplog.text and "prepare_dataset may stop" in caplog.text
+    assert "raise data.max_seq_len from 48 to at least" in caplog.text
+
+
+# A template that refuses the system role, as Gemma's does
+NO_SYSTEM_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _system_rows(first_system: bool) -> list[dict]:
+    """60 chats, 12 (20%) with a system turn: 8 with one answer, 4 with two (another kind of row)."""
+    def row(i: int) -> dict:
+        turns = [{"role": "user", "content": f"Hello {i}"}, {"role": "assistant", "content": f"Fine {i}."}]
+        if i % 5 == 0:
+            turns = [{"role": "system", "content": "Be brief."}, *turns]
+            if i % 3 == 0:
+                turns += [{"role": "user", "content": "And?"}, {"role": "assistant", "content": "Done."}]
+        return {"messages": turns}
+    return [row(i if first_system else i + 1) for i in range(60)]
+
+
+@pytest.mark.parametrize("first_system", [False, True], ids=["row-1-plain", "row-1-system"])
+def test_every_kind_of_row_the_template_refuses_is_counted(target, tmp_path, first_system):
+    """A template that refuses system turns: both kinds of row that have one are named, each with its count
+    and an example, and all 12 of the 60 rows (20%) are counted, whether row 1 is one of them or not."""
+    no_system = shutil.copytree(target, tmp_path / "no_system")
+    tiny.build_tokenizer(no_system, NO_SYSTEM_TEMPLATE)
+    source = tiny.write_jsonl(tmp_path / "chats.jsonl", _system_rows(first_system))
+    with pytest.raises(DataError) as error:
+        check_setup(no_system, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    e = error.value
+    assert "System role not supported" in e.what
+    assert "the chats with a system turn: 8 of the 8 rendered fail" in e.what, e.what
+    assert "the chats with a system turn, several answers: 4 of the 4 rendered fail" in e.what, e.what
+    assert "8 of the 60 rows sampled (13%)" in e.what and "4 of the 60 rows sampled (7%)" in e.what
+    assert "rows of these kinds are 12 of the 60 rows sampled across the file (20%)" in e.what, e.what
+    assert "template_error" in e.what
+    examples = dict(re.findall(r"chats\.jsonl:(\d+) \(the chats with a system turn(, several answers)?\)", e.where))
+    text = (tmp_path / "chats.jsonl").read_text().splitlines()
+    assert len(examples) == 2 and all('"system"' in text[int(n) - 1] for n in examples), e.where
+    assert all(('"And?"' in text[int(n) - 1]) == bool(several) for n, several in examples.items()), e.where
+    assert first_system == ("1" in examples)
+    assert "render these rows, or remove them from the source" in e.fix
