@@ -92,8 +92,10 @@ def test_a_transform_target_json_does_not_know_stops_extraction(tmp_path):
     info = write_target_json(tmp_path / "target.json", folder)
     load = dict(layers_path=info["layers_path"], final_layer_id=info["final_layer_id"],
                 capture_layer_ids=info["captured_layer_ids"], lm_head_path=info["lm_head_path"], device="cpu")
-    with HfBackend.load(folder, logit_transform=info["logit_transform"], **load):
-        pass  # target.json's rule: the teacher is the target's logits
-    with pytest.raises(ExtractionError) as raised:
-        HfBackend.load(folder, logit_transform={"scale": 1.0, "softcap": None}, **load)
+    sample = [[5, 17, 250, 3, 99, 41, 8, 300]]
+    with HfBackend.load(folder, logit_transform=info["logit_transform"], **load) as backend:
+        backend.capture(sample)  # target.json's rule: the teacher is the target's logits
+    with HfBackend.load(folder, logit_transform={"scale": 1.0, "softcap": None}, **load) as backend:
+        with pytest.raises(ExtractionError) as raised:
+            backend.capture(sample)  # the first batch checks
     assert "logit_transform" in raised.value.where and "GraniteForCausalLM" in raised.value.what

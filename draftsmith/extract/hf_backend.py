@@ -35,12 +35,10 @@ TEACHER_TOLERANCE = 0.02  # of the largest logit: bf16 rounding is 0.4%; a misse
 
 
 @torch.inference_mode()
-def check_teacher_logits(model: nn.Module, head: nn.Module, transform: dict | None, tokens: int = 32) -> None:
-    """Stop when the target's logits are not what training's teacher computes from the captured
-    final state (its lm_head's weight, then ``transform``): a family that scales, caps or biases its
-    logits in a way target.json does not know would train the draft against another distribution."""
-    vocab = head.weight.shape[0]
-    ids = torch.arange(3, 3 + tokens, device=model.get_input_embeddings().weight.device)[None] % vocab
+def check_teacher_logits(model: nn.Module, head: nn.Module, transform: dict | None, ids: torch.Tensor) -> None:
+    """Stop when the target's logits over ``ids`` [1, T] are not what training's teacher computes from
+    the final state (its lm_head's weight, then ``transform``): a family that scales, caps or biases
+    its logits in a way target.json does not know would train the draft against another distribution."""
     seen = {}
     handle = head.register_forward_pre_hook(lambda module, args: seen.setdefault("final", args[0]))
     try:
@@ -54,7 +52,7 @@ def check_teacher_logits(model: nn.Module, head: nn.Module, transform: dict | No
         raise ExtractionError(
             f"the target's logits are not what training's teacher computes from its final state "
             f"({describe_logits(transform)}, over the lm_head's weight): they differ by {error:.0%} of the "
-            f"largest logit on {tokens} test tokens, so the draft would learn another distribution than the "
+            f"largest logit on the first sample's {ids.shape[1]} tokens, so the draft would learn another distribution than the "
             f"target's (the {type(model).__name__} head may scale, cap or bias its logits in its own way)",
             where="target.json logit_transform (draftsmith.targets.logits.RULES)",
             fix="add the family's rule to draftsmith.targets.logits.RULES, read from its modeling code's "
@@ -81,7 +79,7 @@ class HfBackend(CaptureBackend):
 
     def __init__(self, model: nn.Module, *, layers_path: str, capture_layer_ids: Sequence[int],
                  final_layer_id: int, lm_head_path: str | None = None, pad_token_id: int = 0,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, logit_transform: dict | None = None) -> None:
         self.model = model.eval()
         self.fp8 = fp8  # hand back Fp8Rows, quantised on the states' device
         try:
@@ -100,6 +98,8 @@ class HfBackend(CaptureBackend):
         self.pad_token_id = pad_token_id
         self._captured: dict[int, torch.Tensor] | None = None
         self._stop_at = self.layer_ids[-1]
+        # (the lm_head, target.json's logit_transform) until the first batch has checked the teacher's formula
+        self._logits_to_check: tuple[nn.Module, dict | None] | None = None
         self._hooks = []
         for layer_id in self.layer_ids:
             if layer_id < final_layer_id:
@@ -110,6 +110,7 @@ class HfBackend(CaptureBackend):
                     raise ExtractionError("the model has no lm_head module to take the final state from",
                                           where="target.json lm_head_path",
                                           fix="rerun the inspect_target rule, or use extraction.backend: vllm")
+                self._logits_to_check = (module, logit_transform)
             self._hooks.append(module.register_forward_pre_hook(self._hook(layer_id), with_kwargs=True))
         embed = model.get_input_embeddings()
         self.input_device = embed.weight.device if embed is not None else next(model.parameters()).device
@@ -121,19 +122,16 @@ class HfBackend(CaptureBackend):
              final_layer_id: int, lm_head_path: str | None = None, dtype: str = "auto", device: str = "auto",
              device_map: str | None = None, trust_remote_code: bool = False, fp8: bool = False,
              logit_transform: dict | None = None) -> HfBackend:
-        """Load the target from its folder, check that training's teacher formula gives its logits
-        (``logit_transform``: target.json's), and hook the captured layers."""
+        """Load the target from its folder and hook the captured layers; the first batch checks that
+        training's teacher formula (``logit_transform``: target.json's) gives the target's logits."""
         model = load_hf_model(model_path, dtype=dtype, device=device, device_map=device_map,
                               trust_remote_code=trust_remote_code)
         log.info("hf backend: %s loaded (%s, first layer on %s); capturing layers %s%s",
                  type(model).__name__, next(model.parameters()).dtype,
                  model.get_input_embeddings().weight.device, capture_layer_ids,
                  " as fp8, quantised on the device" if fp8 else "")
-        head = model.get_submodule(lm_head_path) if lm_head_path else model.get_output_embeddings()
-        if head is not None:
-            check_teacher_logits(model, head, logit_transform)
         return cls(model, layers_path=layers_path, capture_layer_ids=capture_layer_ids,
-                   final_layer_id=final_layer_id, lm_head_path=lm_head_path, fp8=fp8)
+                   final_layer_id=final_layer_id, lm_head_path=lm_head_path, fp8=fp8, logit_transform=logit_transform)
 
     def _hook(self, layer_id: int):
         def hook(module, args, kwargs):
@@ -191,6 +189,11 @@ class HfBackend(CaptureBackend):
             pass
         finally:
             captured, self._captured = self._captured, None
+        if self._logits_to_check is not None:  # once, on the batch's first sequence
+            head, transform = self._logits_to_check
+            self._logits_to_check = None
+            with out_of_memory_as(ExtractionError, "the target's forward pass", where=where, fix=fix):
+                check_teacher_logits(self.model, head, transform, input_ids[:1, :lengths[0]])
         missing = [i for i in self.layer_ids if i not in captured]
         if missing:
             what = "the lm_head was never called as a module" if self.final_layer_id in missing else \

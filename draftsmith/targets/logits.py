@@ -8,7 +8,7 @@ modeling code in transformers (vLLM applies the same settings in each model's
 different families (Granite divides by ``logits_scaling``, HyperCLOVA X multiplies by it), so
 the rule goes by family, not by key. A family outside the table that transforms its logits
 anyway is caught where its real logits are at hand: the HF capture backend compares them with
-the teacher's formula before it extracts anything (``check_teacher_logits``).
+the teacher's formula on its first batch (``extract.hf_backend.check_teacher_logits``).
 """
 
 from __future__ import annotations
