@@ -61,8 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_target(folder: Path, shape: str, dtype: str, device: str) -> Path:
-    """A random-init Llama of ``shape`` with a small ChatML tokenizer, saved once."""
+def build_target(folder: Path, shape: str, dtype: str, device: str, vocab_size: int | None = None) -> Path:
+    """A random-init Llama of ``shape`` with a small ChatML tokenizer, saved once; ``vocab_size``
+    replaces the shape's (the tokenizer's 384: a random target then writes text it can decode)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     import tiny
@@ -77,7 +78,8 @@ def build_target(folder: Path, shape: str, dtype: str, device: str) -> Path:
     try:
         with torch.device(device):
             torch.manual_seed(0)
-            model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], tie_word_embeddings=False))
+            sizes = {**SHAPES[shape], **({"vocab_size": vocab_size} if vocab_size else {})}
+            model = LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=False))
     finally:
         torch.set_default_dtype(previous)
     from transformers import AutoTokenizer

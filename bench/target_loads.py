@@ -14,7 +14,9 @@ Two ways to run it, each in a workdir of its own:
 
 The cases are the GPU lane's (``tests/workflow_helpers.py``: ``VLLM_CASES``) and ``llama_8b``: the
 lane's Llama case with a real-size target, the Llama-3-8B shape in bf16 with random weights
-(``bench/regeneration.py``'s build, 16 GB, made once for both modes), without the HF loop's check
+(``bench/regeneration.py``'s build, made once for both modes) and the vocabulary of the lane's
+tokenizer (384 tokens: with Llama-3's 128,256 a random target writes ids the tokenizer cannot
+decode, and every regenerated answer is empty; 7.0B parameters, 14 GB), without the HF loop's check
 (an 8B target in the HF loop beside the sleeping engine tells nothing about loads). The summary
 (JSON, also on stdout) holds each mode's per-stage figures and the totals, and a Markdown table
 goes to stderr.
@@ -43,6 +45,7 @@ MODES = {
     "after": {},
 }
 BENCH_CASES = {"llama_8b": ("llama", "8b")}  # case: (the lane's case it runs, the bench/regeneration.py shape)
+TOKENIZER_VOCAB = 384  # tests/tiny.py's tokenizer, which the lane's cases use
 STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "train_draft", "evaluate_draft")
 
 
@@ -76,9 +79,10 @@ def build_target(folder: Path, shape: str) -> Path:
     """The random-init Llama of ``shape`` (bf16, on the GPU), built in a process of its own so that
     this one holds no CUDA context beside the engines; kept for the next mode and the next run."""
     code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-            "from regeneration import build_target; build_target(Path(sys.argv[3]), sys.argv[4], 'bfloat16', 'cuda')")
-    subprocess.run([sys.executable, "-c", code, str(ROOT / "bench"), str(ROOT / "tests"), str(folder), shape],
-                   check=True, stdout=sys.stderr)
+            "from regeneration import build_target; "
+            "build_target(Path(sys.argv[3]), sys.argv[4], 'bfloat16', 'cuda', vocab_size=int(sys.argv[5]))")
+    subprocess.run([sys.executable, "-c", code, str(ROOT / "bench"), str(ROOT / "tests"), str(folder), shape,
+                    str(TOKENIZER_VOCAB)], check=True, stdout=sys.stderr)
     return folder
 
 
