@@ -38,7 +38,7 @@ onerror:
 def stage_config(*keys, leave_out=()):
     """The part of the config a stage's settings read (``X.from_config`` in its workflow script):
     the dotted ``keys`` (whole sections or single keys) less the dotted keys ``leave_out``, as a
-    nested dict. A rule's parameter, so a change to a key the stage does not read does not rerun it;
+    nested dict with sorted keys. A rule's parameter, so a change to a key the stage does not read does not rerun it;
     tests/test_settings.py checks that each rule passes every key its settings read."""
     part = {}
     for key in keys:
@@ -53,7 +53,17 @@ def stage_config(*keys, leave_out=()):
         for name in parents:
             into = into[name]
         del into[last]
-    return part
+    return _keys_sorted(part)
+
+
+def _keys_sorted(value):
+    """``value`` with every dict's keys in sorted order: Snakemake compares parameters as written, so
+    two keys swapped in the config file would otherwise rerun the stage and everything after it."""
+    if isinstance(value, dict):
+        return {key: _keys_sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_keys_sorted(item) for item in value]
+    return value
 
 
 def script_code(rule_name):

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from draftsmith.fingerprint import package_modules
@@ -116,6 +117,22 @@ def test_a_patch_to_each_module_reruns_exactly_the_rules_in_the_table(finished):
         assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == set()
     finally:
         file.write_text(file.read_text()[: -len("\n# a comment edit reruns nothing\n")])
+
+
+def _reversed_keys(value):
+    if isinstance(value, dict):
+        return {key: _reversed_keys(value[key]) for key in reversed(list(value))}
+    return value
+
+
+@pytest.mark.slow
+def test_the_same_config_with_its_keys_in_another_order_reruns_nothing(finished):
+    workdir, configfile = finished
+    config = yaml.safe_load(configfile.read_text())
+    reordered = workdir / "reordered.yaml"
+    reordered.write_text(yaml.safe_dump(_reversed_keys(config), sort_keys=False))
+    assert reordered.read_text() != configfile.read_text()
+    assert planned_rules(snakemake(workdir, "-n", configfile=reordered)) == set()
 
 
 def _mtimes(folder: Path) -> dict[str, int]:
