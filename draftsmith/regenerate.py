@@ -9,7 +9,10 @@ turn: round r answers the r-th assistant turn of every conversation in the chunk
 the original user turns, the row's tool definitions and the answers regenerated in earlier rounds.
 A round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
 as one ``LLM.generate`` call of vLLM's offline engine at full tensor parallelism (``backend: vllm``,
-draftsmith.engines.vllm_generation); both write the same rows. Each finished chunk
+draftsmith.engines.vllm_generation); both return token ids, decoded here alike, up to the first stop
+token and with the special tokens the target wrote inside its answer kept, so they write the same rows.
+More than data.max_bad_fraction empty answers (nothing but whitespace) stop the stage naming the
+target, since prepare_dataset would drop their conversations as bad data. Each finished chunk
 is renamed into ``work_dir`` atomically, so a killed job resumes at the first missing chunk; a
 fingerprint of the settings, the model, the sources and this code guards the chunks against reuse
 under different conditions.
@@ -136,12 +139,18 @@ class TurnCounts:
     turns: int = 0
     tokens: int = 0
     truncated: int = 0  # answers cut at max_new_tokens
-    empty: int = 0  # answers that stop at once (prepare_dataset drops their conversations)
+    empty: int = 0  # answers that are empty or whitespace (prepare_dataset drops their conversations)
     unchanged: int = 0  # conversations passed through (template failure, no prompt before an answer, tool use)
+    # The first empty answer, for the message that reports them: its tokens and text, and where
+    # regenerate() met it (the conversation's index in its call, the message's index in it).
+    first_empty: dict | None = None
 
     def add(self, other: TurnCounts) -> None:
         for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
+            if key == "first_empty":
+                self.first_empty = self.first_empty or value
+            else:
+                setattr(self, key, getattr(self, key) + value)
 
 
 class Regenerator:
@@ -197,15 +206,21 @@ class Regenerator:
         return out
 
     def answer(self, tokens: list[int], counts: TurnCounts) -> str:
+        """The text of one answer's new tokens, up to the first stop token (what follows it is padding)."""
         stop = next((j for j, t in enumerate(tokens) if t in self.stop_ids), None)
         counts.turns += 1
         if stop is None:
             counts.truncated += 1
         else:
-            tokens = tokens[:stop]  # what follows the stop token is padding
+            tokens = tokens[:stop]
         counts.tokens += len(tokens)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        counts.empty += not text.strip()
+        # Special tokens the target wrote inside its answer (tool-call or thinking markers) are part
+        # of what the draft must learn: kept, so the text re-encodes to the target's ids.
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        if not text.strip():
+            counts.empty += 1
+            if counts.first_empty is None:
+                counts.first_empty = {"tokens": list(tokens), "text": text}
         return text
 
     def regenerate(self, conversations: list[list[dict]], seed: int = 0,
@@ -238,6 +253,8 @@ class Regenerator:
             answers = self.generate(prompts, seed=derived_seed(self.seed, seed, r))
             for (c, k), tokens in zip(jobs, answers):
                 messages[c][k] = {"role": "assistant", "content": self.answer(tokens, counts)}
+                if counts.first_empty is not None and "conversation" not in counts.first_empty:
+                    counts.first_empty.update(conversation=c, message=k)
         for c in skipped:
             messages[c] = [dict(m) for m in conversations[c]]
         counts.unchanged += len(skipped)
@@ -359,10 +376,13 @@ def _output_row(conv: Any, messages: list[dict] | None) -> dict:
 
 
 def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regenerator, out_path: str | Path,
-                             work_dir: str | Path, fingerprint: str, counted: SourceCounts) -> dict:
+                             work_dir: str | Path, fingerprint: str, counted: SourceCounts, *,
+                             target: str | Path) -> dict:
     """Regenerate every conversation of ``sources`` (``counted``: ``count_conversations``'s answer)
     chunk by chunk (``regenerate.chunk_size`` conversations each) into ``work_dir``, then write
-    them, in source order, to ``out_path``; chunks already there under ``fingerprint`` are kept."""
+    them, in source order, to ``out_path``; chunks already there under ``fingerprint`` are kept.
+    More than ``data.max_bad_fraction`` empty answers raise ``TargetError`` naming ``target``
+    (the model folder) before ``out_path`` is written, as ``check_answers`` says."""
     started = time.perf_counter()
     work_dir, out_path = Path(work_dir), Path(out_path)
     _prepare_work_dir(work_dir, fingerprint)
@@ -386,6 +406,9 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                 chats = [c for c in chunk if c.is_chat]
                 messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index,
                                                                 tools=[c.tools for c in chats])
+                if chunk_counts.first_empty is not None and counts.first_empty is None:
+                    conv = chats[chunk_counts.first_empty["conversation"]]
+                    chunk_counts.first_empty.update(id=conv.id, file=conv.file, line=conv.line)
                 counts.add(chunk_counts)
                 answered = dict(zip(map(id, chats), messages))
                 rows = [_output_row(c, answered.get(id(c))) for c in chunk]
@@ -397,6 +420,14 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
         progress.close()
         regenerator.on_answers = None
     num_chunks = reused + written
+    try:
+        check_answers(counts, regenerator, target)
+    except TargetError:
+        # The chunks hold the answers judged here: dropped, so a rerun regenerates and judges them
+        # again rather than reusing them unjudged.
+        for path in work_dir.glob("chunk-*.jsonl"):
+            path.unlink()
+        raise
     _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
@@ -415,6 +446,44 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                     "raise regenerate.max_new_tokens", counts.truncated, counts.turns,
                     regenerator.settings.max_new_tokens)
     return stats
+
+
+def check_answers(counts: TurnCounts, regenerator: Regenerator, target: str | Path) -> None:
+    """Judge the answers the target wrote: more than data.max_bad_fraction of them empty (nothing
+    but whitespace) raise ``TargetError`` naming the target; fewer, if any, are a warning."""
+    if not counts.empty:
+        return
+    s = regenerator.settings
+    share = counts.empty / counts.turns
+    said = f"the target wrote {counts.empty} empty answers of {counts.turns} ({100 * share:.1f}%)"
+    first = f"; the first: {_describe_empty(counts.first_empty, regenerator.tokenizer)}" if counts.first_empty else ""
+    if share <= s.max_bad_fraction:
+        log.warning("%s; prepare_dataset drops their conversations%s", said, first)
+        return
+    raise TargetError(
+        f"{said}, more than data.max_bad_fraction={s.max_bad_fraction}: prepare_dataset would drop their "
+        f"conversations as empty turns{first}",
+        where=f"the target {target}, regenerating with regenerate.backend={s.backend}, "
+              f"regenerate.temperature={s.temperature}, regenerate.top_p={s.top_p}, "
+              f"regenerate.max_new_tokens={s.max_new_tokens}",
+        fix="check that the target's weights and tokenizer belong together (a model whose vocabulary is larger than "
+            "its tokenizer's writes ids that decode to nothing), that its chat template is the one it was trained "
+            "with, and the sampling settings regenerate.temperature, regenerate.top_p and "
+            "regenerate.max_new_tokens; then rerun (every answer is regenerated)")
+
+
+def _describe_empty(first: dict, tokenizer: Any) -> str:
+    """Where the first empty answer was, its tokens, and why they decode to nothing."""
+    tokens, text = first["tokens"], first["text"]
+    where = f"conversation {first['id']!r} ({first['file']}:{first['line']}), message {first['message']}" \
+        if "id" in first else "one answer"
+    if not tokens:
+        return f"{where}: no tokens (the target stopped at once)"
+    unknown = sum(tokenizer.convert_ids_to_tokens(int(t)) is None for t in tokens)
+    shown = f"{tokens[:8]}"[:-1] + (", ...]" if len(tokens) > 8 else "]")
+    why = (f"{unknown} of them outside the tokenizer's {len(tokenizer)} ids" if unknown
+           else "only whitespace")
+    return f"{where}: {len(tokens)} token{'s' * (len(tokens) != 1)} {shown} ({why}) decoded to {text!r}"
 
 
 def _concatenate(parts: list[Path], out_path: Path) -> None:
@@ -445,7 +514,8 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with open_regenerators(model_path, tokenizer, [settings], trust_remote_code=trust_remote_code,
                            engine_kwargs=engine_kwargs) as [regenerator]:
-        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted)
+        return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted,
+                                        target=model_path)
 
 
 @contextmanager

@@ -364,6 +364,20 @@ def _(tmp, env):
                          RegenerateSettings(device="cpu", max_new_tokens=4))
 
 
+@case("regenerate-target-writes-empty-answers", TargetError, "more than data.max_bad_fraction=0.2: prepare_dataset "
+      "would drop their conversations", "out/regenerated.jsonl")
+def _(tmp, env):
+    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+
+    # A random target with a vocabulary of 4096 ids and a tokenizer of 384 (weights and tokenizer that
+    # do not belong together): most ids it writes decode to nothing.
+    model = tiny.build_llama(tmp / "mismatched", vocab_size=4096)
+    source = tiny.write_jsonl(tmp / "chats.jsonl", [_chat(i) for i in range(6)])
+    regenerate_responses([source], model, tmp / "out" / "regenerated.jsonl", tmp / "work",
+                         RegenerateSettings(device="cpu", max_new_tokens=1, model_dtype="float32",
+                                            max_bad_fraction=0.2))
+
+
 @case("data-lone-surrogates", DataError, "invalid_unicode=4", *DATA_OUTPUTS)
 def _(tmp, env):
     lines = [json.dumps(_chat(i)) for i in range(6)]

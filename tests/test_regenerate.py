@@ -104,7 +104,8 @@ def test_greedy_answers_equal_model_generate_turn_by_turn(source, model_dir, tmp
                                  do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
             new = out[0, ids.shape[1]:].tolist()
             new = new[: next((j for j, t in enumerate(new) if t in stops), len(new))]
-            assert message["content"] == tokenizer.decode(new, skip_special_tokens=True), (row["id"], k)
+            # Special tokens it wrote inside the answer kept: what the target wrote, not less.
+            assert message["content"] == tokenizer.decode(new), (row["id"], k)
     assert messages[-1]["content"] != "Jumps over the lazy dog."
 
 
@@ -285,3 +286,70 @@ def test_the_workflow_regenerates_through_vllm(tmp_path):
     assert len(rows) == 40
     log = (workdir / "logs/t/regenerate_responses.log").read_text()
     assert "in vLLM, tensor parallel 1" in log and "40 turns" in log
+
+
+# ---------------------------------------------------------------------------------------------
+# What the target wrote: special tokens kept, empty answers judged
+
+
+def test_an_answer_keeps_the_special_tokens_the_target_wrote(tmp_path):
+    """The stop token and the padding after it are cut; a special token inside the answer (a
+    tool-call or thinking marker) stays, so the answer re-encodes to the target's ids."""
+    from types import SimpleNamespace
+
+    from draftsmith.regenerate import TurnCounts
+
+    tok = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok"))
+    model = torch.nn.Linear(1, 1)  # answer() decodes only; the model is never called
+    written = (tok.encode("Hello", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|end_header_id|>")]
+               + tok.encode(" there", add_special_tokens=False))
+    counts = TurnCounts()
+    regenerator = Regenerator(model, tok, SimpleNamespace(seed=0), stop_ids=[tok.eos_token_id])
+    text = regenerator.answer(written + [tok.eos_token_id] + [tok.pad_token_id] * 3, counts)
+    assert text == "Hello<|end_header_id|> there"
+    assert tok(text, add_special_tokens=False)["input_ids"] == written
+    assert (counts.turns, counts.tokens, counts.empty, counts.truncated) == (1, len(written), 0, 0)
+
+
+def _answers_replaced(monkeypatch, replace):
+    """Regenerator.generate as it is, each answer then passed through ``replace(n, tokens)`` (n counts
+    the answers of the run): a target that writes what the test says."""
+    generate, seen = Regenerator.generate, []
+
+    def spy(self, prompts, seed):
+        out = []
+        for tokens in generate(self, prompts, seed):
+            out.append(replace(len(seen), tokens))
+            seen.append(tokens)
+        return out
+
+    monkeypatch.setattr(Regenerator, "generate", spy)
+
+
+def test_a_target_that_writes_empty_answers_stops_regeneration_naming_it(source, model_dir, tmp_path, monkeypatch):
+    """Whitespace, or ids its tokenizer cannot decode: regeneration says the target wrote nothing,
+    not prepare_dataset that the (generated) data is bad."""
+    from draftsmith.errors import TargetError
+
+    _answers_replaced(monkeypatch, lambda n, tokens: [227, 227, 999] if n % 2 else [999, 998])
+    with pytest.raises(TargetError) as e:
+        _run(source, model_dir, tmp_path, max_bad_fraction=0.5)
+    what, where, fix = e.value.what, e.value.where, e.value.fix
+    assert "the target wrote 5 empty answers of 5 (100.0%), more than data.max_bad_fraction=0.5" in what
+    assert "conversation 'a' (" in what and "conversations.jsonl:1" in what
+    assert "2 tokens [999, 998]" in what and "2 of them outside the tokenizer's 384 ids" in what
+    assert str(model_dir) in where and "regenerate.temperature=0.0" in where and "max_new_tokens=12" in where
+    assert "tokenizer" in fix and "chat template" in fix and "regenerate.temperature" in fix
+    assert not (tmp_path / "regenerated.jsonl").exists()
+    assert not list((tmp_path / "work").glob("chunk-*.jsonl"))  # a rerun judges every answer again
+
+
+def test_a_few_empty_answers_are_a_warning(source, model_dir, tmp_path, monkeypatch, caplog):
+    _answers_replaced(monkeypatch, lambda n, tokens: [227, 227] if n == 0 else tokens)
+    with caplog.at_level("INFO", logger="draftsmith"):
+        rows, stats = _run(source, model_dir, tmp_path, max_bad_fraction=0.5)
+    assert stats["empty_answers"] == 1 and len(rows) == 4
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "empty answers" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert "the target wrote 1 empty answers of 5 (20.0%)" in warnings[0].getMessage()
+    assert "prepare_dataset drops" in warnings[0].getMessage() and "2 tokens [227, 227] (only whitespace)" in warnings[0].getMessage()
