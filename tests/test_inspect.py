@@ -138,16 +138,29 @@ def test_remote_code_is_refused_unless_enabled(tmp_path):
     assert "trust_remote_code: true" in str(info.value)
 
 
-def test_default_aux_layers_stay_distinct_on_small_targets():
+@pytest.mark.parametrize("layers, ids", [
+    (2, [1]), (3, [1, 2]),  # fewer than three decoder-layer outputs exist: those, not the embeddings (id 0)
+    (4, [1, 2, 3]), (5, [1, 2, 4]), (6, [1, 3, 5]),  # [2, L//2, L-3] collapses: three spread over 1..L-1
+    (7, [2, 3, 4]), (8, [2, 4, 5]), (61, [2, 30, 58]), (80, [2, 40, 77]),  # EAGLE-3's [2, L//2, L-3]
+])
+def test_default_aux_layers_are_distinct_decoder_outputs(layers, ids):
+    from draftsmith.draft.config import Eagle3DraftConfig
     from draftsmith.targets.inspect import default_aux_layer_ids
 
-    assert default_aux_layer_ids(8) == [2, 4, 5] and default_aux_layer_ids(61) == [2, 30, 58]
-    # [2, L//2, L-3] collapses below 7 layers (5 layers: [2, 2, 2]); three distinct layers instead
-    assert default_aux_layer_ids(5) == [1, 2, 4] and default_aux_layer_ids(6) == [1, 3, 5]
-    assert default_aux_layer_ids(4) == [1, 2, 3] and default_aux_layer_ids(3) == [0, 1, 2]
-    for layers in range(1, 40):
+    assert default_aux_layer_ids(layers) == ids
+    # the draft's config takes them (distinct, ascending) before the final state L
+    target = {"hidden_size": 64, "vocab_size": 384, "aux_layer_ids": ids, "final_layer_id": layers,
+              "text_config": {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}}
+    assert Eagle3DraftConfig.from_target(target, draft_vocab_size=32).num_aux == len(ids)
+
+
+def test_default_aux_layers_on_every_depth():
+    from draftsmith.targets.inspect import default_aux_layer_ids
+
+    assert default_aux_layer_ids(1) == [0]  # a one-layer target has nothing but the embeddings' output
+    for layers in range(2, 200):
         ids = default_aux_layer_ids(layers)
-        assert ids == sorted(set(ids)) and len(ids) == min(3, layers) and ids[-1] < layers
+        assert ids == sorted(set(ids)) and len(ids) == min(3, layers - 1) and 1 <= ids[0] and ids[-1] < layers
 
 
 def test_a_float8_checkpoint_config_passes_preflight(tmp_path, monkeypatch):

@@ -45,13 +45,14 @@ HF_STAGE_FIXES = {
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's usual low, middle and high layers: [2, L//2, L-3]; on targets of fewer than 7
-    layers, where those collapse (5 layers: [2, 2, 2]), three distinct layers spread from the
-    first decoder layer to the last (as many as exist below 3 layers)."""
+    layers, where those collapse (5 layers: [2, 2, 2]), three distinct decoder-layer outputs spread
+    from 1 to L-1. Below 4 layers fewer than three exist (3 layers: [1, 2]; 2 layers: [1]): the draft
+    fuses those rather than the embeddings' output (id 0), which a 1-layer target alone falls back to."""
     usual = [2, num_layers // 2, num_layers - 3]
     if len(set(usual)) == 3 and usual == sorted(usual) and usual[0] < usual[-1] < num_layers:
         return usual
     if num_layers < 4:
-        return list(range(num_layers))
+        return list(range(1, num_layers)) or [0]
     return sorted({round(1 + k * (num_layers - 2) / 2) for k in range(3)})
 
 
