@@ -246,13 +246,18 @@ def speedups(shape: TargetShape, draft: DraftShape | None, acceptance: Sequence[
              proposals: Sequence[float | None] | None, server: PayoffSettings) -> dict:
     """Expected decode speedup over plain decoding for each k of ``server.k`` and batch of
     ``server.batch_sizes``; ``draft`` None is a drafter without GPU cost (n-gram lookup).
-    ``proposals`` (share of steps proposing position j) default to every position proposed."""
+    ``proposals`` (share of steps proposing position j) default to every position proposed. A k
+    beyond the measured positions rests on extrapolated rates (``acceptance_at_k``, each best's
+    ``acceptance``)."""
     top = max(server.k)
+    measured = len(acceptance)
     accepted = extend_rates(acceptance, top)
     proposed = extend_rates(proposals, top) if proposals else [1.0] * top
     plain = [target_step_seconds(shape, server, b, 1) for b in server.batch_sizes]
-    out = {"acceptance_rate_by_position": accepted, "proposal_rate_by_position": proposed, "tau": [],
-           "speedup": [], "verify_step_ms": []}
+    out = {"acceptance_rate_by_position": accepted, "proposal_rate_by_position": proposed,
+           "measured_positions": measured,
+           "acceptance_at_k": ["measured" if k <= measured else "extrapolated" for k in server.k],
+           "tau": [], "speedup": [], "verify_step_ms": []}
     for k in server.k:
         tau = 1 + sum(accepted[:k])
         verified = 1 + sum(proposed[:k])
@@ -263,9 +268,23 @@ def speedups(shape: TargetShape, draft: DraftShape | None, acceptance: Sequence[
         out["speedup"].append([tau * p / s for p, s in zip(plain, steps)])
         out["verify_step_ms"].append([s * 1e3 for s in steps])
     best = [max(range(len(server.k)), key=lambda i: out["speedup"][i][j]) for j in range(len(server.batch_sizes))]
-    out["best"] = [{"batch": b, "k": server.k[i], "speedup": out["speedup"][i][j]}
+    out["best"] = [{"batch": b, "k": server.k[i], "speedup": out["speedup"][i][j],
+                    "acceptance": out["acceptance_at_k"][i]}
                    for j, (b, i) in enumerate(zip(server.batch_sizes, best))]
     return out
+
+
+def measured_range(positions: int) -> str:
+    """The measured draft positions as a reader sees them: k=1, k=1..3."""
+    return "k=1" if positions == 1 else f"k=1..{positions}"
+
+
+def best_line(drafter: dict) -> str:
+    """The best k and its speedup at each batch, a k past the measured positions marked extrapolated."""
+    measured = measured_range(drafter["measured_positions"])
+    return ", ".join(f"B={b['batch']}: k={b['k']}"
+                     + (f" (extrapolated beyond the measured {measured})" if b["acceptance"] == "extrapolated" else "")
+                     + f" {b['speedup']:.2f}x" for b in drafter["best"])
 
 
 def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_dir: str | Path,
@@ -301,9 +320,7 @@ def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_
     }
     atomic_write_json(out_path, result)
     for name in ("draft", "baseline"):
-        best = result[name]["best"]
-        log.info("%s: best k and expected speedup by batch: %s", name,
-                 ", ".join(f"B={b['batch']}: k={b['k']} {b['speedup']:.2f}x" for b in best))
+        log.info("%s: best k and expected speedup by batch: %s", name, best_line(result[name]))
     if plot_path is not None:
         from draftsmith.plots import plot_payoff
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from draftsmith.errors import EvaluationError, TrainingError
 from draftsmith.io import atomic_write_bytes, read_json, read_jsonl
+from draftsmith.payoff import measured_range
 
 DPI = 120
 DRAFT_COLOR, BASELINE_COLOR = "#1f77b4", "#ff7f0e"
@@ -32,6 +33,23 @@ def _save(fig, out_path: str | Path) -> Path:
     fig.savefig(buffer, format="png")
     atomic_write_bytes(out_path, buffer.getvalue())
     return Path(out_path)
+
+
+def _log_scale(ax, which: str, base: float = 10) -> None:
+    """A log scale whose tick labels are plain text (0.2, 1, 10). The default labels are mathtext
+    (10^0), and the first mathtext of a process loads its fallback families (STIX, Computer Modern):
+    where matplotlib's font cache lacks them (a cache another matplotlib wrote without its bundled
+    fonts), each logs a findfont warning, about 20 in the rule's log."""
+    from matplotlib.ticker import LogFormatter
+
+    class PlainLogFormatter(LogFormatter):
+        def __call__(self, x, pos=None):  # LogFormatter picks the ticks to label, %g writes them
+            return self.fix_minus(f"{x:g}") if super().__call__(x, pos) else ""
+
+    getattr(ax, f"set_{which}scale")("log", base=base)
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_formatter(PlainLogFormatter(base))
+    axis.set_minor_formatter(PlainLogFormatter(base, labelOnlyBase=False))
 
 
 def _nan(values: Sequence) -> list[float]:
@@ -90,7 +108,7 @@ def plot_training(metrics_jsonl: str | Path, out_path: str | Path) -> Path:
         ax.legend(title="TTT step", fontsize=8)
     losses = [v for r in rows for v in r["loss"] if v is not None]
     if losses and min(losses) > 0 and max(losses) / min(losses) > 10:  # a log axis only where it spreads things
-        axes[0].set_yscale("log")
+        _log_scale(axes[0], "y")
     axes[1].set_ylim(0, 1)
     tau = _nan([r.get("tau") for r in rows])
     ax = axes[2]
@@ -102,7 +120,7 @@ def plot_training(metrics_jsonl: str | Path, out_path: str | Path) -> Path:
                     color="C3", va="center")
     ax.set_title("Acceptance length τ expected from training")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(r"$1 + \sum_j\, P$(TTT steps 0..j all right)")
+    ax.set_ylabel("1 + Σ_j P(TTT steps 0..j all right)")  # no mathtext: see _log_scale
     ax.set_ylim(1, ttt + 1.2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -232,22 +250,32 @@ def plot_evaluation(acceptance_json: str | Path, by_position_png: str | Path, ta
 
 
 def plot_payoff(payoff_json: str | Path, out_path: str | Path) -> Path:
-    """Expected decode speedup against the batch size, one line per k, for the draft and the baseline."""
+    """Expected decode speedup against the batch size, one line per k, for the draft and the baseline;
+    a k beyond the positions evaluation measured (its rates extrapolated) dashed, with hollow markers."""
     payoff = read_json(payoff_json)
     batches = payoff["batch_sizes"]
     fig = _figure(12, 4.5)
     axes = fig.subplots(1, 2, sharey=True)
     server = payoff["server"]
     for ax, name, title in ((axes[0], "draft", "EAGLE-3 draft"), (axes[1], "baseline", "n-gram baseline")):
-        for k, row in zip(payoff["k"], payoff[name]["speedup"]):
-            ax.plot(batches, row, marker="o", markersize=3, label=f"k = {k}")
-        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_xscale("log", base=2)
+        drafter = payoff[name]
+        kinds = drafter.get("acceptance_at_k") or ["measured"] * len(payoff["k"])  # payoff.json before it
+        for i, (k, row, kind) in enumerate(zip(payoff["k"], drafter["speedup"], kinds)):
+            extrapolated = kind == "extrapolated"
+            ax.plot(batches, row, color=f"C{i}", marker="o", markersize=4 if extrapolated else 3,
+                    linestyle="--" if extrapolated else "-", markerfacecolor="none" if extrapolated else f"C{i}",
+                    label=f"k = {k} (extrapolated)" if extrapolated else f"k = {k}")
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        _log_scale(ax, "x", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("concurrent sequences (batch)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        note = None
+        if "extrapolated" in kinds:
+            note = (f"dashed, hollow: acceptance extrapolated\nbeyond the measured "
+                    f"{measured_range(drafter['measured_positions'])}")
+        ax.legend(fontsize=8, title=note, title_fontsize=8)
     axes[0].set_ylabel("expected decode speedup (below 1: slower)")
     target = payoff["target"]
     shape = (f"MoE, {target['experts']} experts top-{target['top_k']}" if target["kind"] == "moe" else "dense")

@@ -153,6 +153,40 @@ def test_estimate_payoff_writes_json_and_plot(tmp_path):
     assert (tmp_path / "payoff.png").stat().st_size > 0
 
 
+def _payoff_inputs(tmp_path, acceptance: dict) -> tuple:
+    config = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1)
+    (tmp_path / "target.json").write_text(json.dumps({"text_config": config.to_dict()}))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    save_file({"layers.0.self_attn.q_proj.weight": torch.zeros(64, 128), "fc.weight": torch.zeros(64, 192)},
+              draft / "model.safetensors")
+    (draft / "config.json").write_text(json.dumps({"transformer_layer_config": {"hidden_size": 64}}))
+    (tmp_path / "acceptance.json").write_text(json.dumps(acceptance))
+    return tmp_path / "acceptance.json", tmp_path / "target.json", draft
+
+
+def test_a_best_k_beyond_the_measured_positions_is_called_extrapolated(tmp_path, caplog):
+    # Prompt lookup that accepts nearly everything it proposes on a dense target at batch 1: k = 5 is
+    # best, but evaluation measured positions 1..3 only (eval.k: 3). A poor draft's best is k = 1.
+    acceptance = {"acceptance_rate_by_position": [0.05, 0.01, 0.0],
+                  "baseline": {"acceptance_rate_by_position": [0.95, 0.9, 0.86]}}
+    paths = _payoff_inputs(tmp_path, acceptance)
+    with caplog.at_level("INFO", logger="draftsmith.payoff"):
+        result = estimate_payoff(*paths, tmp_path / "payoff.json", PayoffSettings(batch_sizes=(1,)),
+                                 plot_path=tmp_path / "payoff.png")
+    written = json.loads((tmp_path / "payoff.json").read_text())
+    for name in ("draft", "baseline"):
+        assert written[name]["measured_positions"] == 3
+        assert written[name]["acceptance_at_k"] == ["measured"] * 3 + ["extrapolated"] * 2  # k = 1..5
+    best = result["baseline"]["best"]
+    assert best == [{"batch": 1, "k": 5, "speedup": result["baseline"]["speedup"][4][0], "acceptance": "extrapolated"}]
+    assert result["draft"]["best"][0]["k"] == 1 and result["draft"]["best"][0]["acceptance"] == "measured"
+    lines = {r.getMessage().split(":")[0]: r.getMessage() for r in caplog.records}
+    assert "B=1: k=5 (extrapolated beyond the measured k=1..3) " in lines["baseline"]
+    assert "extrapolated" not in lines["draft"] and "B=1: k=1 " in lines["draft"]
+
+
 @pytest.mark.slow
 def test_the_workflow_evaluates_each_prompt_set_and_estimates_the_payoff(tmp_path):
     """Real snakemake on the tiny target: an eval.sources set goes through prepare_eval_prompts into

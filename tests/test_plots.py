@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
 import tiny
+from draftsmith import plots
 from draftsmith.errors import TrainingError
-from draftsmith.plots import plot_evaluation, plot_prompt_sets, plot_training
+from draftsmith.plots import plot_evaluation, plot_payoff, plot_prompt_sets, plot_training
 
 
 def _png(path, min_width=400):
@@ -75,3 +77,78 @@ def test_evaluation_figures(tmp_path):
     }
     path.write_text(json.dumps(acceptance))
     _png(plot_prompt_sets(path, tmp_path / "sets.png"))
+
+
+def _payoff_json(tmp_path) -> Path:
+    """payoff.json as estimate_payoff writes it (the keys the plot reads): evaluation measured k = 1..3."""
+    kinds = ["measured"] * 3 + ["extrapolated"] * 2
+    drafter = {"measured_positions": 3, "acceptance_at_k": kinds,
+               "speedup": [[1.2 + 0.1 * k, 0.9 - 0.05 * k] for k in range(5)]}
+    payoff = {"batch_sizes": [1, 16], "k": [1, 2, 3, 4, 5], "draft": drafter, "baseline": drafter,
+              "server": {"tensor_parallel_size": 1, "gpu": "h100", "context_tokens": 2048},
+              "target": {"kind": "dense", "active_params": 8e9}}
+    path = tmp_path / "payoff.json"
+    path.write_text(json.dumps(payoff))
+    return path
+
+
+def _drawn_figure(monkeypatch) -> dict:
+    """Keeps the figure a plot function saves, to read its artists (labels, line styles), not pixels."""
+    drawn = {}
+
+    def save(fig, out_path):
+        drawn["figure"] = fig
+        return Path(out_path)
+
+    monkeypatch.setattr(plots, "_save", save)
+    return drawn
+
+
+def test_payoff_figure_marks_the_extrapolated_k(tmp_path, monkeypatch):
+    _png(plot_payoff(_payoff_json(tmp_path), tmp_path / "payoff.png"))
+    drawn = _drawn_figure(monkeypatch)
+    plot_payoff(_payoff_json(tmp_path), tmp_path / "payoff.png")
+    for ax in drawn["figure"].axes:
+        lines = {line.get_label(): line for line in ax.get_lines() if line.get_label().startswith("k = ")}
+        assert list(lines) == ["k = 1", "k = 2", "k = 3", "k = 4 (extrapolated)", "k = 5 (extrapolated)"]
+        for label, line in lines.items():  # dashed with hollow markers exactly where extrapolated
+            extrapolated = "extrapolated" in label
+            assert (line.get_linestyle() == "--") == extrapolated
+            assert (line.get_markerfacecolor() == "none") == extrapolated
+        legend = ax.get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == list(lines)
+        assert legend.get_title().get_text() == "dashed, hollow: acceptance extrapolated\nbeyond the measured k=1..3"
+
+
+def test_payoff_figure_of_measured_k_alone_has_no_note(tmp_path, monkeypatch):
+    path = _payoff_json(tmp_path)
+    payoff = json.loads(path.read_text())
+    payoff["k"] = [1, 2, 3]
+    for name in ("draft", "baseline"):
+        payoff[name] = {**payoff[name], "acceptance_at_k": ["measured"] * 3, "speedup": payoff[name]["speedup"][:3]}
+    path.write_text(json.dumps(payoff))
+    drawn = _drawn_figure(monkeypatch)
+    plot_payoff(path, tmp_path / "payoff.png")
+    for ax in drawn["figure"].axes:
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["k = 1", "k = 2", "k = 3"]
+        assert not ax.get_legend().get_title().get_text()
+        assert {line.get_linestyle() for line in ax.get_lines() if line.get_label().startswith("k = ")} == {"-"}
+
+
+def test_figures_log_no_findfont_warning(tmp_path, caplog, monkeypatch):
+    """The fonts of the figures are the default family alone: on a font cache that lists nothing else
+    (one written by a matplotlib without its bundled STIX and Computer Modern fonts), rendering logs
+    no "findfont: Font family ... not found" warning. Log axes and τ's label once pulled in mathtext."""
+    from matplotlib import font_manager
+
+    manager = font_manager.fontManager
+    monkeypatch.setattr(manager, "ttflist", [f for f in manager.ttflist if f.name == "DejaVu Sans"])
+    manager._findfont_cached.cache_clear()
+    rows = [_metrics_row(s) for s in range(10, 210, 10)]  # its loss spans two decades: a log axis
+    try:
+        with caplog.at_level("WARNING"):
+            plot_training(tiny.write_jsonl(tmp_path / "metrics.jsonl", rows), tmp_path / "curves.png")
+            plot_payoff(_payoff_json(tmp_path), tmp_path / "payoff.png")
+    finally:
+        manager._findfont_cached.cache_clear()  # no font found on the short list outlives the test
+    assert not [r.getMessage() for r in caplog.records if "findfont" in r.getMessage()]
