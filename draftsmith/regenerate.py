@@ -53,6 +53,9 @@ from draftsmith.targets.identity import weights_identity
 log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
+# Once this many answers are written, a target that left more than half of them empty stops the stage
+# there, rather than after every chunk (hours, for a large target and data set).
+EARLY_JUDGE_ANSWERS = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,20 +417,15 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                 rows = [_output_row(c, answered.get(id(c))) for c in chunk]
                 atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
                 written += 1
+                if counts.turns >= EARLY_JUDGE_ANSWERS and counts.empty > counts.turns / 2:
+                    _stop_on_empty_answers(counts, regenerator, target, work_dir)  # not hours of chunks later
             done_answers += sum(map(_answer_count, chunk))
             progress.update(done_answers - progress.n)  # reused chunks, and answers left as they were
     finally:
         progress.close()
         regenerator.on_answers = None
     num_chunks = reused + written
-    try:
-        check_answers(counts, regenerator, target)
-    except TargetError:
-        # The chunks hold the answers judged here: dropped, so a rerun regenerates and judges them
-        # again rather than reusing them unjudged.
-        for path in work_dir.glob("chunk-*.jsonl"):
-            path.unlink()
-        raise
+    _stop_on_empty_answers(counts, regenerator, target, work_dir)
     _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
@@ -446,6 +444,17 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                     "raise regenerate.max_new_tokens", counts.truncated, counts.turns,
                     regenerator.settings.max_new_tokens)
     return stats
+
+
+def _stop_on_empty_answers(counts: TurnCounts, regenerator: Regenerator, target: str | Path, work_dir: Path) -> None:
+    """``check_answers``; when it refuses, the chunks are dropped (they hold the answers judged), so a
+    rerun regenerates and judges them again rather than reusing them unjudged."""
+    try:
+        check_answers(counts, regenerator, target)
+    except TargetError:
+        for path in work_dir.glob("chunk-*.jsonl"):
+            path.unlink()
+        raise
 
 
 def check_answers(counts: TurnCounts, regenerator: Regenerator, target: str | Path) -> None:

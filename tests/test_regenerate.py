@@ -344,6 +344,22 @@ def test_a_target_that_writes_empty_answers_stops_regeneration_naming_it(source,
     assert not list((tmp_path / "work").glob("chunk-*.jsonl"))  # a rerun judges every answer again
 
 
+def test_a_target_that_writes_mostly_empty_answers_stops_before_the_last_chunk(source, model_dir, tmp_path,
+                                                                              monkeypatch):
+    """More than half of the answers so far empty, once enough are written: the stage stops there,
+    not after every chunk (hours of generation, for a large target)."""
+    from draftsmith import regenerate
+    from draftsmith.errors import TargetError
+
+    monkeypatch.setattr(regenerate, "EARLY_JUDGE_ANSWERS", 2)
+    _answers_replaced(monkeypatch, lambda n, tokens: [227])
+    calls = _count_chunks(monkeypatch)
+    with pytest.raises(TargetError, match="the target wrote 3 empty answers of 3"):
+        _run(source, model_dir, tmp_path)  # a chunk a conversation: 4 chunks of 1, 2, 1 and 1 answers
+    assert len(calls) == 2  # the first chunk's one answer is too few to judge; the second's make three
+    assert not list((tmp_path / "work").glob("chunk-*.jsonl"))
+
+
 def test_a_few_empty_answers_are_a_warning(source, model_dir, tmp_path, monkeypatch, caplog):
     _answers_replaced(monkeypatch, lambda n, tokens: [227, 227] if n == 0 else tokens)
     with caplog.at_level("INFO", logger="draftsmith"):
