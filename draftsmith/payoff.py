@@ -288,10 +288,10 @@ def best_line(drafter: dict) -> str:
 
 
 def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_dir: str | Path,
-                    out_path: str | Path, settings: PayoffSettings, *, plot_path: str | Path | None = None) -> dict:
+                    out_path: str | Path, settings: PayoffSettings) -> dict:
     """Write payoff.json: the speedup the measured acceptance of the draft and of the n-gram baseline
-    (acceptance.json) would give on the server of ``settings`` (eval.payoff), and plot it. Nulls
-    ``from_config`` has not filled in are one GPU's serving in bf16."""
+    (acceptance.json) would give on the server of ``settings`` (eval.payoff); ``plots.plot_payoff``
+    draws it. Nulls ``from_config`` has not filled in are one GPU's serving in bf16."""
     server = settings.resolved()
     target = read_json(target_json)
     shape = target_shape(target.get("text_config") or {})
@@ -321,8 +321,4 @@ def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_
     atomic_write_json(out_path, result)
     for name in ("draft", "baseline"):
         log.info("%s: best k and expected speedup by batch: %s", name, best_line(result[name]))
-    if plot_path is not None:
-        from draftsmith.plots import plot_payoff
-
-        plot_payoff(out_path, plot_path)
     return result

@@ -21,6 +21,7 @@ from draftsmith.payoff import (
     speedups,
     target_shape,
 )
+from draftsmith.plots import plot_payoff
 from tiny import KIMI_K25_TEXT_CONFIG
 
 # n-gram-level acceptance (the demo's prompt-lookup baseline: τ 1.26 at k = 3), proposing on about
@@ -142,8 +143,8 @@ def test_estimate_payoff_writes_json_and_plot(tmp_path):
     result = estimate_payoff(tmp_path / "acceptance.json", tmp_path / "target.json", draft,
                              tmp_path / "payoff.json",
                              PayoffSettings.from_config({"eval": {"payoff": {"batch_sizes": [1, 16]}},
-                                                         "extraction": {"tensor_parallel_size": 2}}),
-                             plot_path=tmp_path / "payoff.png")
+                                                         "extraction": {"tensor_parallel_size": 2}}))
+    plot_payoff(tmp_path / "payoff.json", tmp_path / "payoff.png")
     assert json.loads((tmp_path / "payoff.json").read_text()) == json.loads(json.dumps(result))
     assert result["draft_shape"]["params"] == 64 * 128 + 64 * 192  # the embedding and d2t are not read
     assert result["server"]["tensor_parallel_size"] == 2 and result["server"]["memory_bandwidth_gbs"] == 4800
@@ -173,8 +174,7 @@ def test_a_best_k_beyond_the_measured_positions_is_called_extrapolated(tmp_path,
                   "baseline": {"acceptance_rate_by_position": [0.95, 0.9, 0.86]}}
     paths = _payoff_inputs(tmp_path, acceptance)
     with caplog.at_level("INFO", logger="draftsmith.payoff"):
-        result = estimate_payoff(*paths, tmp_path / "payoff.json", PayoffSettings(batch_sizes=(1,)),
-                                 plot_path=tmp_path / "payoff.png")
+        result = estimate_payoff(*paths, tmp_path / "payoff.json", PayoffSettings(batch_sizes=(1,)))
     written = json.loads((tmp_path / "payoff.json").read_text())
     for name in ("draft", "baseline"):
         assert written[name]["measured_positions"] == 3

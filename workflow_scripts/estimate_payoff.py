@@ -4,6 +4,7 @@ from pathlib import Path
 
 from draftsmith.logs import setup_logging
 from draftsmith.payoff import PayoffSettings, estimate_payoff
+from draftsmith.plots import plot_payoff
 
 setup_logging(snakemake.log[0])
 estimate_payoff(
@@ -12,5 +13,5 @@ estimate_payoff(
     Path(snakemake.input.draft).parent,
     snakemake.output.payoff,
     PayoffSettings.from_config(snakemake.params.config),
-    plot_path=snakemake.output.plot,
 )
+plot_payoff(snakemake.output.payoff, snakemake.output.plot)
