@@ -60,9 +60,10 @@ def apply_logit_transform(logits, transform: dict | None):
 
 
 def describe(transform: dict | None) -> str:
-    if not transform or transform == IDENTITY:
-        return "lm_head(final state)"
+    """The transform as a formula over ``lm_head(final state)``, for logs and errors."""
     text = "lm_head(final state)"
+    if not transform:
+        return text
     if transform["scale"] != 1.0:
         text = f"{transform['scale']:g} x {text}"
     if transform["softcap"]:
