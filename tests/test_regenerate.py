@@ -12,6 +12,7 @@ import tiny
 from draftsmith.engines.hf_model import load_target_model, stop_token_ids
 from draftsmith.errors import DataError
 from draftsmith.regenerate import RegenerateSettings, Regenerator, regenerate_responses
+from tiny_vllm import vllm_test
 
 CONVERSATIONS = [
     {"id": "a", "messages": [{"role": "user", "content": "Hello there, how are you?"},
@@ -215,14 +216,8 @@ def test_too_many_bad_rows_stop_regeneration_before_the_target_loads(tmp_path, m
 
 
 def _vllm_test(fn):
-    """Starts vLLM's engine: marked like tests/test_vllm_serving.py's; skipped without vLLM."""
-    import importlib.util
-
-    for mark in (pytest.mark.vllm, pytest.mark.slow,
-                 pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
-                 pytest.mark.usefixtures("in_process_engine")):
-        fn = mark(fn)
-    return fn
+    """Starts vLLM's engine in this process: marked as every vLLM test is (the GPU lane picks it)."""
+    return vllm_test(pytest.mark.usefixtures("in_process_engine")(fn))
 
 
 def _run_vllm(source, model_dir, tmp_path, chunk_size=1, **settings):
