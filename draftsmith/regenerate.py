@@ -417,7 +417,7 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                 rows = [_output_row(c, answered.get(id(c))) for c in chunk]
                 atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
                 written += 1
-                if counts.turns >= EARLY_JUDGE_ANSWERS and counts.empty > counts.turns / 2:
+                if mostly_empty_so_far(counts):
                     _stop_on_empty_answers(counts, regenerator, target, work_dir)  # not hours of chunks later
             done_answers += sum(map(_answer_count, chunk))
             progress.update(done_answers - progress.n)  # reused chunks, and answers left as they were
@@ -450,22 +450,27 @@ def _stop_on_empty_answers(counts: TurnCounts, regenerator: Regenerator, target:
     """``check_answers``; when it refuses, the chunks are dropped (they hold the answers judged), so a
     rerun regenerates and judges them again rather than reusing them unjudged."""
     try:
-        check_answers(counts, regenerator, target)
+        check_answers(counts, regenerator.settings, regenerator.tokenizer, target)
     except TargetError:
         for path in work_dir.glob("chunk-*.jsonl"):
             path.unlink()
         raise
 
 
-def check_answers(counts: TurnCounts, regenerator: Regenerator, target: str | Path) -> None:
-    """Judge the answers the target wrote: more than data.max_bad_fraction of them empty (nothing
-    but whitespace) raise ``TargetError`` naming the target; fewer, if any, are a warning."""
+def mostly_empty_so_far(counts: TurnCounts) -> bool:
+    """Enough answers written to judge them before the last chunk, and more than half of them empty."""
+    return counts.turns >= EARLY_JUDGE_ANSWERS and counts.empty > counts.turns / 2
+
+
+def check_answers(counts: TurnCounts, s: RegenerateSettings, tokenizer: Any, target: str | Path) -> None:
+    """Judge the answers the target wrote (with settings ``s``): more than data.max_bad_fraction of
+    them empty (nothing but whitespace) raise ``TargetError`` naming the target; fewer, if any, are a
+    warning."""
     if not counts.empty:
         return
-    s = regenerator.settings
     share = counts.empty / counts.turns
     said = f"the target wrote {counts.empty} empty answers of {counts.turns} ({100 * share:.1f}%)"
-    first = f"; the first: {_describe_empty(counts.first_empty, regenerator.tokenizer)}" if counts.first_empty else ""
+    first = f"; the first: {_describe_empty(counts.first_empty, tokenizer)}" if counts.first_empty else ""
     if share <= s.max_bad_fraction:
         log.warning("%s; prepare_dataset drops their conversations%s", said, first)
         return

@@ -21,7 +21,9 @@ from the run's seed and its number), each chunk renamed into the work folder onc
 killed job resumes at its first missing chunk; a fingerprint of the settings, the model and this
 code guards the chunks. Chunks are added until ``synthesize.conversations`` distinct conversations
 are kept; a target that keeps under ``MIN_YIELD`` of its tries is refused early, before it burns
-hours of GPU on requests it cannot write.
+hours of GPU on requests it cannot write. Its answers are judged as regeneration's are
+(``regenerate.check_answers``): empty ones are kept and counted, and more than
+``data.max_bad_fraction`` of them stop the stage naming the target.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ from draftsmith.io import atomic_write_json, atomic_write_text, read_json, read_
 from draftsmith.regenerate import (
     RegenerateSettings,
     Regenerator,
+    TurnCounts,
+    check_answers,
     derived_seed,
+    mostly_empty_so_far,
     open_regenerators,
     regeneration_fingerprint,
 )
@@ -151,8 +156,9 @@ def synthesize_chunk(index: int, prompter: Regenerator, answerer: Regenerator, t
                      settings: SynthesizeSettings, seed: int, excluded: set[str]) -> dict:
     """Chunk ``index``: ``chunk_size`` requests written and filtered (duplicates within the chunk
     dropped; across chunks when they are joined), the kept ones answered. Returns its rows, the
-    requests dropped by reason, and how many answers ``regenerate.max_new_tokens`` cut (kept: they
-    are what the target wrote)."""
+    requests dropped by reason, how many answers ``regenerate.max_new_tokens`` cut (kept: they are
+    what the target wrote), and the answers' count, the empty ones' and the first of them (kept too:
+    prepare_dataset drops them, and ``check_answers`` judges them when the chunks are joined)."""
     size = settings.chunk_size
     chunk_turns = [turns[(index * size + n) % len(turns)] for n in range(size)]
     requests = write_requests(prompter, chunk_turns, seed=derived_seed(seed, index, 0))
@@ -169,7 +175,12 @@ def synthesize_chunk(index: int, prompter: Regenerator, answerer: Regenerator, t
     answered, counts = answerer.regenerate([messages for _, messages in kept], seed=derived_seed(seed, index, 1))
     rows = [{"id": f"self-{index}-{n}", "messages": messages, "source": {"file": "self", "line": index * size + n}}
             for (n, _), messages in zip(kept, answered)]
-    return {"rows": rows, "dropped": dict(dropped), "answers_cut": counts.truncated}
+    first_empty = counts.first_empty
+    if first_empty is not None:
+        row = rows[first_empty["conversation"]]
+        first_empty.update(id=row["id"], **row["source"])
+    return {"rows": rows, "dropped": dict(dropped), "answers_cut": counts.truncated, "answers": counts.turns,
+            "empty_answers": counts.empty, "first_empty": first_empty}
 
 
 def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats_path: str | Path,
@@ -201,7 +212,10 @@ def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats
                     engine_kwargs=engine_kwargs, stop_ids=(turns[0].closing, None))))
             return synthesize_chunk(index, *opened, turns, settings, answers.seed, excluded)
 
-        rows, stats = _collect(work_dir, write_chunk, settings, excluded)
+        def judge(counts: TurnCounts) -> None:
+            check_answers(counts, answers, tokenizer, model_path)
+
+        rows, stats = _collect(work_dir, write_chunk, settings, excluded, judge)
     atomic_write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     stats["seconds"] = round(time.perf_counter() - started, 2)
     atomic_write_json(stats_path, stats)
@@ -211,15 +225,18 @@ def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats
 
 
 def _collect(work_dir: Path, write_chunk: Callable[[int], dict], settings: SynthesizeSettings,
-             excluded: set[str]) -> tuple[list[dict], dict]:
+             excluded: set[str], judge: Callable[[TurnCounts], None]) -> tuple[list[dict], dict]:
     """Chunks, read back or written (``write_chunk``), joined without duplicates until the wanted count
-    is kept."""
+    is kept. ``judge`` (``check_answers``) judges the answers written so far once more than half of
+    enough of them are empty, and all of them at the end; a chunk keeps its answers' counts, so a
+    rerun judges the chunks it reuses again."""
     wanted, size = settings.conversations, settings.chunk_size
     max_chunks = MAX_CHUNKS_FACTOR * math.ceil(wanted / size) + 1
     kept: list[dict] = []
     seen: set[str] = set()
     dropped: Counter = Counter()
     reused = tries = answers_cut = 0
+    answers = TurnCounts()
     progress = tqdm(total=wanted, desc="writing conversations", unit=" conversations", file=sys.stderr,
                     mininterval=PROGRESS_INTERVAL_S)
     index = 0
@@ -238,6 +255,11 @@ def _collect(work_dir: Path, write_chunk: Callable[[int], dict], settings: Synth
             atomic_write_json(path, chunk)
         dropped.update(chunk["dropped"])
         answers_cut += chunk["answers_cut"]
+        answers.turns += chunk["answers"]
+        answers.empty += chunk["empty_answers"]
+        answers.first_empty = answers.first_empty or chunk["first_empty"]
+        if mostly_empty_so_far(answers):
+            judge(answers)  # not hours of chunks later
         tries += size
         for row in chunk["rows"]:
             key = normalized(_user_text(row))
@@ -254,8 +276,10 @@ def _collect(work_dir: Path, write_chunk: Callable[[int], dict], settings: Synth
                             where=str(work_dir), fix="use data.sources of your own, or try synthesize.system_prompts")
         index += 1
     progress.close()
+    judge(answers)
     return kept, {"format": SYNTHESIZE_FORMAT, "conversations": len(kept), "tries": tries, "chunks": index,
                   "chunks_reused": reused, "dropped": dict(dropped), "answers_cut": answers_cut,
+                  "empty_answers": answers.empty,
                   "system_prompts": len(settings.system_prompts), "excluded_prompts": len(excluded)}
 
 

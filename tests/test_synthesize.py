@@ -90,21 +90,25 @@ class Scripted(Regenerator):
                 for t in texts]
 
 
-def _collect(tmp_path, chatml, script, answers, **settings):
+def _collect(tmp_path, chatml, script, answers, max_bad_fraction=0.5, **settings):
+    from draftsmith.regenerate import check_answers
     from draftsmith.synthesize import _collect as collect
 
     end = chatml.convert_tokens_to_ids("<|im_end|>")
     synth = SynthesizeSettings(**{"chunk_size": 4, "conversations": 3, "min_prompt_chars": 4, **settings})
-    regen = RegenerateSettings(max_new_tokens=8)
+    regen = RegenerateSettings(max_new_tokens=8, max_bad_fraction=max_bad_fraction)
     prompter, answerer = Scripted(chatml, regen, end, script), Scripted(chatml, regen, end, answers)
     turns = [user_turn(chatml, None, "t")]
-    (tmp_path / "work").mkdir(exist_ok=True)
+    (tmp_path / "work").mkdir(parents=True, exist_ok=True)
     excluded = {"excluded prompt"}
 
     def write_chunk(index):
         return synthesize_chunk(index, prompter, answerer, turns, synth, 0, excluded)
 
-    return collect(tmp_path / "work", write_chunk, synth, excluded), prompter
+    def judge(counts):
+        check_answers(counts, regen, chatml, "the-target")
+
+    return collect(tmp_path / "work", write_chunk, synth, excluded, judge), prompter
 
 
 def test_chunks_are_written_joined_without_duplicates_and_resumed(tmp_path, chatml):
@@ -134,6 +138,38 @@ def test_too_few_distinct_requests_are_refused(tmp_path, chatml):
     with pytest.raises(DataError, match="wrote 1 distinct usable conversations") as error:
         _collect(tmp_path, chatml, same, [["an answer"]] * 20, conversations=2, chunk_size=4)
     assert "synthesize.conversations" in error.value.fix
+
+
+def test_a_target_that_writes_empty_answers_is_refused_naming_it(tmp_path, chatml):
+    """Requests written, answers empty: the target is named (as regeneration names it), not the
+    data prepare_dataset would later find empty; a rerun reading the chunks back judges them again."""
+    from draftsmith.errors import TargetError
+
+    script = [["first request", "second request", "third request", "fourth request"]]
+    with pytest.raises(TargetError) as error:
+        _collect(tmp_path, chatml, script, [["  ", "an answer", "", "\n"]], max_bad_fraction=0.5)
+    assert "the target wrote 3 empty answers of 4 (75.0%), more than data.max_bad_fraction=0.5" in error.value.what
+    assert "conversation 'self-0-0' (self:0), message 1" in error.value.what
+    assert "the-target" in error.value.where and "regenerate.temperature" in error.value.fix
+    with pytest.raises(TargetError, match="3 empty answers of 4"):
+        _collect(tmp_path, chatml, [], [], max_bad_fraction=0.5)
+
+
+def test_mostly_empty_answers_stop_before_the_last_chunk_and_a_few_are_a_warning(tmp_path, chatml, monkeypatch,
+                                                                               caplog):
+    from draftsmith import regenerate
+    from draftsmith.errors import TargetError
+
+    monkeypatch.setattr(regenerate, "EARLY_JUDGE_ANSWERS", 4)
+    script = [[f"request {i}" for i in range(4)], [f"request {i}" for i in range(4, 8)]]
+    with pytest.raises(TargetError, match="3 empty answers of 4"):  # before chunk 1 is written
+        _collect(tmp_path / "early", chatml, script, [["", "", "", "an answer"]], max_bad_fraction=0.5,
+                 conversations=8)
+    assert [p.name for p in (tmp_path / "early" / "work").glob("chunk-*")] == ["chunk-000000.json"]
+    with caplog.at_level("WARNING", logger="draftsmith"):
+        (rows, stats), _ = _collect(tmp_path / "few", chatml, script[:1], [["", "an answer", "another", "more"]])
+    assert stats["empty_answers"] == 1 and len(rows) == 3
+    assert "the target wrote 1 empty answers of 4 (25.0%); prepare_dataset drops their conversations" in caplog.text
 
 
 def _run_stage(tmp_path, backend: str, **engine) -> tuple[list[dict], dict]:
