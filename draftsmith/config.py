@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -34,6 +35,18 @@ def schema_errors(config: dict, schema: dict) -> list[str]:
     return lines
 
 
+def non_finite_numbers(config, path=()) -> list[str]:
+    """One line per NaN or infinity in the config: JSON Schema's range checks are false for NaN and
+    hold for infinity, so YAML's ``.nan`` and ``.inf`` would pass them and fail mid-run instead."""
+    if isinstance(config, dict):
+        return [line for key, value in config.items() for line in non_finite_numbers(value, (*path, key))]
+    if isinstance(config, list):
+        return [line for i, value in enumerate(config) for line in non_finite_numbers(value, (*path, i))]
+    if isinstance(config, float) and not math.isfinite(config):
+        return [f"{_key(path)}: {config} is not a finite number; give a number"]
+    return []
+
+
 def semantic_errors(config: dict) -> list[str]:
     """Checks across keys, once the schema has filled in defaults."""
     lines = []
@@ -54,10 +67,15 @@ def semantic_errors(config: dict) -> list[str]:
     aux = target["aux_layer_ids"]
     if aux is not None and len(set(aux)) != len(aux):
         lines.append(f"target.aux_layer_ids: {aux} repeats a layer; list each layer once")
+    listed: dict[str, str] = {}
     for source in config["data"]["sources"]:
         problem = None if source in ("demo", "self") else source_problem(source)
         if problem:
             lines.append(f"data.sources: {source!r} {problem}")
+        same = os.path.realpath(source) if source not in ("demo", "self") else source
+        if same in listed:  # its rows would all train twice
+            lines.append(f"data.sources: {source!r} is the source {listed[same]!r} again; list each source once")
+        listed.setdefault(same, source)
     names = [source["name"] for source in config["eval"]["sources"]]
     for i, source in enumerate(config["eval"]["sources"]):
         if source["name"] == "heldout" or names.count(source["name"]) > 1:
@@ -177,7 +195,7 @@ def check_config(config: dict, schema_path: str | Path, config_files: list[str] 
     """Raise ConfigError listing every problem, or return (command-line strings given their types)."""
     schema = yaml.safe_load(Path(schema_path).read_text(encoding="utf-8"))
     coerce_command_line_values(config, schema)
-    problems = schema_errors(config, schema)
+    problems = schema_errors(config, schema) + non_finite_numbers(config)
     where = ", ".join(map(str, config_files or [])) or None
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems), where=where,

@@ -92,6 +92,11 @@ def _(tmp, env):
     _check({"train": {"lr": -1}})
 
 
+@case("config-not-a-finite-number", ConfigError, "train.epochs: nan is not a finite number")
+def _(tmp, env):
+    _check({"train": {"epochs": float("nan")}})  # YAML's .nan: every range check is false for it
+
+
 @case("config-unknown-choice", ConfigError, "extraction.dtype: 'int4' is not one of")
 def _(tmp, env):
     _check({"extraction": {"dtype": "int4"}})
@@ -130,6 +135,13 @@ def _(tmp, env):
 @case("config-data-source-missing", ConfigError, "data.sources: ")
 def _(tmp, env):
     _check({"data": {"sources": [str(tmp / "missing.jsonl")]}})
+
+
+@case("config-data-source-twice", ConfigError, "is the source")
+def _(tmp, env):
+    source = tiny.write_jsonl(tmp / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                  {"role": "assistant", "content": "hello"}]}])
+    _check({"data": {"sources": [str(source), f"{tmp}/./chats.jsonl"]}})
 
 
 @case("config-eval-source-missing", ConfigError, "eval.sources[0].path: ")

@@ -42,6 +42,10 @@ def test_shipped_configs_are_valid(schema, demo_config):
         ({"vocab": {"draft_vocab_size": 1}}, "vocab.draft_vocab_size: 1 is less than the minimum of 32"),
         ({"run": "../escape"}, "run: '../escape' does not match"),
         ({"target": {"aux_layer_ids": [-1]}}, "target.aux_layer_ids.0: -1 is less than the minimum of 0"),
+        # YAML's .nan passes every range check and .inf a minimum: both would fail mid-run
+        ({"train": {"epochs": float("nan")}}, "train.epochs: nan is not a finite number; give a number"),
+        ({"data": {"heldout_fraction": float("nan")}}, "data.heldout_fraction: nan is not a finite number"),
+        ({"train": {"max_grad_norm": float("inf")}}, "train.max_grad_norm: inf is not a finite number"),
     ],
 )
 def test_schema_errors_name_the_key_and_what_is_allowed(demo_config, patch, expected):
@@ -90,6 +94,10 @@ def test_semantic_checks(schema, tmp_path):
     config["target"]["aux_layer_ids"] = None
     config["data"]["sources"] = [str(tmp_path / "nope.jsonl")]
     with pytest.raises(ConfigError, match="does not exist"):
+        check_semantics(config)
+    (tmp_path / "chats.jsonl").write_text('{"messages": []}\n')
+    config["data"]["sources"] = [str(tmp_path / "chats.jsonl"), f"{tmp_path}/./chats.jsonl"]
+    with pytest.raises(ConfigError, match=r"'.*/\./chats.jsonl' is the source '.*/chats.jsonl' again; list each"):
         check_semantics(config)
 
 
