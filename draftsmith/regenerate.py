@@ -53,6 +53,7 @@ from draftsmith.targets.identity import weights_identity
 log = logging.getLogger(__name__)
 
 REGENERATE_FORMAT = "draftsmith.regenerate/1"
+MAX_CHARACTER_BYTES = 4  # UTF-8's longest character
 # Once this many answers are written, a target that left more than half of them empty stops the stage
 # there, rather than after every chunk (hours, for a large target and data set).
 EARLY_JUDGE_ANSWERS = 256
@@ -214,6 +215,7 @@ class Regenerator:
         counts.turns += 1
         if stop is None:
             counts.truncated += 1
+            tokens = self._whole_characters(tokens)
         else:
             tokens = tokens[:stop]
         counts.tokens += len(tokens)
@@ -225,6 +227,15 @@ class Regenerator:
             if counts.first_empty is None:
                 counts.first_empty = {"tokens": list(tokens), "text": text}
         return text
+
+    def _whole_characters(self, tokens: list[int]) -> list[int]:
+        """A cut answer without the byte tokens of a character ``max_new_tokens`` cut in half: they
+        decode to U+FFFD, which re-encodes to other ids than the target wrote."""
+        for _ in range(MAX_CHARACTER_BYTES - 1):  # at most all but one byte of a character is cut off
+            if not tokens or not self.tokenizer.decode(tokens, skip_special_tokens=False).endswith("\ufffd"):
+                break
+            tokens = tokens[:-1]
+        return tokens
 
     def regenerate(self, conversations: list[list[dict]], seed: int = 0,
                    tools: Sequence[list[dict] | None] | None = None) -> tuple[list[list[dict]], TurnCounts]:

@@ -306,6 +306,26 @@ def test_an_answer_keeps_the_special_tokens_the_target_wrote(tmp_path):
     assert (counts.turns, counts.tokens, counts.empty, counts.truncated) == (1, len(written), 0, 0)
 
 
+def test_an_answer_cut_inside_a_character_ends_at_the_last_whole_one(tmp_path):
+    """Byte-level tokens of a multi-byte character decode to U+FFFD until its last byte arrives: an
+    answer max_new_tokens cuts there ends before that character, so it re-encodes to the target's ids."""
+    from types import SimpleNamespace
+
+    from draftsmith.regenerate import TurnCounts
+
+    tok = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok"))
+    whole = tok.encode("Hi 日本", add_special_tokens=False)
+    counts = TurnCounts()
+    regenerator = Regenerator(torch.nn.Linear(1, 1), tok, SimpleNamespace(seed=0), stop_ids=[tok.eos_token_id])
+    kept = []
+    for cut in range(1, len(whole) + 1):
+        text = regenerator.answer(whole[:cut], counts)  # no stop token: cut at max_new_tokens
+        assert "\ufffd" not in text, (cut, text)
+        kept.append(tok(text, add_special_tokens=False)["input_ids"])
+        assert whole[:cut][:len(kept[-1])] == kept[-1]  # the target's own ids, up to the cut character
+    assert kept[-1] == whole and counts.truncated == len(whole)
+
+
 def _answers_replaced(monkeypatch, replace):
     """Regenerator.generate as it is, each answer then passed through ``replace(n, tokens)`` (n counts
     the answers of the run): a target that writes what the test says."""
