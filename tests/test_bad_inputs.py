@@ -622,8 +622,8 @@ def _check_setup(tmp: Path, env: dict, settings) -> None:
 
 @case("train-batch-too-large-for-memory", ConfigError, "more than the CPU's memory", "preflight.json")
 def _(tmp, env):
-    # the dense TTT attention of a million-token batch: ~100 TB on the CPU's sdpa path
-    _check_setup(tmp, env, _settings(**{"train.batch_tokens": 1_000_000, "data.max_seq_len": 1_000_000}))
+    # a million-token batch of samples as long as the tiny target's context: beyond the CPU's memory
+    _check_setup(tmp, env, _settings(**{"train.batch_tokens": 1_000_000, "data.max_seq_len": 512}))
 
 
 @case("eval-max-new-tokens-past-context", ConfigError, "cannot follow any prompt within the target's context",
@@ -636,7 +636,13 @@ def _(tmp, env):
       "preflight.json")
 def _(tmp, env):
     _check_setup(tmp, env, _settings(**{"regenerate.enabled": True, "regenerate.max_new_tokens": 600,
-                                     "data.max_seq_len": 1024}))
+                                     "data.max_seq_len": 512}))
+
+
+@case("data-max-seq-len-past-context", ConfigError, "data.max_seq_len: samples of up to 2048 tokens run past the "
+      "target's context of 512 positions", "preflight.json")
+def _(tmp, env):
+    _check_setup(tmp, env, _settings(**{"data.max_seq_len": 2048}))  # the schema's default; the target has 512
 
 
 @case("eval-vllm-target-without-eagle3", TargetError, "does not implement SupportsEagle3", "preflight.json")

@@ -227,7 +227,7 @@ def test_fuzz_bad_sizes_end_in_a_draftsmith_error_through_the_config_check_and_p
     base = _defaults(schema)
     base["data"]["sources"] = []
     text = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-            "vocab_size": 384, "max_position_embeddings": 512}
+            "vocab_size": 384, "max_position_embeddings": 4096}  # the defaults' samples fit
     rng = random.Random(28)
     outcomes = {"refused": 0, "passed": 0}
     for _ in range(300):

@@ -385,7 +385,7 @@ def test_check_setup_given_target_json_imports_no_torch_and_loads_autotokenizers
 import sys
 from draftsmith.preflight import PreflightSettings, check_setup
 from draftsmith.targets.inspect import read_target_json
-settings = PreflightSettings(device="cpu", draft_vocab_size=64, extraction_backend="hf", eval_backend="hf")
+settings = PreflightSettings(device="cpu", draft_vocab_size=64, extraction_backend="hf", eval_backend="hf", max_seq_len=512)
 check_setup({str(llama_dir)!r}, [{str(source)!r}], {str(tmp_path / "preflight.json")!r}, settings,
             target=read_target_json({str(tmp_path / "target.json")!r}))
 print(sorted(m for m in ("torch", "transformers.modeling_utils", "transformers.models.auto.auto_factory")
