@@ -216,7 +216,12 @@ def check_warmup(warmup_steps: int, steps: int, plan: str) -> None:
 
 
 def check_context(text: dict, settings: FitSettings) -> dict:
-    """Refuse generation that cannot fit the target's context, warn where only long prompts overflow.
+    """Refuse samples longer than the target's context, and generation that cannot fit it; warn
+    where only long prompts overflow.
+
+    ``data.max_seq_len`` past the context would store and train on hidden states of positions the
+    target was never trained at (or, with learned positions, fail in extraction once the target has
+    loaded): refused.
 
     Every prompt is at least one token, so ``max_new_tokens`` >= the context overflows on every
     prompt: refused. Held-out and eval.sources prompts are shorter than data.max_seq_len, so
@@ -226,6 +231,11 @@ def check_context(text: dict, settings: FitSettings) -> dict:
     context = text.get("max_position_embeddings")
     if not context:
         return {"context": None}
+    if settings.max_seq_len > context:
+        raise ConfigError(f"data.max_seq_len: samples of up to {settings.max_seq_len} tokens run past the target's "
+                          f"context of {context} positions (max_position_embeddings): the draft would learn from "
+                          "hidden states at positions the target was never trained at",
+                          where="config key data.max_seq_len", fix=f"set data.max_seq_len to at most {context}")
     keys = [("eval.max_new_tokens", settings.eval_max_new_tokens)]
     if settings.regenerate_enabled:
         keys.append(("regenerate.max_new_tokens", settings.regenerate_max_new_tokens))
