@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.conversations import answer_turns
 from draftsmith.errors import DataError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -98,15 +99,23 @@ class ChatRenderer:
         return encode_text(self.tokenizer, text, add_special_tokens=False, return_offsets_mapping=offsets)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the turns before the first assistant turn (all of them for a conversation
-        without one: an evaluation prompt), ending in the generation prompt."""
-        first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-        if first == 0:
-            raise ChatTemplateError("the conversation opens with an assistant turn: there is no prompt")
+        """Token ids of the turns before the first answer (``answer_turns``: an assistant turn that
+        opens the conversation is part of the prompt; all the turns of a conversation without an
+        answer: an evaluation prompt), ending in the generation prompt."""
+        first = next(iter(answer_turns(messages)), len(messages))
         return list(self.encode(self.render(messages[:first], True, tools))["input_ids"])
 
     def tokenize(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-        full = self.render(messages, add_generation_prompt=False, tools=tools)
+        try:
+            full = self.render(messages, add_generation_prompt=False, tools=tools)
+        except ChatTemplateError as e:
+            if not self._refuses_opening(messages, tools):
+                raise
+            raise ChatTemplateError(
+                f"the chat template refuses a conversation that opens with an assistant turn ({e.what}); "
+                "it renders the same conversation without that turn",
+                fix="drop the assistant turns before the first user turn from these rows (they are context, "
+                    "never trained on), remove the rows, or use a chat template that renders them") from e
         spans = self._assistant_spans(messages, full, tools)
         if spans is None:
             return self._generation_tag_mask(messages, tools)
@@ -121,17 +130,28 @@ class ChatRenderer:
             mask.append(1 if (covered[e] - covered[s] if e > s else marked[s]) else 0)
         return list(enc["input_ids"]), mask
 
+    def _refuses_opening(self, messages: list[dict], tools: list[dict] | None) -> bool:
+        """Whether the chat template, which cannot render ``messages``, refuses them for the assistant
+        turns that open them (templates that enforce user/assistant alternation raise on those):
+        it renders the conversation without them."""
+        answers = answer_turns(messages)
+        opening = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k not in answers]
+        if not opening:
+            return False
+        try:
+            self.render([m for k, m in enumerate(messages) if k not in opening], False, tools)
+        except ChatTemplateError:
+            return False
+        return True
+
     def _assistant_spans(self, messages: list[dict], full: str,
                          tools: list[dict] | None = None) -> list[tuple[int, int]] | None:
-        """Character spans of the assistant's text (and tool calls) plus the token that closes its
-        turn, or None when a prefix of the conversation does not render as a prefix of the whole."""
+        """Character spans of each answer's text (and tool calls) plus the token that closes its
+        turn, or None when a prefix of the conversation does not render as a prefix of the whole.
+        Assistant turns before any user turn get none: they answer nothing (``answer_turns``)."""
         spans = []
-        for k, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            if k == 0:
-                raise ChatTemplateError("the conversation opens with an assistant turn: the chat template "
-                                        "cannot render the prompt before it")
+        for k in answer_turns(messages):
+            message = messages[k]
             before = self.render(messages[:k], add_generation_prompt=True, tools=tools)
             through = self.render(messages[: k + 1], add_generation_prompt=False, tools=tools)
             if not full.startswith(before):
@@ -185,14 +205,28 @@ class ChatRenderer:
                                                      return_assistant_tokens_mask=True)
         except Exception as e:  # as in render(): a template can raise anything
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
-        return list(out["input_ids"]), list(out["assistant_masks"])
+        mask = list(out["assistant_masks"])
+        answers = answer_turns(messages)
+        opening = sum(m["role"] == "assistant" for m in messages) - len(answers)
+        if opening:
+            # The {% generation %} blocks mark every assistant turn; those that open the conversation
+            # answer nothing. Each block is one run of the mask, in the turns' order.
+            runs = [k for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1])]
+            if len(runs) != opening + len(answers):
+                raise ChatTemplateError(
+                    "the chat template's {% generation %} blocks are not one per assistant turn, so the tokens of "
+                    "the assistant turn that opens the conversation (context, not an answer) cannot be told apart",
+                    fix="drop the assistant turns before the first user turn from these rows, or remove the rows")
+            mask[:runs[opening]] = [0] * runs[opening]
+        return list(out["input_ids"]), mask
 
 
 def tokenize_conversation(tokenizer, messages: list[dict],
                           tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation (with ``tools`` given to the chat template) and its
-    loss mask: 1 exactly on the tokens each assistant turn wrote (its text, its tool calls and its
-    end-of-turn token); 0 on headers, system, user text, tool definitions and tool results."""
+    loss mask: 1 exactly on the tokens each answer wrote (its text, its tool calls and its end-of-turn
+    token); 0 on headers, system, user text, tool definitions, tool results and the assistant turns
+    that open the conversation before any user turn (``answer_turns``)."""
     return ChatRenderer(tokenizer).tokenize(messages, tools)
 
 

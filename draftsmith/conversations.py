@@ -116,6 +116,20 @@ def row_where(file: str, line: int) -> str:
     return f"{file}:{line}" if file.endswith((".jsonl", ".jsonl.gz")) else f"{file}[row {line}]"
 
 
+def answer_turns(messages: list[dict[str, Any]]) -> list[int]:
+    """The indexes of a conversation's answers: its assistant turns that follow a user or tool turn.
+    The one rule of what the loss, regeneration and prompts count as an answer: assistant turns
+    before any user turn (a bot's greeting that opens the chat, common in ShareGPT dumps) answer
+    nothing, so they stay in the rendered text, and in the first answer's prompt, as context only."""
+    asked = False
+    answers = []
+    for k, message in enumerate(messages):
+        asked = asked or message["role"] in ("user", "tool")
+        if asked and message["role"] == "assistant":
+            answers.append(k)
+    return answers
+
+
 def source_type(path: str | Path) -> str | None:
     """The supported suffix ``path`` ends with (``.jsonl.gz`` before ``.jsonl``), or None."""
     name = str(path).lower()
@@ -227,9 +241,10 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
             raw = {"id": row_id, "system": raw.get("system"), "messages": [{"role": "user", "content": value}]}
         row = _normalize(_with_system_turn(raw), source, line, "auto", answer_required=False)
         if isinstance(row, Conversation):
-            first = next((i for i, m in enumerate(row.messages) if m["role"] == "assistant"), len(row.messages))
-            if first == 0:
-                row = BadRow(source, line, "missing_turns", "no turn before the first answer")
+            first = next(iter(answer_turns(row.messages)), len(row.messages))
+            if not any(m["role"] in ("user", "tool") for m in row.messages[:first]):
+                row = BadRow(source, line, "missing_turns", "no user turn to answer: roles "
+                                                            + ", ".join(m["role"] for m in row.messages))
             else:
                 row = dataclasses.replace(row, messages=row.messages[:first])
         yield row
@@ -605,12 +620,16 @@ def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool =
                     message[key] = turn[key]
         messages.append(message)
 
-    last_assistant = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    if last_assistant < 0 and answer_required:
-        return bad("no_assistant_turn", f"roles: {', '.join(m['role'] for m in messages)}")
+    answers = answer_turns(messages)
+    if not answers and answer_required:
+        roles = ", ".join(m["role"] for m in messages)
+        if any(m["role"] == "assistant" for m in messages):
+            return bad("no_assistant_turn", f"no assistant turn follows a user or tool turn (roles: {roles}): an "
+                                            "assistant turn that opens the conversation is context, not an answer")
+        return bad("no_assistant_turn", f"roles: {roles}")
     # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
     # A prompt (no answer required) keeps them all.
-    end = last_assistant + 1 if answer_required else len(messages)
+    end = answers[-1] + 1 if answer_required else len(messages)
     surrogate = _lone_surrogate([messages[:end], tools])
     if surrogate:
         return bad("invalid_unicode", surrogate)
@@ -705,7 +724,8 @@ REASON_FIXES = {
     "empty_turn": "fill or drop the empty turns (only a tool result may be empty)",
     "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
     "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
-    "no_assistant_turn": "every conversation needs an assistant turn to learn from",
+    "no_assistant_turn": "every conversation needs an assistant turn after a user (or tool) turn to learn from "
+                         "(assistant turns before the first user turn are kept as context only)",
     "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
                        "truncating tool: repair or drop them at the source",
     "invalid_tool_call": "assistant tool_calls need a function name and JSON-object arguments (OpenAI's shape); "

@@ -50,6 +50,7 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation and load_con
     RawRow,
     Row,
     Tally,
+    answer_turns,
     check_format,
     load_conversations,
     max_line_bytes,
@@ -113,8 +114,8 @@ def _score(seed: int, salt: str, row_id: str) -> int:
 
 
 def prompt_key(messages: list[dict], tools: list[dict] | None = None) -> bytes:
-    """Identifies a conversation's prompt: its turns before the first assistant turn (and its tools)."""
-    first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    """Identifies a conversation's prompt: its turns before the first answer (and its tools)."""
+    first_answer = next(iter(answer_turns(messages)), len(messages))
     prompt = messages[:first_answer] if tools is None else [tools, messages[:first_answer]]
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode("utf-8")).digest()[:16]
 

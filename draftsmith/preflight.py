@@ -27,6 +27,7 @@ from draftsmith.conversations import (
     BadRow,
     Conversation,
     SampledRow,
+    answer_turns,
     load_conversations,
     max_line_bytes,
     sample_rows,
@@ -192,9 +193,9 @@ def row_kind(row: Conversation) -> str:
         "tool calls": any(m.get("tool_calls") for m in row.messages),
         "tool results": "tool" in roles,
         "a system turn": "system" in roles,
-        "several answers": roles.count("assistant") > 1,
+        "several answers": len(answer_turns(row.messages)) > 1,
         "two turns in a row from one role": any(a == b != "tool" for a, b in zip(roles, roles[1:])),
-        "an answer first": next((r for r in roles if r != "system"), None) == "assistant",
+        "an assistant turn first": next((r for r in roles if r != "system"), None) == "assistant",
     }
     named = [name for name, present in features.items() if present]
     return "chats with " + ", ".join(named) if named else "plain chats"

@@ -5,8 +5,9 @@ Conversations are read with ``draftsmith.conversations.load_conversations``; bad
 and skipped here, and more than data.max_bad_fraction of them stop the stage before the target
 loads, as prepare_dataset would stop (it sees the regenerated rows only, where they are gone). They
 are grouped into chunks of ``chunk_size`` conversations, and each chunk is regenerated turn by
-turn: round r answers the r-th assistant turn of every conversation in the chunk, conditioned on
-the original user turns, the row's tool definitions and the answers regenerated in earlier rounds.
+turn: round r answers the r-th answer (an assistant turn after a user turn) of every conversation in
+the chunk, conditioned on the original user turns, the row's tool definitions, any assistant turn
+that opens the conversation, and the answers regenerated in earlier rounds.
 A round runs as left-padded ``model.generate`` batches sorted by prompt length (``backend: hf``), or
 as one ``LLM.generate`` call of vLLM's offline engine at full tensor parallelism (``backend: vllm``,
 draftsmith.engines.vllm_generation); both return token ids, decoded here alike, up to the first stop
@@ -37,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm import tqdm
 
-from draftsmith.conversations import BadRow, Tally, load_conversations
+from draftsmith.conversations import BadRow, Tally, answer_turns, load_conversations
 from draftsmith.engines.hf_model import (
     load_target_model,
     model_dtype_name,
@@ -144,7 +145,7 @@ class TurnCounts:
     tokens: int = 0
     truncated: int = 0  # answers cut at max_new_tokens
     empty: int = 0  # answers that are empty or whitespace (prepare_dataset drops their conversations)
-    unchanged: int = 0  # conversations passed through (template failure, no prompt before an answer, tool use)
+    unchanged: int = 0  # conversations passed through (template failure, tool use)
     # The first empty answer, for the message that reports them: its tokens and text, and where
     # regenerate() met it (the conversation's index in its call, the message's index in it).
     first_empty: dict | None = None
@@ -239,18 +240,19 @@ class Regenerator:
 
     def regenerate(self, conversations: list[list[dict]], seed: int = 0,
                    tools: Sequence[list[dict] | None] | None = None) -> tuple[list[list[dict]], TurnCounts]:
-        """The conversations with every assistant turn replaced by the model's answer, in order;
-        ``tools``: each conversation's tool definitions (or None), given to the chat template.
+        """The conversations with every answer (``answer_turns``) replaced by the model's, in order;
+        ``tools``: each conversation's tool definitions (or None), given to the chat template. Assistant
+        turns that open a conversation before any user turn answer nothing: they stay as written, as
+        context of the answers after them.
 
-        A conversation the chat template cannot render, or that opens with an assistant turn, is
-        returned unchanged: prepare_dataset drops and counts it with its reason. So is one with tool
-        calls or tool results: the tools cannot be run here to answer the target's own calls.
+        A conversation the chat template cannot render is returned unchanged: prepare_dataset drops
+        and counts it with its reason. So is one with tool calls or tool results: the tools cannot be
+        run here to answer the target's own calls.
         """
         messages = [[dict(m) for m in conv] for conv in conversations]
         tools = list(tools) if tools is not None else [None] * len(conversations)
-        turns = [[k for k, m in enumerate(conv) if m["role"] == "assistant"] for conv in messages]
-        skipped: set[int] = {c for c, t in enumerate(turns) if t and t[0] == 0}
-        skipped |= {c for c, conv in enumerate(messages) if any(m["role"] == "tool" or m.get("tool_calls") for m in conv)}
+        turns = [answer_turns(conv) for conv in messages]
+        skipped: set[int] = {c for c, conv in enumerate(messages) if any(m["role"] == "tool" or m.get("tool_calls") for m in conv)}
         counts = TurnCounts()
         for r in range(max(map(len, turns), default=0)):
             jobs, prompts = [], []
@@ -338,7 +340,7 @@ def _prepare_work_dir(work_dir: Path, fingerprint: str) -> None:
 
 def _answer_count(conv: Any) -> int:
     """Assistant turns the regeneration answers in one conversation (none in a plain-text row)."""
-    return sum(m["role"] == "assistant" for m in conv.messages) if conv.is_chat else 0
+    return len(answer_turns(conv.messages)) if conv.is_chat else 0
 
 
 class SourceCounts(NamedTuple):

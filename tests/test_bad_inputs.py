@@ -314,6 +314,14 @@ def _(tmp, env):
     _prepare(tmp, env, [tiny.write_jsonl(tmp / "system.jsonl", rows)])
 
 
+@case("data-only-an-opening-assistant-turn", DataError, "no assistant turn follows a user or tool turn", *DATA_OUTPUTS)
+def _(tmp, env):
+    # the bot greets, the user asks, and nothing answers: the greeting is context, not an answer
+    rows = [{"conversations": [{"from": "gpt", "value": f"Hi! How can I help? ({i})"},
+                               {"from": "human", "value": "What is the weather like?"}]} for i in range(6)]
+    _prepare(tmp, env, [tiny.write_jsonl(tmp / "greetings.jsonl", rows)])
+
+
 @case("data-first-turn-over-max-seq-len", DataError, "too_long_prompt: raise data.max_seq_len", *DATA_OUTPUTS)
 def _(tmp, env):
     rows = [_chat(i, " ".join(["What is the weather like today?"] * 20) + f" ({i})") for i in range(6)]
@@ -663,6 +671,23 @@ def _(tmp, env):
     # 100 plain chats, then 30 tool-call rows, whose calls the target's plain ChatML template drops
     source = tiny.write_jsonl(tmp / "agentic.jsonl", [_chat(i) for i in range(100)] + [_tool_chat(i) for i in range(30)])
     check_setup(env["model"], [source], tmp / "preflight.json", _settings())
+
+
+@case("preflight-template-refuses-an-opening-assistant-turn", DataError,
+      "the chat template refuses a conversation that opens with an assistant turn", "preflight.json")
+def _(tmp, env):
+    from draftsmith.preflight import check_setup
+
+    # a template that enforces user/assistant alternation, and one of 31 chats the bot opens with a greeting
+    strict = shutil.copytree(env["model"], tmp / "strict")
+    tiny.build_tokenizer(strict, "{% for message in messages | rejectattr('role', 'equalto', 'system') %}"
+                                 "{% if (message['role'] == 'user') != loop.index0 is even %}"
+                                 "{{ raise_exception('Conversation roles must alternate user/assistant/...') }}"
+                                 "{% endif %}{% endfor %}" + tiny.CHATML_TEMPLATE)
+    greeted = _chat(30)
+    greeted["messages"].insert(0, {"role": "assistant", "content": "Hi! How can I help?"})
+    source = tiny.write_jsonl(tmp / "sharegpt.jsonl", [*map(_chat, range(30)), greeted])
+    check_setup(strict, [source], tmp / "preflight.json", _settings())
 
 
 @case("preflight-too-many-prompts-past-max-seq-len", DataError,

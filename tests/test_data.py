@@ -136,6 +136,95 @@ def test_template_that_rewrites_turns_without_markers_is_an_error(tmp_path):
     assert "rewrites earlier turns" in e.value.where and "{% generation %}" in e.value.fix
 
 
+GREETING = "Hi! How can I help?"
+# Refuses a conversation whose turns (past the system prompt) do not alternate user/assistant from a
+# user turn, as strict templates (Mistral's, Llama 2's) do with raise_exception.
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages | rejectattr('role', 'equalto', 'system') %}"
+    "{% if (message['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% endfor %}" + tiny.CHATML_TEMPLATE
+)
+
+
+def greeting_first(i: int = 0, turns: int = 2, system: bool = False) -> list[dict]:
+    """A conversation the bot opens with a greeting (as many ShareGPT dumps do), then ``turns`` exchanges."""
+    messages = conversation(i, turns, system)
+    return [*messages[:int(system)], {"role": "assistant", "content": GREETING}, *messages[int(system):]]
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["greeting-first", "system-then-greeting"])
+def test_an_opening_assistant_turn_is_context_and_the_answers_after_it_are_masked(chatml_tokenizer, system):
+    from draftsmith.chat import ChatRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(chatml_tokenizer)
+    messages = greeting_first(0, turns=2, system=system)
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False),
+                            add_special_tokens=False)["input_ids"]
+    assert masked_runs(tokenizer, ids, mask) == [ANSWERS[0] + "<|im_end|>", ANSWERS[1] + "<|im_end|>"]
+    assert GREETING in tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    # The held-out prompt is the turns before the first answer: the greeting and the question.
+    prompt = ChatRenderer(tokenizer).prompt_ids(messages)
+    first_answer = 3 if system else 2
+    assert prompt == tokenizer(tokenizer.apply_chat_template(messages[:first_answer], tokenize=False,
+                                                             add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"]
+    assert prompt_key(messages) != prompt_key(messages[first_answer - 1:])
+
+
+def test_an_opening_assistant_turn_gets_no_loss_under_generation_markers(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok", REWRITE_TEMPLATE))
+    ids, mask = tokenize_conversation(tokenizer, greeting_first(0, turns=2))
+    # the greeting and the first answer both render as "ok"; only the answer's is masked
+    assert tokenizer.decode(ids).count("ok<|im_end|>") == 2
+    assert masked_runs(tokenizer, ids, mask) == ["ok<|im_end|>", ANSWERS[1] + "<|im_end|>"]
+
+
+def test_a_template_that_refuses_an_opening_assistant_turn_says_so(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok", ALTERNATING_TEMPLATE))
+    assert tokenize_conversation(tokenizer, conversation(0))  # it renders alternating turns
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tokenizer, greeting_first(0))
+    assert "refuses a conversation that opens with an assistant turn" in e.value.what
+    assert "Conversation roles must alternate" in e.value.what
+    assert "drop the assistant turns before the first user turn" in e.value.fix
+    # Another refusal of the same template is its own, not blamed on an opening turn.
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tokenizer, [*greeting_first(0), conversation(1)[2]])  # two answers in a row
+    assert "Conversation roles must alternate" in e.value.what and "opens with" not in e.value.what
+
+    # In a run, such rows are template_error, counted against data.max_bad_fraction.
+    rows = [*message_rows(30), {"id": "greets", "messages": greeting_first(30)}]
+    stats, train, _ = run(tmp_path, [tiny.write_jsonl(tmp_path / "d.jsonl", rows)], tmp_path / "tok")
+    assert stats["rows_dropped"]["template_error"] == 1 and "greets" not in {r["id"] for r in train}
+    assert "opens with an assistant turn" in stats["first_bad_rows"][0]["detail"]
+
+
+def test_rows_that_open_with_an_assistant_turn_train_on_their_answers(tmp_path, chatml_tokenizer):
+    """30 chats, 2 the bot opens with a greeting, and one with nothing but the greeting before a user
+    turn: the greeting rows train on their answers; the last is a bad row that says why."""
+    greeting_only = {"id": "only", "conversations": [{"from": "gpt", "value": GREETING},
+                                                      {"from": "human", "value": QUESTIONS[0]}]}
+    rows = [*message_rows(28), {"id": "greets0", "messages": greeting_first(0)},
+            {"id": "greets1", "messages": greeting_first(1, system=True)}, greeting_only]
+    source = tiny.write_jsonl(tmp_path / "d.jsonl", rows)
+    stats, train, held = run(tmp_path, [source], chatml_tokenizer, max_heldout=1)
+    dropped = {reason: n for reason, n in stats["rows_dropped"].items() if n}
+    assert dropped == {"no_assistant_turn": 1}
+    (bad,) = stats["first_bad_rows"]
+    assert bad["line"] == 31 and "no assistant turn follows a user or tool turn" in bad["detail"]
+    assert "cannot render" not in bad["detail"]
+    tokenizer = AutoTokenizer.from_pretrained(chatml_tokenizer)
+    assert {r["id"] for r in train + held} >= {"greets0", "greets1"}
+    trained = [r for r in train if r["id"].startswith("greets")]
+    assert trained  # one row at most is held out
+    for row in trained:
+        assert GREETING in tokenizer.decode(row["input_ids"])
+        runs = masked_runs(tokenizer, row["input_ids"], row["loss_mask"])
+        assert len(runs) == 2 and GREETING not in "".join(runs)
+
+
 # --- input formats ---------------------------------------------------------------------------
 
 
@@ -240,7 +329,8 @@ def write_bad_rows(path: Path) -> dict[int, str]:
         8: ("non_text_content", {"messages": [user, {"role": "assistant", "content": 42}]}),
         9: ("unknown_format", {"prompt": "x", "completion": "y"}),
         10: ("too_long_prompt", {"messages": [{"role": "user", "content": " ".join(QUESTIONS * 8)}, answer]}),
-        11: ("template_error", {"messages": [answer, user, answer]}),
+        11: ("template_error", {"messages": [user, {"role": "assistant", "content": None,  # ChatML drops calls
+                                                    "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]}),
         12: ("missing_turns", {"conversations": None, "messages": None, "id": "nulls"}),
         13: ("invalid_unicode", b'{"messages": [{"role": "user", "content": "cut \\ud800 emoji"}, '
                                 b'{"role": "assistant", "content": "ok"}]}'),
@@ -833,6 +923,8 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
         {"conversations": [{"from": "human", "value": "Only a question"}]},
         {"answer": "no prompt here"},
         {"messages": [{"role": "assistant", "content": "an answer to nothing"}]},
+        {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Hello"},
+                           {"from": "gpt", "value": "An answer"}]},
     ])
     rows = list(load_prompts([source]))
     assert [r.id for r in rows[:3]] == ["81", "HumanEval/0", "mixed:3"]
@@ -843,6 +935,8 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
     assert rows[4].messages == [{"role": "user", "content": "Only a question"}]
     assert isinstance(rows[5], BadRow) and rows[5].reason == "unknown_format" and "question" in rows[5].detail
     assert isinstance(rows[6], BadRow) and rows[6].reason == "missing_turns"
+    # a greeting that opens the conversation is part of the prompt before the first answer
+    assert [m["content"] for m in rows[7].messages] == ["Hi!", "Hello"]
 
 
 def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):

@@ -517,3 +517,53 @@ def test_every_kind_of_row_the_template_refuses_is_counted(target, tmp_path, fir
     assert all(('"And?"' in text[int(n) - 1]) == bool(several) for n, several in examples.items()), e.where
     assert first_system == ("1" in examples)
     assert "render these rows, or remove them from the source" in e.fix
+
+
+GREETING = [{"from": "gpt", "value": "Hi! How can I help?"}]
+# Refuses turns that do not alternate user/assistant from a user turn, as strict templates do.
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages | rejectattr('role', 'equalto', 'system') %}"
+    "{% if (message['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% endfor %}" + tiny.CHATML_TEMPLATE
+)
+
+
+def _sharegpt(i: int, greeting: bool = False) -> dict:
+    turns = [{"from": "human", "value": f"Hello {i}"}, {"from": "gpt", "value": f"Fine {i}."},
+             {"from": "human", "value": "And?"}, {"from": "gpt", "value": "Done."}]
+    return {"conversations": [*GREETING, *turns] if greeting else turns}
+
+
+def test_a_source_with_a_row_the_bot_opens_passes(target, tmp_path):
+    """30 chats and one the bot opens with a greeting (as ShareGPT dumps do): the greeting is context,
+    the answers after it train, so the source passes; a row with nothing but the greeting before a
+    user turn is a bad row that says so."""
+    source = tiny.write_jsonl(tmp_path / "sharegpt.jsonl", [*map(_sharegpt, range(30)), _sharegpt(30, greeting=True)])
+    report = check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    spread = report["sources"][0]["spread"]
+    assert spread["kinds"]["chats with several answers, an assistant turn first"] == 1
+    assert spread["unusable"] == {} and spread["rendered"] == 31
+
+    greeting_only = {"conversations": [*GREETING, {"from": "human", "value": "Bye"}]}
+    source = tiny.write_jsonl(tmp_path / "more.jsonl", [*map(_sharegpt, range(30)), greeting_only])
+    report = check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    assert report["sources"][0]["spread"]["bad_rows"] == {"no_assistant_turn": 1}
+    with pytest.raises(DataError) as error:  # alone, the row's own reason is the refusal
+        check_setup(target, [tiny.write_jsonl(tmp_path / "only.jsonl", [greeting_only])], tmp_path / "p.json",
+                    _settings(draft_vocab_size=64))
+    assert "no assistant turn follows a user or tool turn" in error.value.where, error.value.where
+    assert "cannot render" not in str(error.value)
+
+
+def test_a_template_that_refuses_a_row_the_bot_opens_is_named_for_it(target, tmp_path):
+    strict = shutil.copytree(target, tmp_path / "strict")
+    tiny.build_tokenizer(strict, ALTERNATING_TEMPLATE)
+    source = tiny.write_jsonl(tmp_path / "sharegpt.jsonl", [*map(_sharegpt, range(30)), _sharegpt(30, greeting=True)])
+    with pytest.raises(DataError) as error:
+        check_setup(strict, [source], tmp_path / "p.json", _settings(draft_vocab_size=64))
+    e = error.value
+    assert "the chats with several answers, an assistant turn first in" in e.what, e.what
+    assert "1 of the 1 rendered fail (the chat template refuses a conversation that opens with an assistant turn" in e.what
+    assert "Conversation roles must alternate" in e.what and e.where.startswith(f"{source}:31")
+    assert "drop the assistant turns before the first user turn" in e.fix

@@ -173,6 +173,34 @@ def test_conversations_with_tool_use_pass_through_with_their_tools(model_dir, tm
     assert stats["conversations_unchanged"] == 1 and stats["turns_generated"] == 1
 
 
+def test_a_greeting_that_opens_a_conversation_is_kept_and_the_answers_after_it_regenerated(
+        model_dir, tmp_path, monkeypatch):
+    """An assistant turn before any user turn answers nothing: it stays as written, and the answers
+    after it are the target's, prompted with it as prepare_dataset renders their prompts; a row with
+    nothing but the greeting before a user turn is a bad row."""
+    from draftsmith.chat import ChatRenderer
+
+    greeting = {"role": "assistant", "content": "Hi! How can I help?"}
+    greeted = {"id": "g", "messages": [greeting, *CONVERSATIONS[1]["messages"][1:]]}
+    only_greeting = {"id": "o", "messages": [greeting, {"role": "user", "content": "Bye"}]}
+    prompts = []
+    generate = Regenerator.generate
+    monkeypatch.setattr(Regenerator, "generate", lambda self, batch, seed: prompts.extend(batch) or
+                        generate(self, batch, seed))
+    rows, stats = _run(tiny.write_jsonl(tmp_path / "greeted.jsonl", [greeted, only_greeting]), model_dir, tmp_path)
+    (row,) = rows
+    assert row["messages"][0] == greeting
+    assert [m["content"] for m in row["messages"] if m["role"] == "user"] == ["What is your name?", "Do you like the sun?"]
+    assert stats["turns_generated"] == 2 and stats["conversations_unchanged"] == 0
+    assert stats["bad_rows_skipped"] == {"no_assistant_turn": 1}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert prompts[0] == ChatRenderer(tokenizer).prompt_ids(greeted["messages"])  # greeting and question
+    # the second answer follows the greeting, the questions and the first answer the target wrote
+    second = tokenizer.apply_chat_template(row["messages"][:4], tokenize=False, add_generation_prompt=True)
+    assert prompts[1] == tokenizer(second, add_special_tokens=False)["input_ids"]
+    assert row["messages"][2]["content"] != "Draftsmith."
+
+
 def test_a_rows_tools_reach_the_chat_template_as_in_prepare_dataset(tmp_path, monkeypatch):
     """A row with tool definitions and no tool call yet is answered by the target that sees those
     tools, rendered as prepare_dataset renders the row's prompt for training."""
