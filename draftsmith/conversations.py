@@ -71,7 +71,8 @@ LINE_BYTES_PER_TOKEN = 64
 class Conversation:
     """A usable row: ``messages`` (OpenAI-style [{role, content, ...}], roles system/user/assistant/
     tool, ending with an assistant turn; an assistant turn may carry ``tool_calls``, a tool turn
-    ``tool_call_id``/``name``) and ``tools`` (the row's tool definitions, or None) for chat rows, or
+    ``tool_call_id``/``name``; read for regeneration, an assistant turn may be empty: the target
+    writes it) and ``tools`` (the row's tool definitions, or None) for chat rows, or
     ``text`` for plain-text rows. ``id`` is the row's own id, not yet made unique across sources."""
 
     id: str
@@ -173,15 +174,16 @@ def max_line_bytes(max_seq_len: int) -> int:
 
 
 def load_conversations(sources: Sequence[str | Path], format: str = "auto",
-                       max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[Row]:
-    """Yield every row of ``sources`` in order, normalized to a ``Conversation`` or a ``BadRow``.
+                       max_line: int = MIN_MAX_LINE_BYTES, regenerating: bool = False) -> Iterator[Row]:
+    """Yield every row of ``sources`` in order, normalized to a ``Conversation`` or a ``BadRow``;
+    ``regenerating``: as regeneration reads them (``to_row``).
 
     A missing or unreadable source, or one without any row, raises ``DataError``; a jsonl line
     over ``max_line`` bytes is a bad row, skipped without being loaded.
     """
     check_format(format)
     for raw in read_rows(sources, max_line):
-        yield to_row(raw, format)
+        yield to_row(raw, format, regenerating)
 
 
 def check_format(format: str) -> None:
@@ -206,11 +208,16 @@ def read_rows(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES,
                             fix=f"fill it or remove it from {key}")
 
 
-def to_row(raw_row: RawRow, format: str = "auto") -> Row:
-    """A row of ``read_rows`` parsed and normalized to a ``Conversation`` or a ``BadRow``."""
+def to_row(raw_row: RawRow, format: str = "auto", regenerating: bool = False) -> Row:
+    """A row of ``read_rows`` parsed and normalized to a ``Conversation`` or a ``BadRow``.
+    ``regenerating``: read as regeneration reads it, the target writing the answers: an empty
+    assistant turn is one to write, and a conversation that ends with a user turn (a prompt alone,
+    say) gets an empty assistant turn after it; not in a conversation that uses tools, which
+    regeneration leaves as it is (``uses_tools``)."""
     file, line, raw = raw_row
     raw = _parse(file, line, raw)
-    return raw if isinstance(raw, BadRow) else _normalize(raw, file, line, format)
+    return raw if isinstance(raw, BadRow) else _normalize(raw, file, line, format,
+                                                          "written" if regenerating else "given")
 
 
 def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[Row]:
@@ -239,7 +246,7 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
                 value = _with_input(value, raw)
             row_id = next((raw[f] for f in ID_FIELDS if raw.get(f) not in (None, "")), None)
             raw = {"id": row_id, "system": raw.get("system"), "messages": [{"role": "user", "content": value}]}
-        row = _normalize(_with_system_turn(raw), source, line, "auto", answer_required=False)
+        row = _normalize(_with_system_turn(raw), source, line, "auto", "optional")
         if isinstance(row, Conversation):
             first = next(iter(answer_turns(row.messages)), len(row.messages))
             if not any(m["role"] in ("user", "tool") for m in row.messages[:first]):
@@ -554,7 +561,11 @@ def _sample_stream(path: Path, n: int, max_line: int) -> tuple[list[SampledRow],
 # Normalizing rows
 
 
-def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool = True) -> Row:
+def _normalize(raw: Any, file: str, line: int, fmt: str, answers: str = "given") -> Row:
+    """``raw`` as a ``Conversation`` or a ``BadRow``. ``answers``: "given" (rows trained on as they
+    are: at least one answer, none empty), "optional" (evaluation prompts: the turns as they are) or
+    "written" (the target writes them: see ``to_row``)."""
+
     def bad(reason: str, detail: str) -> BadRow:
         return BadRow(file, line, reason, detail)
 
@@ -605,11 +616,13 @@ def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool =
         if isinstance(calls, str):
             return bad("invalid_tool_call", f"turn {k} (assistant): {calls}")
         content = _content_text(turn.get(content_key))
-        if (calls or role == "tool") and content == ("empty_turn", "content is null"):
-            content = ""  # a turn of tool calls only (OpenAI writes content: null), a silent tool
+        # A turn of tool calls only (OpenAI writes content: null), a silent tool, an answer the target writes
+        may_be_empty = calls or role == "tool" or (role == "assistant" and answers == "written")
+        if may_be_empty and content == ("empty_turn", "content is null"):
+            content = ""
         if isinstance(content, tuple):
             return bad(content[0], f"turn {k} ({role}): {content[1]}")
-        if not content.strip() and not calls and role != "tool":  # a tool may return nothing
+        if not content.strip() and not may_be_empty:
             return bad("empty_turn", f"turn {k} ({role}) is empty")
         message["content"] = content
         if calls:
@@ -620,8 +633,12 @@ def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool =
                     message[key] = turn[key]
         messages.append(message)
 
-    answers = answer_turns(messages)
-    if not answers and answer_required:
+    if answers == "written" and uses_tools(messages):
+        return _normalize(raw, file, line, fmt, "given")  # regeneration passes it through: trained on as it is
+    if answers == "written" and messages[-1]["role"] == "user":
+        messages.append({"role": "assistant", "content": ""})  # the target answers the last prompt
+    answer_ids = answer_turns(messages)
+    if not answer_ids and answers != "optional":
         roles = ", ".join(m["role"] for m in messages)
         if any(m["role"] == "assistant" for m in messages):
             return bad("no_assistant_turn", f"no assistant turn follows a user or tool turn (roles: {roles}): an "
@@ -629,7 +646,7 @@ def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool =
         return bad("no_assistant_turn", f"roles: {roles}")
     # Turns after the last answer carry no loss and precede nothing: they would cost tokens only.
     # A prompt (no answer required) keeps them all.
-    end = answers[-1] + 1 if answer_required else len(messages)
+    end = len(messages) if answers == "optional" else answer_ids[-1] + 1
     surrogate = _lone_surrogate([messages[:end], tools])
     if surrogate:
         return bad("invalid_unicode", surrogate)
@@ -638,6 +655,12 @@ def _normalize(raw: Any, file: str, line: int, fmt: str, answer_required: bool =
     except (TypeError, ValueError) as e:
         return bad("invalid_tool_call", f"a tool definition or call holds a value that is not JSON: {e}")
     return Conversation(row_id, file, line, messages=messages[:end], tools=tools or None)
+
+
+def uses_tools(messages: list[dict]) -> bool:
+    """Whether a conversation holds tool calls or tool results: regeneration cannot run the tools to
+    answer the target's own calls, so it leaves such a conversation as it is."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
 def _parse_json_field(value: Any) -> Any:
@@ -720,12 +743,16 @@ REASON_FIXES = {
     "not_utf8": "re-save the file as UTF-8",
     "invalid_json": "repair the lines named in the log (one JSON object per line)",
     "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
-    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations')",
-    "empty_turn": "fill or drop the empty turns (only a tool result may be empty)",
+    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations'), or set "
+                     "data.format to the field the rows hold",
+    "empty_turn": "fill or drop the empty turns (only a tool result may be empty; with regenerate.enabled: true, "
+                  "the target writes the empty answers of a conversation without tool calls or results)",
     "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
     "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
     "no_assistant_turn": "every conversation needs an assistant turn after a user (or tool) turn to learn from "
-                         "(assistant turns before the first user turn are kept as context only)",
+                         "(assistant turns before the first user turn are kept as context only); for prompts "
+                         "without answers, set regenerate.enabled: true and the target answers a conversation that "
+                         "ends with a user turn (one without tool calls or results)",
     "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
                        "truncating tool: repair or drop them at the source",
     "invalid_tool_call": "assistant tool_calls need a function name and JSON-object arguments (OpenAI's shape); "

@@ -104,14 +104,15 @@ class PreflightSettings(StageSettings):
         return engines
 
 
-def check_source(source: str | Path, format: str, max_seq_len: int,
-                 max_rows: int = MAX_ROWS_READ) -> tuple[Conversation, dict]:
-    """The first usable row of ``source`` (read as ``format``) and counts of the rows looked at;
-    a DataError when the source cannot be read or none of its first rows is usable."""
+def check_source(source: str | Path, format: str, max_seq_len: int, max_rows: int = MAX_ROWS_READ,
+                 regenerating: bool = False) -> tuple[Conversation, dict]:
+    """The first usable row of ``source`` (read as ``format``, and as regeneration reads it when
+    ``regenerating``) and counts of the rows looked at; a DataError when the source cannot be read or
+    none of its first rows is usable, with each reason's fix."""
     bad: Counter = Counter()
     first_bad: BadRow | None = None
     read = 0
-    for row in load_conversations([source], format, max_line_bytes(max_seq_len)):
+    for row in load_conversations([source], format, max_line_bytes(max_seq_len), regenerating):
         read += 1
         if isinstance(row, Conversation):
             return row, {"rows_read": read, "bad_rows": dict(bad)}
@@ -121,13 +122,14 @@ def check_source(source: str | Path, format: str, max_seq_len: int,
             break
     raise DataError(f"none of the first {read} rows of {source} is usable: {dict(bad)}",
                     where=f"{first_bad.where} ({first_bad.reason}: {first_bad.detail})" if first_bad else str(source),
-                    fix="check data.format and the rows' fields: rows need 'messages' (OpenAI), "
-                        "'conversations' (ShareGPT) or 'text'")
+                    fix="; ".join(f"{reason}: {REASON_FIXES[reason]}" for reason, _ in bad.most_common()))
 
 
 def check_rows(source: str | Path, settings: PreflightSettings, renderer, first: Conversation) -> tuple[dict, dict]:
     """Read SAMPLE_ROWS rows spread over the whole of ``source``, and ``first`` (its first usable row),
-    and render some of them, every kind among them, as prepare_dataset will; return what was seen and
+    as prepare_dataset reads them (as regeneration does when it is on: an empty answer, or one after a
+    last user turn, the target's to write), and render some of them, every kind among them, as
+    prepare_dataset will; return what was seen and
     ``first`` rendered. A DataError naming every kind of row the chat template or the tokenizer cannot
     render (prepare_dataset would drop each such row), or when more of the sample than
     data.max_bad_fraction would be unusable (prepare_dataset would stop)."""
@@ -136,7 +138,7 @@ def check_rows(source: str | Path, settings: PreflightSettings, renderer, first:
     picked, whole = sample_rows(source, SAMPLE_ROWS, max_line_bytes(settings.max_seq_len))
     sample = _Sample(source, settings, every_row=_every_row(source, picked, whole))
     for sampled in picked:
-        row = to_row(sampled.raw_row, settings.format)
+        row = to_row(sampled.raw_row, settings.format, settings.regenerate_enabled)
         if isinstance(row, BadRow):
             sample.bad[row.reason] += 1
             sample.bad_examples.setdefault(row.reason, (sampled, row.detail))
@@ -501,7 +503,8 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
     renderer = ChatRenderer(tokenizer)
     checked = []
     for source in sources:
-        row, counts = check_source(source, settings.format, settings.max_seq_len)
+        row, counts = check_source(source, settings.format, settings.max_seq_len,
+                                   regenerating=settings.regenerate_enabled)
         if row.is_chat:
             require_chat_template(tokenizer, model_path)
         spread, sample = check_rows(source, settings, renderer, row)

@@ -1,7 +1,9 @@
 """Stage regenerate_responses: replace the assistant turns of the training conversations with the
 target's own answers, so the draft learns the distribution it will be asked to predict.
 
-Conversations are read with ``draftsmith.conversations.load_conversations``; bad rows are counted
+Conversations are read with ``draftsmith.conversations.load_conversations`` as regeneration reads
+them: an empty assistant turn is one for the target to write, and a conversation that ends with a
+user turn gets one after it, so a source of prompts alone is answered whole. Bad rows are counted
 and skipped here, and more than data.max_bad_fraction of them stop the stage before the target
 loads, as prepare_dataset would stop (it sees the regenerated rows only, where they are gone). They
 are grouped into chunks of ``chunk_size`` conversations, and each chunk is regenerated turn by
@@ -38,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm import tqdm
 
-from draftsmith.conversations import BadRow, Tally, answer_turns, load_conversations
+from draftsmith.conversations import BadRow, Tally, answer_turns, load_conversations, uses_tools
 from draftsmith.engines.hf_model import (
     load_target_model,
     model_dtype_name,
@@ -240,19 +242,19 @@ class Regenerator:
 
     def regenerate(self, conversations: list[list[dict]], seed: int = 0,
                    tools: Sequence[list[dict] | None] | None = None) -> tuple[list[list[dict]], TurnCounts]:
-        """The conversations with every answer (``answer_turns``) replaced by the model's, in order;
-        ``tools``: each conversation's tool definitions (or None), given to the chat template. Assistant
-        turns that open a conversation before any user turn answer nothing: they stay as written, as
-        context of the answers after them.
+        """The conversations with every answer (``answer_turns``) replaced by the model's, in order (an
+        empty one is written: a turn left for the target to answer); ``tools``: each conversation's tool
+        definitions (or None), given to the chat template. Assistant turns that open a conversation before
+        any user turn answer nothing: they stay as written, as context of the answers after them.
 
         A conversation the chat template cannot render is returned unchanged: prepare_dataset drops
-        and counts it with its reason. So is one with tool calls or tool results: the tools cannot be
-        run here to answer the target's own calls.
+        and counts it with its reason. So is one with tool calls or tool results (``uses_tools``): the
+        tools cannot be run here to answer the target's own calls.
         """
         messages = [[dict(m) for m in conv] for conv in conversations]
         tools = list(tools) if tools is not None else [None] * len(conversations)
         turns = [answer_turns(conv) for conv in messages]
-        skipped: set[int] = {c for c, conv in enumerate(messages) if any(m["role"] == "tool" or m.get("tool_calls") for m in conv)}
+        skipped: set[int] = {c for c, conv in enumerate(messages) if uses_tools(conv)}
         counts = TurnCounts()
         for r in range(max(map(len, turns), default=0)):
             jobs, prompts = [], []
@@ -356,7 +358,7 @@ def count_conversations(sources: Sequence[str | Path], max_bad_fraction: float) 
     that stage reads the regenerated rows only, where the bad rows are gone."""
     tally = Tally(max_bad_fraction)
     conversations = answers = 0
-    for row in load_conversations(sources):  # streamed: counts only
+    for row in load_conversations(sources, regenerating=True):  # streamed: counts only
         tally.read += 1
         if isinstance(row, BadRow):
             tally.bad(row)
@@ -413,7 +415,7 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     done_answers = 0
     try:
         chunk_size = regenerator.settings.chunk_size
-        for index, chunk in enumerate(_chunks(load_conversations(sources), chunk_size, bad)):
+        for index, chunk in enumerate(_chunks(load_conversations(sources, regenerating=True), chunk_size, bad)):
             path = _chunk_path(work_dir, index)
             text_rows += sum(not c.is_chat for c in chunk)
             if _read_chunk(path, [c.id for c in chunk]) is not None:

@@ -701,6 +701,17 @@ def _(tmp, env):
     check_setup(env["model"], [tiny.write_jsonl(tmp / "long.jsonl", rows)], tmp / "preflight.json", _settings())
 
 
+@case("preflight-prompts-without-regeneration", DataError,
+      "no_assistant_turn: every conversation needs an assistant turn to learn from; for prompts without answers, "
+      "set regenerate.enabled: true", "preflight.json")
+def _(tmp, env):
+    from draftsmith.preflight import check_setup
+
+    # a prompt set, which regeneration would answer: with it off, no row holds an answer to learn from
+    rows = [{"messages": [{"role": "user", "content": f"tell me a story ({i})"}]} for i in range(20)]
+    check_setup(env["model"], [tiny.write_jsonl(tmp / "prompts.jsonl", rows)], tmp / "preflight.json", _settings())
+
+
 @case("extraction-out-of-memory", ExtractionError, "lower extraction.batch_tokens", "hs/part-0.json")
 def _(tmp, env):
     from unittest import mock

@@ -312,6 +312,33 @@ def test_trailing_turns_after_the_last_answer_are_dropped(tmp_path):
     assert isinstance(row, Conversation) and row.messages == conversation(0) and row.id == "d:1"
 
 
+def test_read_for_regeneration_prompts_and_empty_answers_are_the_targets_to_write(tmp_path):
+    """Regeneration reads a conversation that ends with a user turn with an empty answer after it, and
+    an empty answer as one to write; a conversation that uses tools, which it leaves as it is, and
+    every row with regeneration off, are read as prepare_dataset reads them."""
+    user = {"role": "user", "content": QUESTIONS[0]}
+    answer = {"role": "assistant", "content": ANSWERS[0]}
+    tool_use = [user, {"role": "assistant", "content": None,
+                       "tool_calls": [{"function": {"name": "get_weather", "arguments": {}}}]},
+                {"role": "tool", "content": "sunny"}]
+    rows = [{"messages": [user]},
+            {"messages": [{"role": "system", "content": SYSTEM}, user, answer, user]},
+            {"messages": [user, {"role": "assistant", "content": "  "}, user, {"role": "assistant", "content": None}]},
+            {"messages": [*tool_use, answer, user]},
+            {"messages": [*tool_use, {"role": "assistant", "content": ""}]}]
+    source = tiny.write_jsonl(tmp_path / "r.jsonl", rows)
+    empty = {"role": "assistant", "content": ""}
+    prompt, follow_up, empty_answers, tools_cut, tools_empty = load_conversations([source], regenerating=True)
+    assert prompt.messages == [user, empty]
+    assert follow_up.messages == [{"role": "system", "content": SYSTEM}, user, answer, user, empty]
+    assert empty_answers.messages == [user, {"role": "assistant", "content": "  "}, user, empty]
+    assert tools_cut.messages[-1] == answer and len(tools_cut.messages) == 4
+    assert isinstance(tools_empty, BadRow) and tools_empty.reason == "empty_turn"
+    read = list(load_conversations([source]))
+    assert [getattr(r, "reason", None) for r in read] == ["no_assistant_turn", None, "empty_turn", None, "empty_turn"]
+    assert read[1].messages[-1] == answer
+
+
 # --- bad rows --------------------------------------------------------------------------------
 
 

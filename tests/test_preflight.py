@@ -53,6 +53,45 @@ def test_a_source_without_usable_rows_is_named(target, tmp_path):
         check_setup(target, [tmp_path / "missing.jsonl"], tmp_path / "p.json", _settings(draft_vocab_size=64))
 
 
+PROMPTS = [{"messages": [{"role": "user", "content": f"tell me a story {i}"}]} for i in range(20)]
+EMPTY_ANSWERS = [{"messages": [{"role": "user", "content": f"Hello {i}"}, {"role": "assistant", "content": ""}]}
+                 for i in range(20)]
+
+
+@pytest.mark.parametrize(("rows", "reason"), [(PROMPTS, "no_assistant_turn"), (EMPTY_ANSWERS, "empty_turn")],
+                         ids=["prompts-alone", "empty-answers"])
+def test_answers_the_target_writes_pass_with_regeneration_on_and_are_refused_off_with_their_fix(
+        target, tmp_path, rows, reason):
+    """With regeneration on, the target answers a conversation that ends with a user turn and writes an
+    empty answer: such rows are judged as it reads them. Off, prepare_dataset refuses them, and the fix
+    names their reason and regeneration, not the rows' format."""
+    source = tiny.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    report = check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, regenerate_enabled=True))
+    (checked,) = report["sources"]
+    assert checked["rows_read"] == 1 and checked["bad_rows"] == {}
+    assert checked["spread"]["rows_sampled"] == 20 and checked["spread"]["unusable"] == {}
+    assert checked["sample"]["loss_tokens"] == 1  # the end of the answer's turn: its text is the target's to write
+    with pytest.raises(DataError) as error:
+        check_setup(target, [source], tmp_path / "off.json", _settings(draft_vocab_size=64))
+    e = error.value
+    assert f"none of the first 20 rows of {source} is usable: {{'{reason}': 20}}" in e.what
+    assert e.fix.startswith(f"{reason}: ") and "regenerate.enabled: true" in e.fix, e.fix
+    assert "data.format" not in e.fix, e.fix
+
+
+def test_prompts_alone_past_max_seq_len_are_refused_with_regeneration_on(target, tmp_path):
+    """Rows the target answers are judged as prepare_dataset will judge their answered conversations:
+    60% of the prompts longer than data.max_seq_len are refused, as answered rows would be."""
+    rows = [{"messages": [{"role": "user", "content": f"{LONG_PROMPT if i % 5 in (1, 2, 3) else 'Hello'} ({i})"}]}
+            for i in range(60)]
+    source = tiny.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(DataError) as error:
+        check_setup(target, [source], tmp_path / "p.json", _settings(draft_vocab_size=64, max_seq_len=48,
+                                                                     regenerate_enabled=True))
+    assert re.search(r"too_long_prompt=\d+ of the 32 rendered", error.value.what), error.value.what
+    assert "raise data.max_seq_len from 48" in error.value.fix
+
+
 def test_a_draft_vocab_larger_than_the_target_is_refused(target, tmp_path):
     source = tiny.write_jsonl(tmp_path / "chats.jsonl", CHATS)
     with pytest.raises(ConfigError, match="vocab.draft_vocab_size 32000 is larger"):

@@ -27,7 +27,7 @@ CONVERSATIONS = [
                              {"role": "assistant", "content": "eight nine ten"}]},
     {"id": "d", "conversations": [{"from": "human", "value": "The quick brown fox?"},
                                   {"from": "gpt", "value": "Jumps over the lazy dog."}]},
-    {"id": "e", "messages": [{"role": "user", "content": "Nice to meet you!"}]},  # no answer: a bad row
+    {"id": "e", "messages": [{"role": "system", "content": "Nice to meet you!"}]},  # nothing to answer: a bad row
 ]
 GOOD_IDS = ["a", "b", "c", "d"]
 
@@ -82,9 +82,6 @@ def test_greedy_answers_equal_model_generate_turn_by_turn(source, model_dir, tmp
     assert stats["bad_rows_skipped"] == {"invalid_json": 1, "no_assistant_turn": 1}
     assert stats["turns_generated"] == 5
 
-    model = load_target_model(model_dir, dtype="float32", device="cpu")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    stops = stop_token_ids(model, tokenizer)
     originals = {"a": CONVERSATIONS[0]["messages"], "b": CONVERSATIONS[1]["messages"],
                  "c": CONVERSATIONS[3]["messages"]}
     for row in rows:
@@ -95,19 +92,89 @@ def test_greedy_answers_equal_model_generate_turn_by_turn(source, model_dir, tmp
             assert [m["role"] for m in messages] == [m["role"] for m in original]
             assert [m["content"] for m in messages if m["role"] != "assistant"] == \
                    [m["content"] for m in original if m["role"] != "assistant"]
+    _assert_greedy_answers(rows, model_dir, max_new_tokens=12)
+    assert messages[-1]["content"] != "Jumps over the lazy dog."
+
+
+def _assert_greedy_answers(rows, model_dir, max_new_tokens):
+    """Every assistant turn of ``rows`` is what ``model.generate`` writes greedily after the turns before it."""
+    model = load_target_model(model_dir, dtype="float32", device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = stop_token_ids(model, tokenizer)
+    for row in rows:
+        messages = row["messages"]
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             # Conditioned on the original user turns and the regenerated earlier answers.
             text = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
             ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
             new = out[0, ids.shape[1]:].tolist()
             new = new[: next((j for j, t in enumerate(new) if t in stops), len(new))]
             # Special tokens it wrote inside the answer kept: what the target wrote, not less.
             assert message["content"] == tokenizer.decode(new), (row["id"], k)
-    assert messages[-1]["content"] != "Jumps over the lazy dog."
+
+
+PROMPTS = [
+    {"id": "p", "messages": [{"role": "user", "content": "tell me a story"}]},
+    {"id": "s", "conversations": [{"from": "system", "value": "You are Draftsmith."},
+                                  {"from": "human", "value": "What is your name?"}]},
+    {"id": "f", "messages": [{"role": "user", "content": "Hello there, how are you?"},
+                             {"role": "assistant", "content": "I am fine."},
+                             {"role": "user", "content": "Do you like the sun?"}]},
+    {"id": "x", "messages": [{"role": "user", "content": "one two three four five six seven"},
+                             {"role": "assistant", "content": ""},
+                             {"role": "user", "content": "eight nine ten"},
+                             {"role": "assistant", "content": None}]},
+]
+
+
+def test_prompts_alone_and_empty_answers_are_answered_by_the_target(model_dir, tmp_path, monkeypatch):
+    """A conversation that ends with a user turn gets the target's answer after it, and an empty
+    answer is written: a source of prompts alone is regenerated into conversations; by chunk, a
+    resumed run writing what an uninterrupted one writes; and prepare_dataset trains on them."""
+    from draftsmith.data import DataSettings, prepare_dataset
+
+    source = tiny.write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    reference, stats = _run(source, model_dir, tmp_path / "uninterrupted")
+    assert [r["id"] for r in reference] == ["p", "s", "f", "x"]
+    assert stats["bad_rows_skipped"] == {} and stats["turns_generated"] == 6
+    assert [[m["role"] for m in r["messages"]] for r in reference] == [
+        ["user", "assistant"], ["system", "user", "assistant"], ["user", "assistant", "user", "assistant"],
+        ["user", "assistant", "user", "assistant"]]
+    assert reference[2]["messages"][1]["content"] != "I am fine."
+    assert all(m["content"].strip() for r in reference for m in r["messages"])
+    _assert_greedy_answers(reference, model_dir, max_new_tokens=12)
+
+    _count_chunks(monkeypatch, fail_after=2)
+    with pytest.raises(Killed):
+        _run(source, model_dir, tmp_path)
+    calls = _count_chunks(monkeypatch)
+    rows, stats = _run(source, model_dir, tmp_path)
+    assert calls == [2, 3] and stats["chunks_reused"] == 2 and rows == reference
+
+    prepared = prepare_dataset([tmp_path / "regenerated.jsonl"], model_dir, tmp_path / "prepared",
+                               DataSettings(max_seq_len=256, heldout_fraction=0.25, max_bad_fraction=0.0))
+    assert prepared["train_rows"] + prepared["heldout_rows"] == 4 and prepared["loss_tokens"] > 0
+
+
+def test_prompts_alone_with_tool_use_are_left_as_they_are(model_dir, tmp_path):
+    """A conversation with tool calls cannot be answered here: one that ends with a user turn is
+    passed through cut after its last answer, one with an empty answer is a bad row."""
+    tool_use = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "content": "sunny"}]
+    rows = [PROMPTS[0],
+            {"id": "t", "messages": [*tool_use, {"role": "assistant", "content": "Sunny."},
+                                     {"role": "user", "content": "Thanks!"}]},
+            {"id": "u", "messages": [*tool_use, {"role": "assistant", "content": ""}]}]
+    rows, stats = _run(tiny.write_jsonl(tmp_path / "agentic.jsonl", rows), model_dir, tmp_path, chunk_size=3)
+    assert [r["id"] for r in rows] == ["p", "t"] and stats["bad_rows_skipped"] == {"empty_turn": 1}
+    assert rows[1]["messages"][-1] == {"role": "assistant", "content": "Sunny."} and len(rows[1]["messages"]) == 4
+    assert stats["conversations_unchanged"] == 1 and stats["turns_generated"] == 1
 
 
 def test_resume_after_kill_skips_finished_chunks(source, model_dir, tmp_path, monkeypatch):
