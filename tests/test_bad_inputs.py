@@ -702,8 +702,7 @@ def _(tmp, env):
 
 
 @case("preflight-prompts-without-regeneration", DataError,
-      "no_assistant_turn: every conversation needs an assistant turn to learn from; for prompts without answers, "
-      "set regenerate.enabled: true", "preflight.json")
+      "for prompts without answers, set regenerate.enabled: true", "preflight.json")
 def _(tmp, env):
     from draftsmith.preflight import check_setup
 
