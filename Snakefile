@@ -4,7 +4,7 @@
 import os
 
 from snakemake.utils import min_version, validate
-from draftsmith.config import check_config, check_semantics
+from draftsmith.config import check_config, check_semantics, normalize_paths
 
 min_version("9.0")
 
@@ -25,6 +25,7 @@ if not workflow.overwrite_configfiles:
 check_config(config, f"{workflow.basedir}/config/schema.yaml", workflow.configfiles)
 validate(config, "config/schema.yaml")
 check_semantics(config, workflow.configfiles)
+normalize_paths(config)
 
 
 include: "rules/common.smk"

@@ -94,6 +94,17 @@ def semantic_errors(config: dict) -> list[str]:
     return lines
 
 
+def normalize_paths(config: dict) -> None:
+    """Spell the config's paths one way (``./x.jsonl`` as ``x.jsonl``, ``a/../x`` as ``x``): the rules'
+    parameters hold them, so two spellings of one file would rerun every stage that reads it."""
+    data, target = config["data"], config["target"]
+    data["sources"] = [s if s in ("demo", "self") else os.path.normpath(s) for s in data["sources"]]
+    for source in config["eval"]["sources"]:
+        source["path"] = os.path.normpath(source["path"])
+    if target["path"]:
+        target["path"] = os.path.normpath(target["path"])
+
+
 def setting_conflicts(config: dict) -> list[str]:
     """Combinations of keys that each pass the schema but cannot work together, or would waste the
     run (each line names the keys and the fix)."""

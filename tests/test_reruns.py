@@ -126,9 +126,12 @@ def _reversed_keys(value):
 
 
 @pytest.mark.slow
-def test_the_same_config_with_its_keys_in_another_order_reruns_nothing(finished):
+def test_the_same_config_with_its_keys_in_another_order_and_its_paths_spelt_otherwise_reruns_nothing(finished):
     workdir, configfile = finished
     config = yaml.safe_load(configfile.read_text())
+    source = Path(config["data"]["sources"][0])
+    config["data"]["sources"] = [f"{source.parent}/./../{source.parent.name}/{source.name}"]  # the same file
+    config["target"]["path"] += "/"
     reordered = workdir / "reordered.yaml"
     reordered.write_text(yaml.safe_dump(_reversed_keys(config), sort_keys=False))
     assert reordered.read_text() != configfile.read_text()
