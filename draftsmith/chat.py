@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.conversations import answer_turns
+from draftsmith.conversations import answer_turns, first_answer
 from draftsmith.errors import DataError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -102,7 +102,7 @@ class ChatRenderer:
         """Token ids of the turns before the first answer (``answer_turns``: an assistant turn that
         opens the conversation is part of the prompt; all the turns of a conversation without an
         answer: an evaluation prompt), ending in the generation prompt."""
-        first = next(iter(answer_turns(messages)), len(messages))
+        first = first_answer(messages)
         return list(self.encode(self.render(messages[:first], True, tools))["input_ids"])
 
     def tokenize(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:

@@ -131,6 +131,12 @@ def answer_turns(messages: list[dict[str, Any]]) -> list[int]:
     return answers
 
 
+def first_answer(messages: list[dict[str, Any]]) -> int:
+    """The index of a conversation's first answer (``answer_turns``): the turns before it are its
+    prompt; ``len(messages)`` for a conversation without one (an evaluation prompt)."""
+    return next(iter(answer_turns(messages)), len(messages))
+
+
 def source_type(path: str | Path) -> str | None:
     """The supported suffix ``path`` ends with (``.jsonl.gz`` before ``.jsonl``), or None."""
     name = str(path).lower()
@@ -248,7 +254,7 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
             raw = {"id": row_id, "system": raw.get("system"), "messages": [{"role": "user", "content": value}]}
         row = _normalize(_with_system_turn(raw), source, line, "auto", "optional")
         if isinstance(row, Conversation):
-            first = next(iter(answer_turns(row.messages)), len(row.messages))
+            first = first_answer(row.messages)
             if not any(m["role"] in ("user", "tool") for m in row.messages[:first]):
                 row = BadRow(source, line, "missing_turns", "no user turn to answer: roles "
                                                             + ", ".join(m["role"] for m in row.messages))

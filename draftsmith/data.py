@@ -50,8 +50,8 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation and load_con
     RawRow,
     Row,
     Tally,
-    answer_turns,
     check_format,
+    first_answer,
     load_conversations,
     max_line_bytes,
     read_rows,
@@ -115,8 +115,8 @@ def _score(seed: int, salt: str, row_id: str) -> int:
 
 def prompt_key(messages: list[dict], tools: list[dict] | None = None) -> bytes:
     """Identifies a conversation's prompt: its turns before the first answer (and its tools)."""
-    first_answer = next(iter(answer_turns(messages)), len(messages))
-    prompt = messages[:first_answer] if tools is None else [tools, messages[:first_answer]]
+    first = first_answer(messages)
+    prompt = messages[:first] if tools is None else [tools, messages[:first]]
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode("utf-8")).digest()[:16]
 
 

@@ -129,8 +129,7 @@ def check_rows(source: str | Path, settings: PreflightSettings, renderer, first:
     """Read SAMPLE_ROWS rows spread over the whole of ``source``, and ``first`` (its first usable row),
     as prepare_dataset reads them (as regeneration does when it is on: an empty answer, or one after a
     last user turn, the target's to write), and render some of them, every kind among them, as
-    prepare_dataset will; return what was seen and
-    ``first`` rendered. A DataError naming every kind of row the chat template or the tokenizer cannot
+    prepare_dataset will; return what was seen and ``first`` rendered. A DataError naming every kind of row the chat template or the tokenizer cannot
     render (prepare_dataset would drop each such row), or when more of the sample than
     data.max_bad_fraction would be unusable (prepare_dataset would stop)."""
     from draftsmith.chat import ChatTemplateError, TokenizerFailure

@@ -149,7 +149,7 @@ class TurnCounts:
     empty: int = 0  # answers that are empty or whitespace (prepare_dataset drops their conversations)
     unchanged: int = 0  # conversations passed through (template failure, tool use)
     # The first empty answer, for the message that reports them: its tokens and text, and where
-    # regenerate() met it (the conversation's index in its call, the message's index in it).
+    # regenerate() met it (the message's index, and the conversation's id, file and line when named).
     first_empty: dict | None = None
 
     def add(self, other: TurnCounts) -> None:
@@ -216,36 +216,35 @@ class Regenerator:
         """The text of one answer's new tokens, up to the first stop token (what follows it is padding)."""
         stop = next((j for j, t in enumerate(tokens) if t in self.stop_ids), None)
         counts.turns += 1
-        if stop is None:
-            counts.truncated += 1
-            tokens = self._whole_characters(tokens)
-        else:
-            tokens = tokens[:stop]
-        counts.tokens += len(tokens)
+        counts.truncated += stop is None
         # Special tokens the target wrote inside its answer (tool-call or thinking markers) are part
         # of what the draft must learn: kept, so the text re-encodes to the target's ids.
+        tokens = tokens[:stop]
         text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        if stop is None:
+            # A character max_new_tokens cut in half decodes to U+FFFD, which re-encodes to other ids
+            # than the target wrote: its byte tokens (all but one of a character's at most) are left out.
+            for _ in range(MAX_CHARACTER_BYTES - 1):
+                if not text.endswith("\ufffd"):
+                    break
+                tokens = tokens[:-1]
+                text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        counts.tokens += len(tokens)
         if not text.strip():
             counts.empty += 1
             if counts.first_empty is None:
                 counts.first_empty = {"tokens": list(tokens), "text": text}
         return text
 
-    def _whole_characters(self, tokens: list[int]) -> list[int]:
-        """A cut answer without the byte tokens of a character ``max_new_tokens`` cut in half: they
-        decode to U+FFFD, which re-encodes to other ids than the target wrote."""
-        for _ in range(MAX_CHARACTER_BYTES - 1):  # at most all but one byte of a character is cut off
-            if not tokens or not self.tokenizer.decode(tokens, skip_special_tokens=False).endswith("\ufffd"):
-                break
-            tokens = tokens[:-1]
-        return tokens
-
     def regenerate(self, conversations: list[list[dict]], seed: int = 0,
-                   tools: Sequence[list[dict] | None] | None = None) -> tuple[list[list[dict]], TurnCounts]:
+                   tools: Sequence[list[dict] | None] | None = None,
+                   names: Sequence[dict] | None = None) -> tuple[list[list[dict]], TurnCounts]:
         """The conversations with every answer (``answer_turns``) replaced by the model's, in order (an
         empty one is written: a turn left for the target to answer); ``tools``: each conversation's tool
-        definitions (or None), given to the chat template. Assistant turns that open a conversation before
-        any user turn answer nothing: they stay as written, as context of the answers after them.
+        definitions (or None), given to the chat template; ``names``: each conversation's ``id``,
+        ``file`` and ``line``, for the message about empty answers. Assistant turns that open a
+        conversation before any user turn answer nothing: they stay as written, as context of the
+        answers after them.
 
         A conversation the chat template cannot render is returned unchanged: prepare_dataset drops
         and counts it with its reason. So is one with tool calls or tool results (``uses_tools``): the
@@ -271,8 +270,8 @@ class Regenerator:
             answers = self.generate(prompts, seed=derived_seed(self.seed, seed, r))
             for (c, k), tokens in zip(jobs, answers):
                 messages[c][k] = {"role": "assistant", "content": self.answer(tokens, counts)}
-                if counts.first_empty is not None and "conversation" not in counts.first_empty:
-                    counts.first_empty.update(conversation=c, message=k)
+                if counts.first_empty is not None and "message" not in counts.first_empty:
+                    counts.first_empty.update(message=k, **(names[c] if names is not None else {}))
         for c in skipped:
             messages[c] = [dict(m) for m in conversations[c]]
         counts.unchanged += len(skipped)
@@ -422,11 +421,9 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                 reused += 1
             else:
                 chats = [c for c in chunk if c.is_chat]
-                messages, chunk_counts = regenerator.regenerate([c.messages for c in chats], seed=index,
-                                                                tools=[c.tools for c in chats])
-                if chunk_counts.first_empty is not None and counts.first_empty is None:
-                    conv = chats[chunk_counts.first_empty["conversation"]]
-                    chunk_counts.first_empty.update(id=conv.id, file=conv.file, line=conv.line)
+                messages, chunk_counts = regenerator.regenerate(
+                    [c.messages for c in chats], seed=index, tools=[c.tools for c in chats],
+                    names=[{"id": c.id, "file": c.file, "line": c.line} for c in chats])
                 counts.add(chunk_counts)
                 answered = dict(zip(map(id, chats), messages))
                 rows = [_output_row(c, answered.get(id(c))) for c in chunk]
@@ -477,8 +474,8 @@ def mostly_empty_so_far(counts: TurnCounts) -> bool:
     return counts.turns >= EARLY_JUDGE_ANSWERS and counts.empty > counts.turns / 2
 
 
-def check_answers(counts: TurnCounts, s: RegenerateSettings, tokenizer: Any, target: str | Path) -> None:
-    """Judge the answers the target wrote (with settings ``s``): more than data.max_bad_fraction of
+def check_answers(counts: TurnCounts, settings: RegenerateSettings, tokenizer: Any, target: str | Path) -> None:
+    """Judge the answers the target wrote (with ``settings``): more than data.max_bad_fraction of
     them empty (nothing but whitespace) raise ``TargetError`` naming the target; fewer, if any, are a
     warning."""
     if not counts.empty:
@@ -486,15 +483,15 @@ def check_answers(counts: TurnCounts, s: RegenerateSettings, tokenizer: Any, tar
     share = counts.empty / counts.turns
     said = f"the target wrote {counts.empty} empty answers of {counts.turns} ({100 * share:.1f}%)"
     first = f"; the first: {_describe_empty(counts.first_empty, tokenizer)}" if counts.first_empty else ""
-    if share <= s.max_bad_fraction:
+    if share <= settings.max_bad_fraction:
         log.warning("%s; prepare_dataset drops their conversations%s", said, first)
         return
     raise TargetError(
-        f"{said}, more than data.max_bad_fraction={s.max_bad_fraction}: prepare_dataset would drop their "
+        f"{said}, more than data.max_bad_fraction={settings.max_bad_fraction}: prepare_dataset would drop their "
         f"conversations as empty turns{first}",
-        where=f"the target {target}, regenerating with regenerate.backend={s.backend}, "
-              f"regenerate.temperature={s.temperature}, regenerate.top_p={s.top_p}, "
-              f"regenerate.max_new_tokens={s.max_new_tokens}",
+        where=f"the target {target}, regenerating with regenerate.backend={settings.backend}, "
+              f"regenerate.temperature={settings.temperature}, regenerate.top_p={settings.top_p}, "
+              f"regenerate.max_new_tokens={settings.max_new_tokens}",
         fix="check that the target's weights and tokenizer belong together (a model whose vocabulary is larger than "
             "its tokenizer's writes ids that decode to nothing), that its chat template is the one it was trained "
             "with, and the sampling settings regenerate.temperature, regenerate.top_p and "

@@ -172,15 +172,13 @@ def synthesize_chunk(index: int, prompter: Regenerator, answerer: Regenerator, t
         seen.add(normalized(text))
         system = [{"role": "system", "content": turn.system}] if turn.system else []
         kept.append((n, [*system, {"role": "user", "content": text}, {"role": "assistant", "content": ""}]))
-    answered, counts = answerer.regenerate([messages for _, messages in kept], seed=derived_seed(seed, index, 1))
-    rows = [{"id": f"self-{index}-{n}", "messages": messages, "source": {"file": "self", "line": index * size + n}}
-            for (n, _), messages in zip(kept, answered)]
-    first_empty = counts.first_empty
-    if first_empty is not None:
-        row = rows[first_empty["conversation"]]
-        first_empty.update(id=row["id"], **row["source"])
+    sources = [{"file": "self", "line": index * size + n} for n, _ in kept]
+    ids = [f"self-{index}-{n}" for n, _ in kept]
+    answered, counts = answerer.regenerate([messages for _, messages in kept], seed=derived_seed(seed, index, 1),
+                                           names=[{"id": i, **s} for i, s in zip(ids, sources)])
+    rows = [{"id": i, "messages": messages, "source": s} for i, messages, s in zip(ids, answered, sources)]
     return {"rows": rows, "dropped": dict(dropped), "answers_cut": counts.truncated, "answers": counts.turns,
-            "empty_answers": counts.empty, "first_empty": first_empty}
+            "empty_answers": counts.empty, "first_empty": counts.first_empty}
 
 
 def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats_path: str | Path,
@@ -255,9 +253,8 @@ def _collect(work_dir: Path, write_chunk: Callable[[int], dict], settings: Synth
             atomic_write_json(path, chunk)
         dropped.update(chunk["dropped"])
         answers_cut += chunk["answers_cut"]
-        answers.turns += chunk["answers"]
-        answers.empty += chunk["empty_answers"]
-        answers.first_empty = answers.first_empty or chunk["first_empty"]
+        answers.add(TurnCounts(turns=chunk["answers"], empty=chunk["empty_answers"],
+                               first_empty=chunk["first_empty"]))
         if mostly_empty_so_far(answers):
             judge(answers)  # not hours of chunks later
         tries += size

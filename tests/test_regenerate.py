@@ -66,11 +66,11 @@ def _count_chunks(monkeypatch, fail_after=None):
     """Count Regenerator.regenerate calls (one per chunk generated); optionally die like a killed job."""
     calls = []
 
-    def spy(self, conversations, seed=0, tools=None):
+    def spy(self, conversations, seed=0, tools=None, names=None):
         if fail_after is not None and len(calls) == fail_after:
             raise Killed("killed")
         calls.append(seed)
-        return REGENERATE(self, conversations, seed, tools)
+        return REGENERATE(self, conversations, seed, tools, names)
 
     monkeypatch.setattr(Regenerator, "regenerate", spy)
     return calls
