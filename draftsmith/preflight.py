@@ -23,20 +23,18 @@ from pathlib import Path
 
 from draftsmith.conversations import (
     REASON_FIXES,
-    SAMPLE_STREAM_BYTES,
     BadRow,
     Conversation,
-    SampledRow,
     answer_turns,
     load_conversations,
     max_line_bytes,
-    sample_rows,
     source_type,
     to_row,
 )
 from draftsmith.errors import ConfigError, DataError, TargetError
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.settings import StageSettings, check_settings, data_format, from_schema
+from draftsmith.source_sample import SAMPLE_STREAM_BYTES, SampledRow, sample_rows
 
 log = logging.getLogger(__name__)
 

@@ -328,7 +328,7 @@ def test_a_million_row_source_is_sampled_to_its_end_without_being_read_whole(tar
     assert 980_001 <= line <= 1_000_000, error.value.where
     assert b"tool_calls" in path.read_bytes().split(b"\n")[line - 1]  # the line named is a row that failed
     # further into a file than lines are counted, the row is named by the byte it starts at
-    monkeypatch.setattr("draftsmith.conversations.LINE_COUNT_BYTES", 1 << 20)
+    monkeypatch.setattr("draftsmith.source_sample.LINE_COUNT_BYTES", 1 << 20)
     with pytest.raises(DataError) as error:
         check_setup(target, [path], tmp_path / "p.json", _settings(draft_vocab_size=64))
     offset = int(error.value.where.split(" at byte ")[1].split()[0].replace(",", ""))
