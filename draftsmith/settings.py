@@ -13,9 +13,10 @@ key. Fields that are not config keys (Python-only knobs) are checked by their cl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -108,6 +109,22 @@ def config_value(config: Mapping, key: str) -> Any:
     return tuple(node) if isinstance(node, list) else node
 
 
+def with_untracked(tracked: Mapping, config: Mapping, keys: Sequence[str]) -> dict:
+    """A rule's tracked config parameter with the dotted ``keys`` put back from the workflow's
+    ``config`` (a key the config leaves out stays out: ``config_value`` gives its default)."""
+    merged = copy.deepcopy(dict(tracked))
+    for key in keys:
+        *parents, last = key.split(".")
+        source: Any = config
+        into = merged
+        for name in parents:
+            source = source.get(name, {}) if isinstance(source, Mapping) else {}
+            into = into.setdefault(name, {})
+        if isinstance(source, Mapping) and last in source:
+            into[last] = copy.deepcopy(source[last])
+    return merged
+
+
 def data_format(config: Mapping) -> str:
     """The format the raw data sources' reader and prepare_dataset read in: data.format, or auto
     when regeneration is on (regenerate_responses reads the sources in any known format and writes
@@ -121,12 +138,17 @@ class StageSettings:
 
     A subclass names its config section (``SECTION``), the keys of that section it does not take
     and why (``NOT_SETTINGS``), and any key it reads besides its fields' (``ALSO_READS``), so a
-    rule can hand it exactly the config it reads (``config_keys``).
+    rule can hand it exactly the config it reads (``config_keys``). ``UNTRACKED``: the keys its
+    rule's script reads that change neither what the stage writes nor whether a result still holds
+    (how often to checkpoint, a batch size the stage's own cache key leaves out): the rule leaves
+    them out of its tracked parameter, and the script puts them back from the workflow's config
+    (``with_untracked``), so changing one reruns nothing.
     """
 
     SECTION: ClassVar[str]
     NOT_SETTINGS: ClassVar[dict[str, str]] = {}
     ALSO_READS: ClassVar[tuple[str, ...]] = ()
+    UNTRACKED: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def config_keys(cls) -> list[str]:

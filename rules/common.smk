@@ -97,6 +97,16 @@ def sources_identity(sources):
     return files_fingerprint(s for s in sources if not Path(s).resolve().is_relative_to(outputs))
 
 
+def target_files_identity():
+    """A parameter of inspect_target: the target's config and tokenizer files' identity by stat, so
+    a chat template or tokenizer replaced by an older file (mv, cp -p, rsync -t) reruns the
+    preflight and the data stages after it, where Snakemake compares modification times only. The
+    demo's are a rule's outputs, which Snakemake tracks."""
+    if config["target"]["source"] == "demo":
+        return None
+    return files_fingerprint([target_config(), *target_tokenizer_files()])
+
+
 def eval_source_identity(wildcards):
     """sources_identity of prepare_eval_prompts' one evaluation prompt set."""
     return sources_identity([eval_source_path(wildcards)])

@@ -18,7 +18,12 @@ rule extract_hidden_states:
     resources:
         gpu=target_gpus(),
     params:
-        config=stage_config("extraction", "target.dtype", "device"),
+        config=stage_config(
+            "extraction",
+            "target.dtype",
+            "device",
+            leave_out=["extraction.batch_tokens", "extraction.max_model_len", "extraction.device_map"],
+        ),
         weights=target_weights(),
         code=script_code("extract_hidden_states"),
     script:

@@ -41,6 +41,7 @@ rule inspect_target:
         aux_layer_ids=config["target"]["aux_layer_ids"],
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],
+        files=target_files_identity(),
         engine=engine_version(),
         code=script_code("inspect_target"),
     script:

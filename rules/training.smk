@@ -31,7 +31,22 @@ if config["train"]["mode"] == "online":
             gpu=online_gpus(),
         params:
             work_dir=f"{RESULTS}/train/state",
-            config=stage_config("train", "draft", "seed", "device", "extraction", "target.dtype", "online"),
+            config=stage_config(
+                "train",
+                "draft",
+                "seed",
+                "device",
+                "extraction",
+                "target.dtype",
+                "online",
+                leave_out=[
+                    "train.checkpoint_every",
+                    "train.rdzv_port",
+                    "extraction.batch_tokens",
+                    "extraction.max_model_len",
+                    "extraction.device_map",
+                ],
+            ),
             engine_gpus=target_gpus(),
             weights=target_weights(),
             code=script_code("train_draft_online"),
@@ -65,7 +80,9 @@ else:
             gpu=train_gpus(),
         params:
             work_dir=f"{RESULTS}/train/state",
-            config=stage_config("train", "draft", "seed", "device"),
+            config=stage_config(
+                "train", "draft", "seed", "device", leave_out=["train.checkpoint_every", "train.rdzv_port"]
+            ),
             code=script_code("train_draft"),
         script:
             "../workflow_scripts/train_draft.py"

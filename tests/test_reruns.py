@@ -138,6 +138,31 @@ def test_the_same_config_with_its_keys_in_another_order_and_its_paths_spelt_othe
     assert planned_rules(snakemake(workdir, "-n", configfile=reordered)) == set()
 
 
+def test_keys_that_change_no_output_and_a_comment_in_a_workflow_script_rerun_nothing(finished):
+    """How often training checkpoints, its rendezvous port and extraction's batch size, context and
+    device map change nothing a stage writes (the shards' key leaves the last three out): rerunning
+    extraction would reuse every shard and then train the draft again from step 0. A workflow script
+    newer than its rule's outputs with a comment added, or rewritten as it was (git checkout), reruns
+    nothing either; a change to its code reruns its rule."""
+    workdir, configfile = finished
+    config = yaml.safe_load(configfile.read_text())
+    config["train"] |= {"checkpoint_every": 2, "rdzv_port": 29511}
+    config["extraction"] |= {"batch_tokens": 128, "max_model_len": 512, "device_map": "auto"}
+    untracked = write_config(workdir, config, "untracked.yaml")
+    assert planned_rules(snakemake(workdir, "-n", configfile=untracked)) == set()
+
+    script = workdir / "workflow_scripts" / "train_draft.py"
+    original = script.read_text()
+    try:
+        script.write_text(original + "# a comment edit reruns nothing\n")
+        assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == set()
+        script.write_text(original + "_RERUN_PATCH = 1\n")
+        assert "train_draft" in planned_rules(snakemake(workdir, "-n", configfile=configfile))
+    finally:
+        script.write_text(original)  # newer than the outputs, the code as it was
+    assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == set()
+
+
 def _mtimes(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -265,3 +290,31 @@ def test_a_source_replaced_by_an_older_file_reruns_the_rules_that_read_it(tmp_pa
     settle()
     os.replace(old_questions, questions)  # mv
     assert planned() == {"off": {"prepare_eval_prompts"}, "on": {"prepare_eval_prompts"}}
+
+
+@pytest.mark.slow
+def test_a_chat_template_replaced_by_an_older_file_reruns_the_preflight_and_the_data(tmp_path):
+    """The chat template renders every training row: one replaced in place by an older file (mv,
+    cp -p, rsync -t) must rerun the preflight and prepare_dataset, not leave train.jsonl rendered
+    by the old template while the stages that run the weights rerun around it."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    import tiny
+
+    workdir, config = tiny_workflow(tmp_path)
+    configfile = write_config(workdir, {**config, "vocab": {"draft_vocab_size": 64}})
+    targets = ["results/t/preflight.json", "results/t/data/train.jsonl"]
+    snakemake(workdir, *targets, configfile=configfile)
+    assert planned_rules(snakemake(workdir, "-n", *targets, configfile=configfile)) == set()
+
+    model = Path(config["target"]["path"])
+    newer = tiny.build_tokenizer(tmp_path / "newer", template=tiny.CHATML_TEMPLATE.replace("\n", " says:\n", 1))
+    hour_ago = (workdir / "results/t/data/train.jsonl").stat().st_mtime - 3600
+    for file in newer.iterdir():
+        os.utime(file, (hour_ago, hour_ago))
+        os.replace(file, model / file.name)  # mv: the new template, an old modification time
+    assert AutoTokenizer.from_pretrained(model).chat_template != tiny.CHATML_TEMPLATE
+    assert {"inspect_target", "check_setup", "prepare_dataset"} <= \
+        planned_rules(snakemake(workdir, "-n", *targets, configfile=configfile))

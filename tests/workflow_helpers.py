@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKFLOW_PARTS = ["Snakefile", "rules", "workflow_scripts", "config", "report", "envs", "draftsmith"]
+WORKFLOW_PARTS = ["Snakefile", "rules", "workflow_scripts", "config", "report", "envs", "profiles", "draftsmith"]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 # the console script beside this Python, or the module where the package alone was installed (pip --target)
 SNAKEMAKE_COMMAND = [SNAKEMAKE] if Path(SNAKEMAKE).exists() else [sys.executable, "-m", "snakemake"]

@@ -8,6 +8,7 @@ from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
+from draftsmith.settings import with_untracked
 
 # vLLM may start its engine with multiprocessing "spawn", which runs this file again as
 # __mp_main__ in the child, where there is no `snakemake` object: only the job itself runs the body.
@@ -19,7 +20,9 @@ if __name__ == "__main__":
             snakemake.input.train,
             snakemake.input.target,
             int(snakemake.wildcards.part),
-            ExtractionSettings.from_config(snakemake.params.config),
+            ExtractionSettings.from_config(
+                with_untracked(snakemake.params.config, snakemake.config, ExtractionSettings.UNTRACKED)
+            ),
             store_root=Path(snakemake.output.manifest).parent,
             manifest_path=snakemake.output.manifest,
             shared_engine=SharedEngine.from_config(snakemake.config, snakemake.input.target),

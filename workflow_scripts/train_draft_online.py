@@ -7,6 +7,7 @@ from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.online import OnlineSettings, run_online_training, split_devices
 from draftsmith.placement import engine_env, engine_placement
+from draftsmith.settings import with_untracked
 from draftsmith.train import TrainSettings, launch_from_config
 
 # vLLM may start its engine with multiprocessing "spawn", which runs this file again as
@@ -15,6 +16,7 @@ if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     params = snakemake.params
+    config = with_untracked(params.config, snakemake.config, TrainSettings.UNTRACKED + ExtractionSettings.UNTRACKED)
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config, snakemake.rule)) as claim:
         engine_devices, trainer_devices = split_devices(claim.devices, params.engine_gpus)
         run_online_training(
@@ -23,10 +25,10 @@ if __name__ == "__main__":
             snakemake.input.mapping,
             Path(snakemake.output.config).parent,
             params.work_dir,
-            TrainSettings.from_config(params.config),
-            ExtractionSettings.from_config(params.config),
-            OnlineSettings.from_config(params.config),
-            devices=launch_from_config(params.config)["devices"],
+            TrainSettings.from_config(config),
+            ExtractionSettings.from_config(config),
+            OnlineSettings.from_config(config),
+            devices=launch_from_config(config)["devices"],
             engine_devices=engine_devices,
             trainer_devices=trainer_devices,
             log_path=snakemake.log[0],

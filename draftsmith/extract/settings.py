@@ -27,6 +27,9 @@ class ExtractionSettings(StageSettings):
     max_model_len: int | None = from_schema("extraction.max_model_len")  # vLLM context; None = longest sample
 
     SECTION = "extraction"
+    # How the target runs, not what it computes: the part's shards are keyed without them
+    # (``part_fingerprint``), so a change would only rerun the part to reuse every shard, and retrain.
+    UNTRACKED = ("extraction.batch_tokens", "extraction.max_model_len", "extraction.device_map")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -64,6 +64,9 @@ class TrainSettings(StageSettings):
                        for key in ("devices", "nodes", "rdzv_port")},
                     "mode": "which rule trains (train_draft or train_draft_online), not math: the same draft either way"}
 
+    # how often to checkpoint and the rendezvous port change no output: a change reruns nothing
+    UNTRACKED = ("train.checkpoint_every", "train.rdzv_port")
+
     # settings that do not change the weights: a checkpoint stays valid when they change
     NON_MATH = ("checkpoint_every", "keep_checkpoints", "log_every", "verify_shards", "progress",
                 "compile", "attention", "device")
