@@ -95,14 +95,23 @@ def semantic_errors(config: dict) -> list[str]:
 
 
 def normalize_paths(config: dict) -> None:
-    """Spell the config's paths one way (``./x.jsonl`` as ``x.jsonl``, ``a/../x`` as ``x``): the rules'
-    parameters hold them, so two spellings of one file would rerun every stage that reads it."""
+    """Spell the config's paths one way (``one_spelling``): the rules' parameters hold them, so two
+    spellings of one file would rerun every stage that reads it."""
     data, target = config["data"], config["target"]
-    data["sources"] = [s if s in ("demo", "self") else os.path.normpath(s) for s in data["sources"]]
+    data["sources"] = [s if s in ("demo", "self") else one_spelling(s) for s in data["sources"]]
     for source in config["eval"]["sources"]:
-        source["path"] = os.path.normpath(source["path"])
+        source["path"] = one_spelling(source["path"])
     if target["path"]:
-        target["path"] = os.path.normpath(target["path"])
+        target["path"] = one_spelling(target["path"])
+
+
+def one_spelling(path: str) -> str:
+    """``path`` relative to the working directory when it lies under it (``./x.jsonl``, ``a/../x`` and
+    ``/abs/workdir/x`` all as ``x``: a project folder moved elsewhere keeps its results), else
+    absolute (``../data/x`` and ``/abs/data/x`` alike). Symbolic links are kept as written."""
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute)
+    return absolute if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
 def setting_conflicts(config: dict) -> list[str]:

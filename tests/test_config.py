@@ -250,3 +250,18 @@ def test_fuzz_bad_sizes_end_in_a_draftsmith_error_through_the_config_check_and_p
             continue
         outcomes["passed"] += 1
     assert outcomes["refused"] > 100 and outcomes["passed"] > 0, outcomes
+
+
+def test_a_path_is_spelt_one_way_relative_under_the_working_directory_and_absolute_outside_it(tmp_path,
+                                                                                             monkeypatch):
+    from draftsmith.config import one_spelling
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    for spelling in ("data/x.jsonl", "./data/x.jsonl", "data/../data/x.jsonl", str(project / "data" / "x.jsonl")):
+        assert one_spelling(spelling) == "data/x.jsonl", spelling
+    outside = str(tmp_path / "model")
+    for spelling in ("../model", "../model/", "../project/../model", outside):
+        assert one_spelling(spelling) == outside, spelling
+    assert one_spelling(str(project)) == "."
