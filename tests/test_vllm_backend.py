@@ -29,6 +29,7 @@ from tiny_vllm import (
     ON_CUDA,
     build_deepseek_v3_for_platform,
     build_idefics3,
+    build_olmo2,
     build_qwen3_moe,
     vllm_test,
 )
@@ -58,15 +59,20 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-def assert_parity(got, path, batch, layer_ids, dtype=CAPTURE_DTYPE):
-    """Each sample's captured states against Hugging Face's float32 ones (see the module's docstring)."""
+def hf_reference(path, batch, layer_ids, dtype=CAPTURE_DTYPE):
+    """Hugging Face's float32 states of ``batch`` and each layer's error bound for a capture in ``dtype``."""
     ref = hf_hidden_states(path, batch)
     if dtype == "float32":
-        bound = {lid: 1e-4 for lid in layer_ids}
-    else:
-        ref16 = hf_hidden_states(path, batch, getattr(torch, dtype))
-        bound = {lid: 2 * max(relative_error(r16[lid], r32[lid]) for r16, r32 in zip(ref16, ref)) + 0.01
+        return ref, {lid: 1e-4 for lid in layer_ids}
+    ref16 = hf_hidden_states(path, batch, getattr(torch, dtype))
+    return ref, {lid: 2 * max(relative_error(r16[lid], r32[lid]) for r16, r32 in zip(ref16, ref)) + 0.01
                  for lid in layer_ids}
+
+
+def assert_parity(got, path, batch, layer_ids, dtype=CAPTURE_DTYPE, reference=None):
+    """Each sample's captured states against Hugging Face's float32 ones (see the module's docstring);
+    ``reference``: ``hf_reference``'s, computed before the engine started."""
+    ref, bound = reference or hf_reference(path, batch, layer_ids, dtype)
     for n, (sample, expected) in enumerate(zip(got, ref)):
         assert sorted(sample) == sorted(layer_ids)
         for lid in layer_ids:
@@ -220,6 +226,22 @@ def test_moe_targets_match_hf(builder, tmp_path_factory, in_process_engine):
     try:
         batch = random_batch(384)
         assert_parity(backend.capture(batch), path, batch, layer_ids)
+    finally:
+        backend.close()
+
+
+@vllm_test
+def test_a_target_vllm_runs_through_its_transformers_backend_matches_hf(tmp_path_factory, in_process_engine):
+    """vLLM runs families it has no model file for (OLMo 2, Phi, GPT-NeoX, StarCoder 2, ...) through
+    transformers' own modules, whose decoder layers take a batch of one ([1, tokens, hidden])."""
+    path = build_olmo2(tmp_path_factory.mktemp("vllm-olmo2") / "target")
+    layer_ids = [1, 2, 4]
+    batch = random_batch(384)
+    # before the engine: vLLM's backend wraps transformers' OLMo 2 classes for its own compilation
+    reference = hf_reference(path, batch, layer_ids)
+    backend = _engine(path, layer_ids)
+    try:
+        assert_parity(backend.capture(batch), path, batch, layer_ids, reference=reference)
     finally:
         backend.close()
 

@@ -17,6 +17,8 @@ from transformers import (
     DeepseekV3ForCausalLM,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -44,6 +46,18 @@ def build_qwen3_moe(path: str | Path, seed: int = 0, **overrides) -> Path:
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return _save(Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)), path)
+
+
+def build_olmo2(path: str | Path, seed: int = 0) -> Path:
+    """OLMo 2: one of the families vLLM runs through its Transformers backend (``TransformersForCausalLM``,
+    which hands the decoder layers a batch of one: ``[1, tokens, hidden]``), with no logit transform."""
+    path = Path(path)
+    build_tokenizer(path)
+    torch.manual_seed(seed)
+    return _save(Olmo2ForCausalLM(Olmo2Config(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0)), path)
 
 
 def build_deepseek_v3(path: str | Path, seed: int = 0, **overrides) -> Path:

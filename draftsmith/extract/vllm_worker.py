@@ -339,12 +339,18 @@ class CaptureWorkerExtension:
         total = int(rows.numel())
         for lid in self._ds_layer_ids:
             tensor = self._ds_rows.get(lid)
+            if tensor is not None and tensor.dim() == 3 and tensor.shape[0] == 1:
+                # vLLM's Transformers backend (families without a vLLM model file) runs transformers'
+                # own layers on a batch of one: [1, tokens, hidden]
+                tensor = self._ds_rows[lid] = tensor[0]
             if tensor is None or tensor.dim() != 2 or tensor.shape[0] < int(rows.max()) + 1:
                 shape = None if tensor is None else tuple(tensor.shape)
                 # e.g. sequence-parallel MoE (expert parallelism with TP > 1) splits the rows across ranks
-                self._ds_error = (f"layer {lid}: the hooked tensor has shape {shape}, not one row per "
-                                  "scheduled token; sequence-parallel MoE (enable_expert_parallel with "
-                                  "tensor_parallel_size > 1) is not supported")
+                self._ds_error = (f"layer {lid}: the hooked tensor has shape {shape}, where [tokens, hidden] "
+                                  f"with at least {int(rows.max()) + 1} rows (one per scheduled token) was "
+                                  "expected: this model's layers are not captured in vLLM (sequence-parallel "
+                                  "MoE, enable_expert_parallel with tensor_parallel_size > 1, splits the rows "
+                                  "across ranks); set extraction.backend: hf")
                 return
         device = self._ds_rows[self._ds_layer_ids[0]].device
         pieces = self._ds_gather(rows.to(device))
