@@ -19,6 +19,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    VaultGemmaConfig,
+    VaultGemmaForCausalLM,
 )
 
 import tiny
@@ -27,6 +29,7 @@ from draftsmith.draft.model import Eagle3Draft
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.hf_backend import HfBackend
 from draftsmith.targets.inspect import write_target_json
+from draftsmith.targets.logits import RULES
 from draftsmith.train.objective import TTTObjective
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -40,6 +43,8 @@ FAMILIES = {
     "gemma2": (lambda: Gemma2ForCausalLM(Gemma2Config(**SIZES, final_logit_softcapping=2.0, sliding_window=16)),
                {"scale": 1.0, "softcap": 2.0}),
     "cohere": (lambda: CohereForCausalLM(CohereConfig(**SIZES, logit_scale=0.25)), {"scale": 0.25, "softcap": None}),
+    "vaultgemma": (lambda: VaultGemmaForCausalLM(VaultGemmaConfig(**SIZES, final_logit_softcapping=2.0)),
+                   {"scale": 1.0, "softcap": 2.0}),
     "llama": (lambda: LlamaForCausalLM(LlamaConfig(**SIZES)), {"scale": 1.0, "softcap": None}),
 }
 
@@ -99,3 +104,33 @@ def test_a_transform_target_json_does_not_know_stops_extraction(tmp_path):
         with pytest.raises(ExtractionError) as raised:
             backend.capture(sample)  # the first batch checks
     assert "logit_transform" in raised.value.where and "GraniteForCausalLM" in raised.value.what
+
+
+# Families whose modeling code transforms the logits after its head but which are no decoder-only
+# target: a diffusion LM and encoder-decoders.
+NOT_TARGETS = {"diffusion_gemma", "t5gemma", "t5gemma2"}
+
+
+def test_every_family_whose_head_transforms_its_logits_in_transformers_has_a_rule():
+    """The table is read from transformers' modeling code; a family added there since (VaultGemma and
+    Cohere Compass were) would train against logits its target never decodes from, and be refused
+    only after its load. Each models/<family>/modeling_*.py that scales, divides or caps the logits
+    right after its lm_head names the text model type that needs a rule."""
+    import re
+
+    import transformers
+
+    transform = re.compile(r"logits\s*=\s*[^\n]*(softcap|logit_scale|logits_scaling|multiplier|\*\s*self\.|/\s*self\.|tanh)")
+    missing = {}
+    for folder in sorted((Path(transformers.__file__).parent / "models").iterdir()):
+        if folder.name in NOT_TARGETS:
+            continue
+        code = "".join(f.read_text() for f in folder.glob("modeling_*.py"))
+        if not any(transform.search(code[m.start():m.start() + 600]) for m in re.finditer(r"self\.lm_head\(", code)):
+            continue
+        types = {t for f in folder.glob("configuration_*.py")
+                 for t in re.findall(r'^\s+model_type\s*=\s*"([\w-]+)"', f.read_text(), flags=re.M)}
+        text_types = {t for t in types if t.endswith("_text")} or types
+        if not text_types & set(RULES):
+            missing[folder.name] = sorted(text_types)
+    assert not missing, f"families that transform their logits with no rule in targets/logits.py: {missing}"

@@ -6,8 +6,10 @@ cap them with a tanh; the table below holds one rule per ``model_type``, read fr
 modeling code in transformers (vLLM applies the same settings in each model's
 ``LogitsProcessor(scale=..., soft_cap=...)``). The same config key means different things in
 different families (Granite divides by ``logits_scaling``, HyperCLOVA X multiplies by it), so
-the rule goes by family, not by key. A family outside the table that transforms its logits
-anyway is caught where its real logits are at hand: the HF capture backend compares them with
+the rule goes by family, not by key. tests/test_target_logits.py holds the table against the
+installed transformers' modeling code (each family whose head's logits are scaled or capped has a
+rule). A family outside the table that transforms its logits anyway is caught where its real
+logits are at hand: the HF capture backend compares them with
 the teacher's formula on its first batch (``extract.hf_backend.check_teacher_logits``).
 """
 
@@ -19,26 +21,33 @@ IDENTITY = {"scale": 1.0, "softcap": None}
 
 
 def _times(key: str) -> Callable[[dict], dict]:
-    return lambda config: {"scale": float(config[key]), "softcap": None}
+    # a null scale is none (Cohere Compass: "logit_scale if not None else 1.0")
+    return lambda config: {"scale": 1.0 if config[key] is None else float(config[key]), "softcap": None}
 
 
 def _divided_by(key: str) -> Callable[[dict], dict]:
     return lambda config: {"scale": 1.0 / float(config[key]), "softcap": None}
 
 
-def _softcap(config: dict) -> dict:
-    cap = config.get("final_logit_softcapping")
-    return {"scale": 1.0, "softcap": float(cap) if cap else None}
+def _softcap(key: str = "final_logit_softcapping", times: str | None = None) -> Callable[[dict], dict]:
+    """A tanh cap of ``config[key]`` (none when null), after a scale of ``config[times]``."""
+    def rule(config: dict) -> dict:
+        cap = config.get(key)
+        return {"scale": float(config[times]) if times else 1.0, "softcap": float(cap) if cap else None}
+    return rule
 
 
 RULES: dict[str, Callable[[dict], dict]] = {
     **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared",
-                     "granitemoehybrid"), _divided_by("logits_scaling")),
+                     "granitemoehybrid", "granite4_vision_text"), _divided_by("logits_scaling")),
     "minicpm3": _divided_by("logits_scaling"),  # the final state divided before the (bias-free) head
     "hyperclovax": _times("logits_scaling"),
-    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _times("logit_scale")),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), _times("logit_scale")),
     "falcon_h1": _times("lm_head_multiplier"),
-    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "nanochat"), _softcap),
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma",
+                     "nanochat"), _softcap()),
+    "recurrent_gemma": _softcap("logits_soft_cap"),
+    "muse_glimmer_text": _softcap(times="output_multiplier"),
 }
 
 
