@@ -570,6 +570,17 @@ def _(tmp, env):
     _inspect(tmp, folder)
 
 
+@case("model-lm-head-with-a-bias", TargetError, "adds a bias to its logits", "target.json")
+def _(tmp, env):
+    from transformers import PhiConfig, PhiForCausalLM
+
+    # Phi-1/1.5/2's head: Linear(hidden, vocab, bias=True)
+    folder = tiny.build_tokenizer(tmp / "m")
+    PhiForCausalLM(PhiConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=2, max_position_embeddings=512)).save_pretrained(folder)
+    _inspect(tmp, folder)
+
+
 @case("model-too-large-for-the-hf-paths", TargetError, "set regenerate.backend: vllm", "target.json")
 def _(tmp, env):
     folder = tmp / "m"

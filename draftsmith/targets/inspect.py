@@ -213,6 +213,19 @@ def find_decoder_layers(model: nn.Module, num_layers: int) -> str:
         fix="set target.layers_path to the dotted path of the decoder layers, e.g. language_model.model.layers")
 
 
+def check_head_without_bias(head: nn.Module, model_path: Path) -> None:
+    """Refuse a target whose lm_head adds a bias (Phi-1/1.5/2, GPT-J, CodeGen). Training's teacher
+    is the final state times the head's rows, and vLLM's EAGLE-3 draft head has no bias: the draft
+    would learn logits the target never decodes from (a bias of std 1 moved them by 47% of the largest
+    logit; a small one passes the extraction's check and flips the argmax at some positions)."""
+    if getattr(head, "bias", None) is not None:
+        raise TargetError(f"the target's lm_head ({type(head).__name__}) adds a bias to its logits, and training's "
+                          "teacher (the final state times the head's rows) and vLLM's EAGLE-3 draft head have none: "
+                          "the draft would learn other logits than the target's", where=f"{model_path}/config.json",
+                          fix="use a target whose lm_head has no bias (Phi-3 and later, not Phi-1/1.5/2; not GPT-J "
+                              "or CodeGen); no setting changes this")
+
+
 def check_embedding_width(embed: nn.Module, head: nn.Module, hidden_size: int, model_path: Path) -> None:
     """Refuse a target whose token embedding or lm_head is narrower or wider than its hidden states
     (OPT-350m projects 512-wide embeddings to 1024: project_in/project_out). The draft takes its
@@ -301,6 +314,7 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
     check_embedding_width(embed, head, text_config.hidden_size, model_path)
+    check_head_without_bias(head, model_path)
     info = {
         "format": TARGET_FORMAT,
         "model_path": str(model_path),
