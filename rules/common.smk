@@ -112,11 +112,15 @@ def eval_source_identity(wildcards):
     return sources_identity([eval_source_path(wildcards)])
 
 
-def engine_version():
-    """The installed vLLM, when a stage runs the target through it: target.json says what that vLLM
-    can capture, so an upgrade reruns preflight and what follows. A workflow that never uses vLLM
-    does not rerun when it changes."""
-    if "vllm" not in PreflightSettings.from_config(config).engines.values():
+def engine_version(*stages):
+    """The installed vLLM, when one of ``stages`` (PreflightSettings.engines' names: extraction, eval,
+    regenerate; none: any) runs the target through it, so an upgrade reruns the rule that checks or
+    runs it. A workflow that never uses vLLM does not rerun when it changes; inspect_target, whose
+    target.json every stage reads, follows extraction's alone (the one that reads what target.json
+    says vLLM can capture), so trying eval.backend: vllm after an evaluation in the HF loop reruns
+    the preflight and the evaluation, not the extraction and training between them."""
+    engines = PreflightSettings.from_config(config).engines
+    if not any(engines.get(stage) == "vllm" for stage in stages or engines):
         return None
     return installed_vllm_version()
 

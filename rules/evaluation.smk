@@ -36,6 +36,7 @@ rule evaluate_draft:
         ),
         sources=list(eval_sources()),
         weights=target_weights(),
+        engine=engine_version("eval"),
         code=script_code("evaluate_draft"),
     script:
         "../workflow_scripts/evaluate_draft.py"

@@ -42,7 +42,7 @@ rule inspect_target:
         trust_remote_code=config["target"]["trust_remote_code"],
         layers_path=config["target"]["layers_path"],
         files=target_files_identity(),
-        engine=engine_version(),
+        engine=engine_version("extraction"),
         code=script_code("inspect_target"),
     script:
         "../workflow_scripts/inspect_target.py"

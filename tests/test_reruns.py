@@ -164,6 +164,17 @@ def test_keys_that_change_no_output_and_a_comment_in_a_workflow_script_rerun_not
     assert planned_rules(snakemake(workdir, "-n", configfile=configfile)) == set()
 
 
+def test_evaluation_switched_to_vllm_reruns_the_preflight_and_the_evaluation_alone(finished):
+    """Trying vLLM serving after an evaluation in the HF loop: neither the data nor the hidden states
+    nor the draft depend on which backend evaluates it."""
+    workdir, configfile = finished
+    config = yaml.safe_load(configfile.read_text())
+    config["eval"] = {**config.get("eval", {}), "backend": "vllm"}
+    planned = planned_rules(snakemake(workdir, "-n", configfile=write_config(workdir, config, "vllm_eval.yaml")))
+    assert "evaluate_draft" in planned
+    assert planned <= {"check_setup", "evaluate_draft", "estimate_payoff", "plot_evaluation"}
+
+
 def _mtimes(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -79,14 +79,18 @@ def check_servable(target: dict, draft_dir: str | Path) -> None:
 
     from draftsmith.draft.config import Eagle3DraftConfig
     from draftsmith.io import read_json
+    from draftsmith.targets.vllm_support import vllm_support
 
-    support = (target.get("backends") or {}).get("vllm") or {}
-    if support and not support.get("supported"):
+    # the vLLM installed now, as check_setup reads it: target.json's may be older (inspect_target does not
+    # rerun when only evaluation switches to vLLM)
+    support = vllm_support({"architecture": target["architecture"]}, None)
+    where = f"{target['architecture']} in the installed vLLM"
+    if not support.get("supported"):
         raise EvaluationError(f"vLLM cannot run this target: {support.get('reason')}",
-                              where="target.json backends.vllm", fix=support.get("fix") or "set eval.backend: hf")
-    if support and support.get("supports_eagle3") is False:
+                              where=where, fix=support.get("fix") or "set eval.backend: hf")
+    if support.get("supports_eagle3") is False:
         raise EvaluationError(f"vLLM's {support.get('vllm_class')} does not implement SupportsEagle3, so it cannot "
-                              "hand aux hidden states to an EAGLE-3 speculator", where="target.json backends.vllm",
+                              "hand aux hidden states to an EAGLE-3 speculator", where=where,
                               fix="set eval.backend: hf")
     draft_dir = Path(draft_dir)
     config = Eagle3DraftConfig.from_speculators(read_json(draft_dir / "config.json"))
