@@ -193,7 +193,8 @@ class Regenerator:
             for row, i in enumerate(batch):
                 ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
                 mask[row, width - len(prompts[i]):] = 1
-            sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p}
+            # top_k=0: generate fills in a top-k of 50 where the config leaves it unset; vLLM has none
+            sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": 0}
             if not s.greedy:
                 # One seed per batch, derived from the chunk's and the round's, so a resumed run
                 # draws what an uninterrupted run would have drawn.

@@ -382,6 +382,19 @@ def test_the_workflow_regenerates_through_vllm(tmp_path):
     assert "in vLLM, tensor parallel 1" in log and "40 turns" in log
 
 
+def test_sampling_draws_from_the_whole_vocabulary_as_vllm_does(model_dir):
+    """temperature and top_p are the only sampling settings: transformers' generate fills a top_k
+    of 50 in where the generation config leaves it unset, which would draw every answer from the 50
+    likeliest tokens where vLLM draws from all of them. At a temperature that flattens the tiny
+    target's distribution, 256 first tokens drawn from its 384 cover far more than 50."""
+    model = load_target_model(model_dir, device="cpu")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    settings = RegenerateSettings(max_new_tokens=1, temperature=1000.0, top_p=1.0, batch_size=256)
+    regenerator = Regenerator(model, tok, settings, stop_ids=[])
+    first = {tokens[0] for tokens in regenerator.generate([[5, 6, 7]] * 256, seed=0)}
+    assert len(first) > 100
+
+
 # ---------------------------------------------------------------------------------------------
 # What the target wrote: special tokens kept, empty answers judged
 

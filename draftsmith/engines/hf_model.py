@@ -82,7 +82,8 @@ def load_target_model(model_path: str | Path, *, dtype: str = "auto", device: st
 
     The model folder's generation_config.json (repetition penalty, top_k, min_length, ...) is
     replaced so that "greedy" means argmax and "temperature t" means only that: what the draft
-    learns and what evaluation measures must be the same distribution.
+    learns and what evaluation measures must be the same distribution (a sampling call passes
+    ``top_k=0`` too: generate fills in its own default of 50 where the config leaves it unset).
     """
     from transformers import GenerationConfig
 
