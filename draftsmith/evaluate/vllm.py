@@ -166,14 +166,28 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
         with VllmServer(target["model_path"], speculative_config=run.baseline_config, **common) as server:
             server.generate(ids[:1], **warm)
             found, run.baseline_counters, run.baseline_seconds = server.generate(ids, **decode)
-        run.baseline = generations(found)
+        run.baseline = [with_undrafted_steps(g) for g in generations(found)]
         return run
+    # Every step, drafted or not, as the draft's τ and the HF loop count them (a step without an
+    # n-gram match is a forward pass of the target all the same); vLLM's counters count the drafted ones.
     run.baseline = [replay(p.id, p.ids, [*g.tokens, *s.continuation], k=settings.k, ngram_max=settings.ngram_max,
-                           max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids, max_model_len=max_model_len)
+                           max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids, max_model_len=max_model_len,
+                           count_steps_without_draft=True)
                     for p, g, s in zip(prompts, run.draft, scores)]
-    run.baseline_counters = counters_from_records([g.accepted for g in run.baseline],
-                                                  [g.proposed for g in run.baseline], settings.k)
+    drafted = [[(a, n) for a, n in zip(g.accepted, g.proposed) if n] for g in run.baseline]
+    run.baseline_counters = counters_from_records([[a for a, _ in d] for d in drafted],
+                                                  [[n for _, n in d] for d in drafted], settings.k)
     return run
+
+
+def with_undrafted_steps(generation: Generation) -> Generation:
+    """``generation`` from vLLM's n-gram speculator, whose step records hold the steps that had a
+    draft only, with a step of nothing proposed for each of the others: each decode step after the
+    prefill's token emits its accepted tokens and one more, so the steps are the tokens after the
+    first less the accepted ones (a step cut short by a stop makes it at most one step fewer)."""
+    undrafted = max(len(generation.tokens) - 1 - sum(a + 1 for a in generation.accepted), 0)
+    return dataclasses.replace(generation, accepted=[*generation.accepted, *[0] * undrafted],
+                               proposed=[*generation.proposed, *[0] * undrafted])
 
 
 def batch_size_for(prompts: int) -> int:
@@ -401,7 +415,8 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
         "vllm": {"speculative_config": run.speculative_config, **run.counters.summary(),
                  "baseline": run.baseline_counters.summary(),
                  "metrics": "change of vLLM's vllm:spec_decode_* counters (LLM.get_metrics) over the timed call"
-                            + ("s" if run.separate_engines else "; the baseline's, of its replayed steps")},
+                            + ("s" if run.separate_engines else "; the baseline's, of its replayed steps")
+                            + " (the baseline's count only its steps that had a draft; its τ above counts every step)"},
         "device": {"backend": "vllm", **run.engine},
         "settings": {**settings.section_values(), "k_sweep": [k], "stop_token_ids": list(stop_ids)},
         "seconds": round(time.perf_counter() - started, 2),
