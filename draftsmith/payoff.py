@@ -249,6 +249,11 @@ def speedups(shape: TargetShape, draft: DraftShape | None, acceptance: Sequence[
     ``proposals`` (share of steps proposing position j) default to every position proposed. A k
     beyond the measured positions rests on extrapolated rates (``acceptance_at_k``, each best's
     ``acceptance``)."""
+    if all(rate is None for rate in acceptance):  # evaluation decoded no step to measure
+        return {"acceptance_rate_by_position": list(acceptance), "measured_positions": 0, "tau": None,
+                "speedup": None, "verify_step_ms": None, "best": None,
+                "not_measured": "evaluation measured no verification step (every generation ended at its "
+                                "first token: eval.max_new_tokens, or the target stopped at once)"}
     top = max(server.k)
     measured = len(acceptance)
     accepted = extend_rates(acceptance, top)
@@ -281,6 +286,8 @@ def measured_range(positions: int) -> str:
 
 def best_line(drafter: dict) -> str:
     """The best k and its speedup at each batch, a k past the measured positions marked extrapolated."""
+    if drafter["best"] is None:
+        return "not estimated: " + drafter["not_measured"]
     measured = measured_range(drafter["measured_positions"])
     return ", ".join(f"B={b['batch']}: k={b['k']}"
                      + (f" (extrapolated beyond the measured {measured})" if b["acceptance"] == "extrapolated" else "")

@@ -259,6 +259,11 @@ def plot_payoff(payoff_json: str | Path, out_path: str | Path) -> Path:
     server = payoff["server"]
     for ax, name, title in ((axes[0], "draft", "EAGLE-3 draft"), (axes[1], "baseline", "n-gram baseline")):
         drafter = payoff[name]
+        ax.set_title(title)
+        if drafter["speedup"] is None:
+            ax.text(0.5, 0.5, "not estimated:\n" + drafter["not_measured"].replace(" (", "\n("), ha="center",
+                    va="center", transform=ax.transAxes, fontsize=9, wrap=True)
+            continue
         kinds = drafter.get("acceptance_at_k") or ["measured"] * len(payoff["k"])  # payoff.json before it
         for i, (k, row, kind) in enumerate(zip(payoff["k"], drafter["speedup"], kinds)):
             extrapolated = kind == "extrapolated"
@@ -269,7 +274,6 @@ def plot_payoff(payoff_json: str | Path, out_path: str | Path) -> Path:
         _log_scale(ax, "x", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("concurrent sequences (batch)")
-        ax.set_title(title)
         ax.grid(alpha=0.3)
         note = None
         if "extrapolated" in kinds:

@@ -187,6 +187,23 @@ def test_a_best_k_beyond_the_measured_positions_is_called_extrapolated(tmp_path,
     assert "extrapolated" not in lines["draft"] and "B=1: k=1 " in lines["draft"]
 
 
+def test_acceptance_that_measured_no_step_is_not_estimated(tmp_path, caplog):
+    """eval.max_new_tokens: 1 (or a target that stops at once) leaves acceptance.json's rates null:
+    not a measured zero, so payoff.json says it estimated nothing, and the plot says so too."""
+    from draftsmith.plots import plot_payoff
+
+    acceptance = {"acceptance_rate_by_position": [None, None, None], "proposal_rate_by_position": [None] * 3,
+                  "baseline": {"acceptance_rate_by_position": [None, None, None]}}
+    paths = _payoff_inputs(tmp_path, acceptance)
+    with caplog.at_level("INFO", logger="draftsmith.payoff"):
+        result = estimate_payoff(*paths, tmp_path / "payoff.json", PayoffSettings(batch_sizes=(1,)))
+    for name in ("draft", "baseline"):
+        assert result[name]["speedup"] is None and result[name]["best"] is None and result[name]["tau"] is None
+        assert "no verification step" in result[name]["not_measured"]
+    assert all("not estimated" in r.getMessage() for r in caplog.records if r.getMessage().startswith(("draft", "baseline")))
+    assert plot_payoff(tmp_path / "payoff.json", tmp_path / "payoff.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_the_workflow_evaluates_each_prompt_set_and_estimates_the_payoff(tmp_path):
     """Real snakemake on the tiny target: an eval.sources set goes through prepare_eval_prompts into
