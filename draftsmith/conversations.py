@@ -251,7 +251,9 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
             if field == "instruction":
                 value = _with_input(value, raw)
             row_id = next((raw[f] for f in ID_FIELDS if raw.get(f) not in (None, "")), None)
-            raw = {"id": row_id, "system": raw.get("system"), "messages": [{"role": "user", "content": value}]}
+            # TRL's conversational prompt-only rows hold the prompt's turns under "prompt"
+            turns = value if _is_turn_list(value) else [{"role": "user", "content": value}]
+            raw = {"id": row_id, "system": raw.get("system"), "messages": turns}
         row = _normalize(_with_system_turn(raw), source, line, "auto", "optional")
         if isinstance(row, Conversation):
             first = first_answer(row.messages)
@@ -261,6 +263,10 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
             else:
                 row = dataclasses.replace(row, messages=row.messages[:first])
         yield row
+
+
+def _is_turn_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) and "role" in v for v in value)
 
 
 def _with_input(instruction: Any, raw: dict) -> Any:

@@ -952,6 +952,8 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
         {"messages": [{"role": "assistant", "content": "an answer to nothing"}]},
         {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Hello"},
                            {"from": "gpt", "value": "An answer"}]},
+        # TRL's conversational prompt-only rows: the prompt's turns under "prompt"
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]},
     ])
     rows = list(load_prompts([source]))
     assert [r.id for r in rows[:3]] == ["81", "HumanEval/0", "mixed:3"]
@@ -964,6 +966,7 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
     assert isinstance(rows[6], BadRow) and rows[6].reason == "missing_turns"
     # a greeting that opens the conversation is part of the prompt before the first answer
     assert [m["content"] for m in rows[7].messages] == ["Hi!", "Hello"]
+    assert rows[8].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 
 def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):
