@@ -561,6 +561,7 @@ def test_the_training_rule_checks_every_shard_before_training_reads_any(world, t
                                weights=str(out / "draft" / "model.safetensors"), summary=str(out / "summary.json")),
         params=SimpleNamespace(work_dir=str(out / "state"),
                                config={"train": {"max_steps": 1, "devices": 1}, "device": "cpu"}),
+        config={"train": {}},  # the workflow's config, which the untracked keys are read from
         resources=SimpleNamespace(gpu=0),
         log=[str(tmp_path / "train.log")])
     with pytest.raises(ExtractionError, match="part 0 shard 3: layer-8.safetensors fails its checksum"):

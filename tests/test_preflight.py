@@ -189,30 +189,28 @@ def test_no_job_that_loads_the_target_starts_a_load_after_the_preflight_failed(t
 
 @pytest.mark.slow
 def test_another_vllm_reruns_preflight_when_a_stage_uses_it(tmp_path):
+    """check_setup checks the vLLM any stage runs; target.json says what vLLM can capture, so
+    inspect_target (and every stage after it) follows the vLLM only when extraction uses it."""
     import os
     import subprocess
 
     from workflow_helpers import SNAKEMAKE
 
     workdir, config = tiny_workflow(tmp_path)
-    config.update(vocab={"draft_vocab_size": 64}, eval={"backend": "vllm"})
-    configfile = write_config(workdir, config)
-    snakemake(workdir, "preflight", configfile=configfile)
     # another vLLM release, as importlib.metadata sees it first on the path
     fake = tmp_path / "site" / "vllm-0.99.0.dist-info"
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{workdir}"}
-    plan = subprocess.run([SNAKEMAKE, "-n", "--cores", "1", "preflight", f"--configfile={configfile}"], cwd=workdir,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    assert planned_rules(plan) == {"inspect_target", "check_setup"}
-    config["eval"] = {"backend": "hf"}  # no stage uses vLLM: its version is no reason to rerun
-    configfile = write_config(workdir, config)
-    snakemake(workdir, "preflight", configfile=configfile)
-    plan = subprocess.run([SNAKEMAKE, "-n", "--cores", "1", "preflight", f"--configfile={configfile}"], cwd=workdir,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert planned_rules(plan) == set(), plan.stdout[-3000:]
+    for sections, reruns in (({"eval": {"backend": "vllm"}}, {"check_setup"}),
+                             ({"extraction": {"backend": "vllm"}}, {"inspect_target", "check_setup"}),
+                             ({}, set())):  # no stage uses vLLM: its version is no reason to rerun
+        configfile = write_config(workdir, {**config, "vocab": {"draft_vocab_size": 64}, **sections})
+        snakemake(workdir, "preflight", configfile=configfile)
+        plan = subprocess.run([SNAKEMAKE, "-n", "--cores", "1", "preflight", f"--configfile={configfile}"],
+                              cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+        assert plan.returncode == 0, plan.stderr[-3000:]
+        assert planned_rules(plan) == reruns, (sections, plan.stdout[-3000:])
 
 
 def test_compressed_and_agentic_sources_are_checked_at_preflight(chatml_tools_tokenizer, chatml_tokenizer, tmp_path):

@@ -754,15 +754,18 @@ def test_workflow_script_plumbs_the_rule_into_run_training(inputs, tmp_path):
                                summary=str(results / "train" / "summary.json")),
         params=SimpleNamespace(work_dir=str(results / "train" / "state"), code="x", config={
             "train": {"ttt_steps": 2, "epochs": 1, "max_steps": 3, "batch_tokens": 96, "lr": 1e-3, "warmup_steps": 1,
-                      "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8, "checkpoint_every": 2,
-                      "log_every": 1, "devices": 1, "nodes": 1, "rdzv_port": 29400},
+                      "weight_decay": 0.0, "max_grad_norm": 1.0, "ttt_decay": 0.8, "log_every": 1, "devices": 1,
+                      "nodes": 1},
             "seed": 0, "device": "cpu"}),
+        # the workflow's config: the keys the rule leaves untracked (TrainSettings.UNTRACKED) come from it
+        config={"train": {"checkpoint_every": 2, "rdzv_port": 29400}},
         resources=SimpleNamespace(gpu=0),
         log=[str(log)])
     runpy.run_path(str(REPO / "workflow_scripts" / "train_draft.py"), init_globals={"snakemake": rule})
     for path in vars(rule.output).values():
         assert Path(path).exists(), path
     assert read_json(results / "train" / "summary.json")["steps"] == 3
+    assert (results / "train" / "state" / "checkpoints" / "step-00000002").is_dir()  # checkpoint_every: 2
     assert (results / "train" / "state" / "checkpoints" / "latest.json").exists()
 
 
