@@ -549,6 +549,18 @@ def test_multi_node_training_is_srun_starting_torchrun_at_a_rendezvous(inputs, t
     assert (tmp_path / "draft" / "model.safetensors").exists()
 
 
+def test_the_worker_module_run_by_hand_says_what_it_takes(tmp_path):
+    """``python -m draftsmith.train`` without its launch file prints a usage line (it was a bare
+    IndexError), and names a missing launch file and where train_draft writes one."""
+    bare = subprocess.run([sys.executable, "-m", "draftsmith.train"], capture_output=True, text=True, cwd=REPO)
+    assert bare.returncode == 2 and "usage: python -m draftsmith.train [-h] launch_json" in bare.stderr
+    assert "Traceback" not in bare.stderr
+    from draftsmith.train.launch import worker_args
+
+    with pytest.raises(TrainingError, match="no such launch file.*train/state"):
+        worker_args([str(tmp_path / "launch.json")])
+
+
 def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_path):
     """With feature noise: the resumed steps draw the noise the uninterrupted run drew."""
     settings = dataclasses.replace(SETTINGS, max_steps=12, checkpoint_every=3, feature_noise=0.1)

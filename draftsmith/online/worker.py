@@ -12,7 +12,7 @@ from draftsmith.train.loop import train_draft
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, settings = worker_args(argv)
+    args, settings = worker_args(argv, prog="python -m draftsmith.online.worker")
     spec = read_json(args.pop("online_spec"))
     pid = args.pop("producer_pid")
     online = OnlineSettings(**spec["online"])

@@ -3,6 +3,7 @@ per node of a SLURM allocation meeting at a c10d rendezvous (several nodes)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
@@ -109,14 +110,21 @@ def run_training(index_path: str | Path | None, mapping_path: str | Path, target
     return summary
 
 
-def worker_args(argv: list[str] | None = None) -> tuple[dict, TrainSettings]:
+def worker_args(argv: list[str] | None = None, prog: str = "python -m draftsmith.train") -> tuple[dict, TrainSettings]:
     """A torchrun worker's launch.json (named in ``argv``): its arguments and settings, with logging
     set up (warnings only, and no progress bar, beyond rank 0)."""
     from draftsmith.logs import setup_logging
 
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog=prog, description="One torchrun worker of a training run. train_draft starts these itself "
+                    "(docs/design.md); run it by hand only to replay a launch file it wrote.")
+    parser.add_argument("launch_json", type=Path, help="the launch.json train_draft wrote in its work directory")
+    launch = parser.parse_args(argv).launch_json
     setup_logging(None)
-    args = read_json(argv[0])
+    if not launch.is_file():
+        raise TrainingError(f"{launch}: no such launch file. train_draft writes it in the run's "
+                            "train/state directory before it starts torchrun; start the stage through the workflow.")
+    args = read_json(launch)
     settings = TrainSettings(**args.pop("settings"))
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)
