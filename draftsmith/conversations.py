@@ -439,6 +439,13 @@ def load_saved_dataset(path: Path):
 # Normalizing rows
 
 
+def line_id(file: str, line: int) -> str:
+    """The id of a row that has none: its file's stem and line. Two sources of one name (a/train.jsonl,
+    b/train.jsonl) give the same ids; ``prepare_dataset`` makes them unique without counting them
+    under ``duplicate_ids``, which counts the ids rows carry more than once."""
+    return f"{Path(file).stem}:{line}"
+
+
 def _normalize(raw: Any, file: str, line: int, fmt: str, answers: str = "given") -> Row:
     """``raw`` as a ``Conversation`` or a ``BadRow``. ``answers``: "given" (rows trained on as they
     are: at least one answer, none empty), "optional" (evaluation prompts: the turns as they are) or
@@ -450,7 +457,7 @@ def _normalize(raw: Any, file: str, line: int, fmt: str, answers: str = "given")
     if not isinstance(raw, dict):
         return bad("unknown_format", f"a row must be an object, not a {type(raw).__name__}")
     raw_id = raw.get("id")
-    row_id = str(raw_id) if raw_id not in (None, "") else f"{Path(file).stem}:{line}"
+    row_id = str(raw_id) if raw_id not in (None, "") else line_id(file, line)
 
     if fmt == "auto":
         # A key holding null counts as absent: parquet and datasets fill columns a row lacks with null.

@@ -52,6 +52,7 @@ from draftsmith.conversations import (  # noqa: F401 - Conversation and load_con
     Tally,
     check_format,
     first_answer,
+    line_id,
     load_conversations,
     max_line_bytes,
     read_rows,
@@ -394,7 +395,7 @@ def _read_ids(sources: Sequence[str | Path], settings: DataSettings, max_line: i
                 tally.bad(row)
                 continue
             row_id = unique_id(row.id, seen)
-            if row_id != row.id:
+            if row_id != row.id and row.id != line_id(row.file, row.line):
                 if not duplicates:
                     log.warning("row %s repeats the id %r; it is kept as %r (stats.json counts such rows under "
                                 "duplicate_ids)", row_where(row.file, row.line), row.id, row_id)

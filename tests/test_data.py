@@ -489,6 +489,20 @@ def test_duplicate_ids_are_made_unique_and_counted(tmp_path, chatml_tokenizer):
     assert stats["duplicate_ids"] == 3
 
 
+def test_rows_without_ids_in_two_sources_of_one_name_are_not_called_repeated(tmp_path, chatml_tokenizer, caplog):
+    """a/train.jsonl and b/train.jsonl, no ids: each row's id is its file's stem and line, so the two
+    files give the same ids; they are made unique, but the rows repeat no id of their own."""
+    sources = []
+    for k, name in enumerate("ab"):
+        (tmp_path / name).mkdir()
+        sources.append(tiny.write_jsonl(tmp_path / name / "train.jsonl",
+                                        [{"messages": conversation(10 * k + i)} for i in range(3)]))
+    stats, train, held = run(tmp_path, sources, chatml_tokenizer)
+    assert sorted(r["id"] for r in train + held) == ["train:1", "train:1#2", "train:2", "train:2#2", "train:3", "train:3#2"]
+    assert stats["duplicate_ids"] == 0
+    assert not [r for r in caplog.records if "repeats the id" in r.getMessage()]
+
+
 def test_stats_totals_agree_with_the_files(tmp_path, chatml_tokenizer):
     source = tmp_path / "bad.jsonl"
     write_bad_rows(source)
