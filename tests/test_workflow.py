@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from workflow_helpers import planned_jobs, planned_rules, snakemake, tiny_workflow, write_config
+from workflow_helpers import copy_workflow, planned_jobs, planned_rules, snakemake, tiny_workflow, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -67,4 +67,16 @@ def test_bad_config_stops_before_any_job(workflow):
     result = snakemake(workdir, "-n", "--config", "train={ttt_stepz: 3}", configfile=config, check=False)
     assert result.returncode != 0
     assert "train.ttt_stepz: unknown key" in result.stdout + result.stderr
+    assert not (workdir / "results").exists()
+
+
+def test_the_demo_plans_in_a_working_directory_of_its_own(tmp_path):
+    """``snakemake -d elsewhere`` without --configfile: the demo's config is read beside the Snakefile
+    (it was looked for under the working directory), and the artifacts go to the working directory."""
+    workdir = copy_workflow(tmp_path / "wf")
+    elsewhere = tmp_path / "elsewhere"
+    plan = snakemake(workdir, "-n", "-d", str(elsewhere))
+    assert {"demo_target", "demo_dataset", "train_draft", "evaluate_draft"} <= planned_rules(plan)
+    snakemake(workdir, "-d", str(elsewhere), "results/demo/data/demo_conversations.jsonl")
+    assert (elsewhere / "results/demo/data/demo_conversations.jsonl").stat().st_size
     assert not (workdir / "results").exists()
