@@ -108,8 +108,11 @@ def normalize_paths(config: dict) -> None:
 def one_spelling(path: str) -> str:
     """``path`` relative to the working directory when it lies under it (``./x.jsonl``, ``a/../x`` and
     ``/abs/workdir/x`` all as ``x``: a project folder moved elsewhere keeps its results), else
-    absolute (``../data/x`` and ``/abs/data/x`` alike). Symbolic links are kept as written."""
+    absolute (``../data/x`` and ``/abs/data/x`` alike). Symbolic links are kept as written, and a
+    ``..`` after one too: the file it leads to is not the one the spelling without both names."""
     absolute = os.path.abspath(path)
+    if os.path.realpath(absolute) != os.path.realpath(path):
+        return os.path.join(os.getcwd(), path)  # as written, from the working directory (os.path.join keeps an absolute path)
     relative = os.path.relpath(absolute)
     return absolute if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 

@@ -93,11 +93,12 @@ class PreflightSettings(StageSettings):
         # the sources are read as the stage after preflight reads them: regeneration reads any format
         return replace(super().from_config(config), format=data_format(config))
 
-    @property
-    def engines(self) -> dict[str, str]:
-        """Which backend each stage that runs the target uses (check_engines refuses a vLLM that cannot)."""
+    def engines(self, synthesizing: bool) -> dict[str, str]:
+        """Which backend each stage that runs the target uses (check_engines refuses a vLLM that cannot);
+        "regenerate" where regeneration's engine writes answers, or whole conversations
+        (``synthesizing``: data.sources holds self)."""
         engines = {"extraction": self.extraction_backend, "eval": self.eval_backend}
-        if self.regenerate_enabled:
+        if self.regenerate_enabled or synthesizing:
             engines["regenerate"] = self.regenerate_backend
         return engines
 
@@ -485,7 +486,7 @@ def check_setup(model_path: str | Path, sources: Sequence[str | Path], out_path:
     else:
         text, architecture = target["text_config"], target["architecture"]
     check_vocab(text.get("vocab_size"), settings.draft_vocab_size)
-    report = {"engines": check_engines(architecture, settings.engines)}
+    report = {"engines": check_engines(architecture, settings.engines(synthesizing=self_written is not None))}
     if settings.check_fits:
         from draftsmith.fits import check_context, check_train_fits, trainer_memory
 

@@ -52,6 +52,7 @@ from draftsmith.errors import DataError, TargetError, out_of_memory_as
 from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, read_jsonl, sha256_file
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
+from draftsmith.targets.vllm_install import engine_release
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
                 "tensor_parallel_size": settings.tensor_parallel_size if settings.backend == "vllm" else 1}
     if eager and settings.backend == "vllm" and numerics["device"] == "cuda":  # other kernels than CUDA graphs'
         numerics["enforce_eager"] = True
+    numerics.update(engine_release(settings.backend))
     payload = {
         "format": REGENERATE_FORMAT,
         "generation": generation,
@@ -314,15 +316,20 @@ def _chunk_path(work_dir: Path, index: int) -> Path:
     return work_dir / f"chunk-{index:06d}.jsonl"
 
 
-def _read_chunk(path: Path, ids: list[str]) -> list[dict] | None:
-    """A finished chunk's rows, or None when it is missing or not the chunk expected here."""
-    if not path.is_file():
+def _counts_path(chunk: Path) -> Path:
+    return chunk.with_suffix(".counts.json")
+
+
+def _kept_chunk(path: Path, ids: list[str]) -> TurnCounts | None:
+    """What a finished chunk's regeneration produced (its answers judged again with the rest), or
+    None when it is missing, lacks its counts, or is not the chunk expected here."""
+    if not path.is_file() or not _counts_path(path).is_file():
         return None
     rows = [row for _, row in read_jsonl(path, error=DataError, fix=f"delete {path}: the rerun regenerates it")]
     if [r.get("id") for r in rows] != ids:
         log.warning("%s does not hold the conversations expected there; regenerating it", path)
         return None
-    return rows
+    return TurnCounts(**read_json(_counts_path(path)))
 
 
 def _prepare_work_dir(work_dir: Path, fingerprint: str) -> None:
@@ -330,11 +337,11 @@ def _prepare_work_dir(work_dir: Path, fingerprint: str) -> None:
     work_dir.mkdir(parents=True, exist_ok=True)
     marker = work_dir / "fingerprint.json"
     old = read_json(marker).get("fingerprint") if marker.is_file() else None
-    stale = sorted(work_dir.glob("chunk-*.jsonl"))
+    stale = sorted(work_dir.glob("chunk-*"))
     if old != fingerprint:
         if stale:
             log.info("settings, model, sources or code changed since %d chunks were written in %s: "
-                     "discarding them", len(stale), work_dir)
+                     "discarding them", sum(p.suffix == ".jsonl" for p in stale), work_dir)
         for path in stale:
             path.unlink()
         atomic_write_json(marker, {"format": REGENERATE_FORMAT, "fingerprint": fingerprint})
@@ -418,7 +425,9 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
         for index, chunk in enumerate(_chunks(load_conversations(sources, regenerating=True), chunk_size, bad)):
             path = _chunk_path(work_dir, index)
             text_rows += sum(not c.is_chat for c in chunk)
-            if _read_chunk(path, [c.id for c in chunk]) is not None:
+            kept = _kept_chunk(path, [c.id for c in chunk])
+            if kept is not None:
+                counts.add(kept)  # judged with the rest: a rerun, or a job killed before the last check
                 reused += 1
             else:
                 chats = [c for c in chunk if c.is_chat]
@@ -428,10 +437,11 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
                 counts.add(chunk_counts)
                 answered = dict(zip(map(id, chats), messages))
                 rows = [_output_row(c, answered.get(id(c))) for c in chunk]
+                atomic_write_json(_counts_path(path), asdict(chunk_counts))  # first: a chunk never lacks its counts
                 atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
                 written += 1
-                if mostly_empty_so_far(counts):
-                    _stop_on_empty_answers(counts, regenerator, target, work_dir)  # not hours of chunks later
+            if mostly_empty_so_far(counts):
+                _stop_on_empty_answers(counts, regenerator, target, work_dir)  # not hours of chunks later
             done_answers += sum(map(_answer_count, chunk))
             progress.update(done_answers - progress.n)  # reused chunks, and answers left as they were
     finally:
@@ -465,7 +475,7 @@ def _stop_on_empty_answers(counts: TurnCounts, regenerator: Regenerator, target:
     try:
         check_answers(counts, regenerator.settings, regenerator.tokenizer, target)
     except TargetError:
-        for path in work_dir.glob("chunk-*.jsonl"):
+        for path in work_dir.glob("chunk-*"):
             path.unlink()
         raise
 

@@ -114,12 +114,13 @@ def eval_source_identity(wildcards):
 
 def engine_version(*stages):
     """The installed vLLM, when one of ``stages`` (PreflightSettings.engines' names: extraction, eval,
-    regenerate; none: any) runs the target through it, so an upgrade reruns the rule that checks or
-    runs it. A workflow that never uses vLLM does not rerun when it changes; inspect_target, whose
+    regenerate, which writes synthesized conversations too; none: any) runs the target through it,
+    so an upgrade reruns the rule that checks or runs it (whose kept chunks and shards are keyed by
+    the release too: targets.vllm_install.engine_release). A workflow that never uses vLLM does not rerun when it changes; inspect_target, whose
     target.json every stage reads, follows extraction's alone (the one that reads what target.json
     says vLLM can capture), so trying eval.backend: vllm after an evaluation in the HF loop reruns
     the preflight and the evaluation, not the extraction and training between them."""
-    engines = PreflightSettings.from_config(config).engines
+    engines = PreflightSettings.from_config(config).engines(synthesizing=writes_its_own())
     if not any(engines.get(stage) == "vllm" for stage in stages or engines):
         return None
     return installed_vllm_version()

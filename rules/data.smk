@@ -51,6 +51,7 @@ rule synthesize_conversations:
         ),
         work_dir=f"{RESULTS}/data/synthesize_work",
         weights=target_weights(),
+        engine=engine_version("regenerate"),
         code=script_code("synthesize_conversations"),
     script:
         "../workflow_scripts/synthesize_conversations.py"
@@ -83,6 +84,7 @@ rule regenerate_responses:
         work_dir=f"{RESULTS}/data/regenerate_work",
         sources_identity=sources_identity(user_sources()),
         weights=target_weights(),
+        engine=engine_version("regenerate"),
         code=script_code("regenerate_responses"),
     script:
         "../workflow_scripts/regenerate_responses.py"

@@ -1,6 +1,7 @@
 """Config validation: every kind of mistake stops the run before any job, naming the key."""
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,12 @@ def test_a_path_is_spelt_one_way_relative_under_the_working_directory_and_absolu
     for spelling in ("../model", "../model/", "../project/../model", outside):
         assert one_spelling(spelling) == outside, spelling
     assert one_spelling(str(project)) == "."
+    # a ".." after a symbolic link leads where the link's target's parent is: never collapsed away
+    elsewhere = tmp_path / "elsewhere" / "sub"
+    elsewhere.mkdir(parents=True)
+    (tmp_path / "elsewhere" / "x.jsonl").write_text("{}\n")
+    (project / "data" / "x.jsonl").write_text("{}\n")  # the file a collapsed spelling would name instead
+    (project / "link").symlink_to(elsewhere)
+    spelt = one_spelling("link/../x.jsonl")
+    assert os.path.realpath(spelt) == str((tmp_path / "elsewhere" / "x.jsonl").resolve()), spelt
+    assert one_spelling("link/x.jsonl") == "link/x.jsonl"

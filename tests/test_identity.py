@@ -1,5 +1,6 @@
 """The target's identity is its content: swapped weights, even of the same size, change it."""
 
+import dataclasses
 import os
 
 import torch
@@ -56,6 +57,15 @@ def test_a_changed_header_or_small_file_changes_it_even_with_the_same_mtime(tmp_
     assert weights_fingerprint(folder) != before
 
 
+def test_a_model_folder_moved_on_its_file_system_keeps_its_identity(tmp_path):
+    """A rename leaves each file's inode, so its times, as they were: the stages that run the target
+    keep their results when the project or the model folder is moved."""
+    folder = _folder(tmp_path / "a", 1.0)
+    before = weights_fingerprint(folder)
+    moved = folder.rename(tmp_path / "b")
+    assert weights_fingerprint(moved) == before
+
+
 def test_hidden_folders_are_not_part_of_the_model(tmp_path):
     folder = _folder(tmp_path, 1.0)
     before = weights_fingerprint(folder)
@@ -92,6 +102,20 @@ def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatc
     monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "patched")
     patched = keys()
     assert patched[0] != swapped[0] and patched[1] != swapped[1]
+
+    # vLLM's release keys what vLLM wrote (the rules rerun on an upgrade: rules/common.smk,
+    # engine_version), and the backend keys the shards: another engine's kernels, other numbers
+    def in_vllm() -> tuple[str, str]:
+        return (part_fingerprint(target, shards, dataclasses.replace(settings, backend="vllm")),
+                regeneration_fingerprint(RegenerateSettings(model_dtype="float32", device="cpu", backend="vllm"),
+                                         model=weights_identity(folder), sources=[]))
+
+    release = in_vllm()
+    assert release[0] != patched[0] and release[1] != patched[1]
+    monkeypatch.setattr("draftsmith.targets.vllm_install.installed_vllm_version", lambda: "0.99.0")
+    upgraded = in_vllm()
+    assert upgraded[0] != release[0] and upgraded[1] != release[1]
+    assert keys() == patched  # where vLLM does not run, its release is nothing to them
 
 
 def test_a_data_source_replaced_by_an_older_copy_or_written_again_changes_its_fingerprint(tmp_path):

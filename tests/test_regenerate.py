@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -369,17 +371,28 @@ def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
 @_vllm_test
 def test_the_workflow_regenerates_through_vllm(tmp_path):
     """The rule's script under Snakemake: vLLM's engine process starts (spawn re-runs the script as
-    __mp_main__), the config's engine_env reaches it, and the rows are written."""
-    from workflow_helpers import snakemake, tiny_workflow, write_config
+    __mp_main__), the config's engine_env reaches it, and the rows are written. Another vLLM release
+    reruns the rule, with only regeneration in vLLM."""
+    from workflow_helpers import SNAKEMAKE_COMMAND, planned_rules, snakemake, tiny_workflow, write_config
 
     workdir, config = tiny_workflow(tmp_path)
     config["regenerate"] = {"enabled": True, "backend": "vllm", "max_new_tokens": 4, "chunk_size": 64}
     config["engine_env"] = {"VLLM_CPU_KVCACHE_SPACE": 1, "regenerate_responses": {"VLLM_ENABLE_V1_MULTIPROCESSING": 1}}
-    snakemake(workdir, "results/t/data/regenerated.jsonl", configfile=write_config(workdir, config))
+    configfile = write_config(workdir, config)
+    snakemake(workdir, "results/t/data/regenerated.jsonl", configfile=configfile)
     rows = (workdir / "results/t/data/regenerated.jsonl").read_text().splitlines()
     assert len(rows) == 40
     log = (workdir / "logs/t/regenerate_responses.log").read_text()
     assert "in vLLM, tensor parallel 1" in log and "40 turns" in log
+
+    fake = tmp_path / "site" / "vllm-0.99.0.dist-info"  # another release, as importlib.metadata sees it first
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
+    plan = subprocess.run([*SNAKEMAKE_COMMAND, "-n", "--cores", "1", "results/t/data/regenerated.jsonl",
+                           f"--configfile={configfile}"], cwd=workdir, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{workdir}"})
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert planned_rules(plan) == {"regenerate_responses"}, plan.stdout[-3000:]
 
 
 def test_sampling_draws_from_the_whole_vocabulary_as_vllm_does(model_dir):
@@ -485,6 +498,20 @@ def test_a_target_that_writes_mostly_empty_answers_stops_before_the_last_chunk(s
         _run(source, model_dir, tmp_path)  # a chunk a conversation: 4 chunks of 1, 2, 1 and 1 answers
     assert len(calls) == 2  # the first chunk's one answer is too few to judge; the second's make three
     assert not list((tmp_path / "work").glob("chunk-*.jsonl"))
+
+
+def test_a_rerun_judges_the_answers_of_the_chunks_it_reuses(source, model_dir, tmp_path, monkeypatch):
+    """A first run lets every empty answer through (data.max_bad_fraction 1.0); a stricter rerun
+    reuses the chunks (the limit is no part of their key) and still refuses their answers."""
+    from draftsmith.errors import TargetError
+
+    _answers_replaced(monkeypatch, lambda n, tokens: [227])
+    first, stats = _run(source, model_dir, tmp_path, max_bad_fraction=1.0)
+    assert stats["empty_answers"] == 5 and stats["chunks_generated"] == 4
+    calls = _count_chunks(monkeypatch)
+    with pytest.raises(TargetError, match="the target wrote 5 empty answers of 5"):
+        _run(source, model_dir, tmp_path, max_bad_fraction=0.5)
+    assert calls == []  # judged from what the chunks kept, none generated again
 
 
 def test_a_few_empty_answers_are_a_warning(source, model_dir, tmp_path, monkeypatch, caplog):

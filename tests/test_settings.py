@@ -168,9 +168,11 @@ def test_from_config_reads_each_field_from_its_key_and_the_schema_default_where_
         preflight = PreflightSettings.from_config({"data": {"format": "conversations"},
                                                    "regenerate": {"enabled": enabled, "backend": "vllm"}})
         assert preflight.format == fmt
-    assert preflight.engines == {"extraction": "hf", "eval": "hf", "regenerate": "vllm"}
-    assert PreflightSettings.from_config({"regenerate": {"backend": "vllm"}, "eval": {"backend": "vllm"}}).engines == \
-        {"extraction": "hf", "eval": "vllm"}
+    assert preflight.engines(synthesizing=False) == {"extraction": "hf", "eval": "hf", "regenerate": "vllm"}
+    without = PreflightSettings.from_config({"regenerate": {"backend": "vllm"}, "eval": {"backend": "vllm"}})
+    assert without.engines(synthesizing=False) == {"extraction": "hf", "eval": "vllm"}
+    # the target writing its own conversations runs regeneration's engine, regeneration on or off
+    assert without.engines(synthesizing=True) == {"extraction": "hf", "eval": "vllm", "regenerate": "vllm"}
     payoff = PayoffSettings.from_config({"extraction": {"tensor_parallel_size": 4}, "target": {"dtype": "float32"}})
     assert payoff.tensor_parallel_size == 4 and payoff.weight_bytes == 4
 
@@ -210,11 +212,13 @@ def test_cache_keys_are_those_of_the_settings_before_they_carried_the_device(mon
     model = {"files": {"config.json": "abc"}}
     monkeypatch.setattr(draftsmith.extract.extract, "weights_identity", lambda path: model)
     monkeypatch.setattr(draftsmith.train.checkpoints, "sha256_file", lambda path: "FILE")
-    before = {  # regeneration_fingerprint(..., seed=7, dtype="float32", device="cpu", tensor_parallel_size=2 or 1)
+    monkeypatch.setattr("draftsmith.targets.vllm_install.installed_vllm_version", lambda: "0.33.0")
+    before = {  # regeneration_fingerprint(..., seed=7, dtype="float32", device="cpu", tensor_parallel_size=2 or 1);
+        # vLLM's keys since they carry its release (targets.vllm_install.engine_release)
         ("hf", 0.0): "638591d74d4e8ba1a083be9ed83344a3043dbcab2ad3da2002b95de831f5fe13",
-        ("vllm", 0.0): "6d326a207d3df4601e58fe29462ca3d0042ffb5ed9f71d6e8acbfb287a772592",
+        ("vllm", 0.0): "8c38bd4e2fe6d72540a65ab198399f6168dd809e7dfe0822fa2f2191547efc33",
         ("hf", 0.7): "654e77fab90c54b1459a29a1677f68820042bdb9e1b75f6456610acea6c4dbd7",
-        ("vllm", 0.7): "7cb2e905646c3063d453ddd2d0d1f732bf536687fa87d622b6331257f1f4d436",
+        ("vllm", 0.7): "b3b19798532c8d2ea3898b7771dec54579ce25edf335e589058c30e3f799eedc",
     }
     for (backend, temperature), key in before.items():
         settings = RegenerateSettings.from_config({

@@ -41,6 +41,7 @@ from draftsmith.extract.shard_writer import PartStore, part_lock
 from draftsmith.io import read_json, read_jsonl
 from draftsmith.settings import PROGRESS_INTERVAL_S
 from draftsmith.targets.identity import weights_identity
+from draftsmith.targets.vllm_install import engine_release
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,9 @@ def plan_part(train_jsonl: str | Path, part: int, parts: int, settings: Extracti
 def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settings: ExtractionSettings) -> str:
     """Hash of everything the part's shards are made from: the capture code (this module and every
     draftsmith module it imports: backends, the shard writer), the model (``weights_identity``),
-    the samples of each shard (ids, tokens, loss masks), the layers, the storage and model dtypes."""
+    the samples of each shard (ids, tokens, loss masks), the layers, the storage and model dtypes,
+    and, where vLLM runs the target, that, its release and its tensor parallel size (other kernels,
+    other reductions)."""
     from draftsmith.fingerprint import code_fingerprint
 
     digest = hashlib.sha256()
@@ -133,6 +136,8 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
         "dtype": settings.dtype,
         "model_dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
     }
+    if settings.backend == "vllm":
+        head.update(backend="vllm", tensor_parallel_size=settings.tensor_parallel_size, **engine_release("vllm"))
     digest.update(json.dumps(head, sort_keys=True).encode())
     for number, shard in enumerate(shards):
         digest.update(f"\nshard {number} {len(shard)}\n".encode())

