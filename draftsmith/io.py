@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,48 @@ def storage_error(path: str | Path, error: OSError) -> StorageError:
         fix = "check the disk and the folder, then rerun: finished work is kept"
     return StorageError(f"cannot write {Path(path).name}: {error.strerror or error}", where=str(path), fix=fix,
                         errno=error.errno)
+
+
+_HELD_LOCKS: set[Path] = set()
+
+
+@contextmanager
+def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]) -> Iterator[Path]:
+    """Hold ``lock`` for this process alone while the block runs (again within it: a no-op).
+
+    An orphaned job (its Snakemake killed) and the rerun's job would otherwise write the same
+    files side by side. The lock is ``flock`` on ``lock``, taken without waiting: the kernel drops
+    it when the holder's last descriptor closes, so a writer killed any way (SIGKILL, the OOM killer)
+    leaves no stale lock. It holds the holder's pid@host while held and nothing after. A second
+    writer gets ``error``: "another process ... is ``doing``", ``where`` and how to find the first.
+    """
+    lock = Path(lock).absolute()
+    if lock in _HELD_LOCKS:
+        yield lock
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
+            pid, _, host = holder.partition("@")
+            raise error(
+                f"another process ({f'pid {pid} on {host}' if pid else 'pid not yet written'}) is {doing}",
+                where=f"{where} (lock {lock})",
+                fix="wait for it to finish, or stop it if it is left over from a killed run "
+                    f"({f'kill {pid} on {host}' if pid else 'fuser ' + str(lock) + ' names it'}), then rerun") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
+        _HELD_LOCKS.add(lock)
+        try:
+            yield lock
+        finally:
+            _HELD_LOCKS.discard(lock)
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
 
 
 def _read_umask() -> int:
@@ -89,9 +134,28 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def read_json(path: str | Path) -> Any:
+def read_json(path: str | Path, *, error: type[DraftsmithError] | None = None, fix: str = "") -> Any:
+    """A JSON file's value; with ``error``, a file that is not JSON (damaged, or cut by a full disk)
+    raises it, naming the file, with ``fix``."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        if error is None:
+            return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise error(f"{Path(path).name} is not JSON ({e})", where=str(path), fix=fix) from None
+
+
+def check_safetensors(path: str | Path, *, error: type[DraftsmithError], fix: str) -> None:
+    """Raise ``error`` naming ``path`` when it is missing or not a whole safetensors file (its header
+    unreadable, or its tensors past the file's end), rather than safetensors' own message later."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError, an OSError, or a ValueError
+        raise error(f"{Path(path).name} cannot be read as safetensors ({e})", where=str(path), fix=fix) from None
 
 
 def read_jsonl(path: str | Path, *, error: type[DraftsmithError] | None,

@@ -299,9 +299,13 @@ def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_
     """Write payoff.json: the speedup the measured acceptance of the draft and of the n-gram baseline
     (acceptance.json) would give on the server of ``settings`` (eval.payoff); ``plots.plot_payoff``
     draws it. Nulls ``from_config`` has not filled in are one GPU's serving in bf16."""
+    from draftsmith.draft.speculators_format import check_draft_folder
+
     server = settings.resolved()
-    target = read_json(target_json)
+    target = read_json(target_json, error=EvaluationError, fix="rerun the inspect_target rule "
+                                                               "(snakemake --forcerun inspect_target)")
     shape = target_shape(target.get("text_config") or {})
+    check_draft_folder(draft_dir, EvaluationError)
     draft = draft_shape(draft_dir)
     acceptance = read_json(acceptance_json)
     plain = [target_step_seconds(shape, server, b, 1) for b in server.batch_sizes]

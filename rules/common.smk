@@ -281,8 +281,12 @@ def eval_source_prompts():
 
 
 def final_outputs():
+    """What a run delivers: the draft itself too, so a draft deleted by a failed retrain is trained
+    again though the evaluation files after it are still there."""
     return [
         f"{RESULTS}/preflight.json",
+        f"{RESULTS}/draft/config.json",
+        f"{RESULTS}/draft/model.safetensors",
         f"{RESULTS}/eval/acceptance.json",
         f"{RESULTS}/eval/acceptance_by_position.png",
         f"{RESULTS}/eval/tau_vs_k.png",

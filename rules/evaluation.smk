@@ -6,6 +6,9 @@
 rule evaluate_draft:
     input:
         draft=f"{RESULTS}/draft/config.json",
+        # the weights too: a retrain leaves config.json byte for byte as it was, and Snakemake does
+        # not rerun for a newer small input whose checksum it finds unchanged
+        weights=f"{RESULTS}/draft/model.safetensors",
         target=rules.inspect_target.output.target,
         heldout=rules.prepare_dataset.output.heldout,
         sources=eval_source_prompts(),

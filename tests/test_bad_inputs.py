@@ -24,7 +24,16 @@ import yaml
 import tiny
 from draftsmith.config import check_config, check_semantics
 from draftsmith.data import DataSettings, prepare_dataset
-from draftsmith.errors import ConfigError, DataError, DraftsmithError, ExtractionError, StorageError, TargetError
+from draftsmith.errors import (
+    ConfigError,
+    DataError,
+    DraftsmithError,
+    EvaluationError,
+    ExtractionError,
+    StorageError,
+    TargetError,
+    TrainingError,
+)
 from draftsmith.extract.extract import extract_part
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.gate import PreflightGateError, gate_for_run, mark_planned, record_verdict, wait_for_preflight
@@ -808,6 +817,54 @@ def _(tmp, env):
     finally:
         holder.kill()
         holder.wait()
+
+
+@case("training-held-by-another-process", TrainingError, "is training in", "draft/model.safetensors")
+def _(tmp, env):
+    import sys
+
+    from draftsmith.train import TrainSettings, run_training
+
+    # the orphaned trainer of a kill -9-ed snakemake, still training when the rerun starts its own
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from draftsmith.train.launch import trainer_lock\n"
+                               f"with trainer_lock(Path({str(tmp / 'work')!r})):\n print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        run_training(tmp / "hs" / "index.json", tmp / "mapping.safetensors", env["target"], tmp / "draft", tmp / "work",
+                     TrainSettings(device="cpu", progress=False))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@case("target-json-damaged", TargetError, "target.json is not JSON", "eval/acceptance.json")
+def _(tmp, env):
+    from draftsmith.evaluate import EvalSettings, evaluate_draft
+
+    # a target.json cut short on disk: the stages that read it name it, where json.load said nothing of where
+    damaged = tmp / "target.json"
+    damaged.write_text(Path(env["target"]).read_text()[:200])
+    evaluate_draft(tmp / "draft", damaged, tmp / "heldout.jsonl", tmp / "eval" / "acceptance.json",
+                   EvalSettings(device="cpu"))
+
+
+@case("draft-damaged", EvaluationError, "model.safetensors cannot be read as safetensors", "eval/acceptance.json")
+def _(tmp, env):
+    from draftsmith.draft.config import Eagle3DraftConfig
+    from draftsmith.draft.model import Eagle3Draft
+    from draftsmith.draft.speculators_format import save_speculators
+    from draftsmith.evaluate import EvalSettings, evaluate_draft
+    from draftsmith.io import read_json
+
+    # the delivered draft's weights cut short (a full disk, a copy stopped half-way): named before any load
+    config = Eagle3DraftConfig.from_target(read_json(env["target"]), draft_vocab_size=64)
+    save_speculators(Eagle3Draft(config), tmp / "draft")
+    weights = tmp / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    evaluate_draft(tmp / "draft", env["target"], tmp / "heldout.jsonl", tmp / "eval" / "acceptance.json",
+                   EvalSettings(device="cpu"))
 
 
 def _train(tmp: Path, env: dict, **settings) -> None:

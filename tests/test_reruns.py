@@ -241,6 +241,28 @@ def test_weights_swapped_in_place_rerun_the_stages_that_run_them(finished):
 
 
 @pytest.mark.slow
+def test_a_draft_trained_alone_is_evaluated_next_and_a_deleted_one_trained_again(finished):
+    """Training alone after a change (``--until train_draft``, or a retrain whose run stopped after
+    it) writes config.json byte for byte as before and other weights: the next run evaluates them.
+    A draft a failed retrain left deleted (Snakemake removes a failed job's outputs) is trained
+    again, though the evaluation files after it are still there."""
+    workdir, configfile = finished
+    snakemake(workdir, configfile=configfile)  # what the tests before left to redo
+    config = yaml.safe_load(configfile.read_text())
+    config["train"]["lr"] = 1e-2
+    other = write_config(workdir, config, name="other_lr.yaml")
+    draft = workdir / RESULTS / "draft"
+    shape = (draft / "config.json").read_bytes()
+    snakemake(workdir, "--until", "train_draft", configfile=other)
+    assert (draft / "config.json").read_bytes() == shape
+    assert {"evaluate_draft", "estimate_payoff"} <= planned_rules(snakemake(workdir, "-n", configfile=other))
+    snakemake(workdir, configfile=other)
+    for name in ("config.json", "model.safetensors"):
+        (draft / name).unlink()
+    assert "train_draft" in planned_rules(snakemake(workdir, "-n", configfile=other))
+
+
+@pytest.mark.slow
 def test_a_source_replaced_by_an_older_file_reruns_the_rules_that_read_it(tmp_path):
     """Snakemake compares modification times only: a data source replaced by an older file (mv,
     cp -p, rsync -t) or a save_to_disk folder written again would leave the old train.jsonl to train

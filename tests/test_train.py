@@ -549,6 +549,48 @@ def test_multi_node_training_is_srun_starting_torchrun_at_a_rendezvous(inputs, t
     assert (tmp_path / "draft" / "model.safetensors").exists()
 
 
+def test_a_damaged_checkpoint_is_passed_over_for_the_one_before_it(inputs, tmp_path):
+    """A checkpoint's files damaged on disk (a write is atomic, so only the disk does it): the rerun
+    resumes from the checkpoint before it, saying which it passed over and why; with none readable,
+    from step 0, where every rerun failed on safetensors' own error before."""
+    settings = dataclasses.replace(SETTINGS, max_steps=6, checkpoint_every=3)
+    train(inputs, tmp_path, settings)  # train_draft alone: no run_training to mark the run delivered
+    work = tmp_path / "run" / "work"
+    latest = work / "checkpoints" / "step-00000006" / "model.safetensors"
+    latest.write_bytes(latest.read_bytes()[:-64])
+    resumed = train(inputs, tmp_path, settings)
+    assert resumed["resumed_from_step"] == 3 and resumed["steps"] == 6
+    assert "step-00000006: model.safetensors cannot be read as safetensors" in resumed["resume"]
+
+    for step in ("step-00000003", "step-00000006"):
+        (work / "checkpoints" / step / "state.json").write_text("{")
+    again = train(inputs, tmp_path, settings)
+    assert again["resumed_from_step"] == 0 and "no readable checkpoint" in again["resume"]
+
+
+def test_a_full_disk_while_logging_metrics_is_a_storage_error_naming_the_file(tmp_path, monkeypatch):
+    """Training's own log on a disk that fills: a StorageError with the file and the fix (free space,
+    rerun: it resumes), not a bare OSError from TensorBoard's writer thread."""
+    import errno
+
+    from draftsmith.errors import StorageError
+    from draftsmith.train.metrics import RunLog
+
+    run_log = RunLog(tmp_path, 0, [10], main=True, progress=False)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_log.metrics_file, "write", full)
+    entry = {"step": 1, "lr": 1e-3, "tokens_per_s": 1.0, "grad_norm": 1.0, "tau": 1.0, "loss": [1.0], "acc": [0.5],
+             "cond_acc": [0.5], "joint_acc": [0.5], "draft_vocab_acc": [1.0]}
+    with pytest.raises(StorageError) as error:
+        run_log.write(entry)
+    assert error.value.where.endswith("metrics.jsonl") and "free disk space" in error.value.fix
+    monkeypatch.undo()
+    run_log.close()
+
+
 def test_the_worker_module_run_by_hand_says_what_it_takes(tmp_path):
     """``python -m draftsmith.train`` without its launch file prints a usage line (it was a bare
     IndexError), and names a missing launch file and where train_draft writes one."""

@@ -14,8 +14,8 @@ from safetensors.torch import save as save_safetensors
 from draftsmith.draft.config import Eagle3DraftConfig
 from draftsmith.draft.model import Eagle3Draft
 from draftsmith.engines.hf_model import MODEL_DTYPES
-from draftsmith.errors import TrainingError
-from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.errors import DraftsmithError, TrainingError
+from draftsmith.io import atomic_write_bytes, atomic_write_json, check_safetensors, read_json
 from draftsmith.targets.vllm_compat import vocab_maps_allowed
 
 
@@ -45,6 +45,15 @@ def save_speculators(model: Eagle3Draft, out_dir: str | Path, *, dtype: str = "b
         atomic_write_json(out_dir / name, obj)
     atomic_write_json(out_dir / "config.json", model.config.to_speculators(dtype=dtype))
     return out_dir
+
+
+def check_draft_folder(path: str | Path, error: type[DraftsmithError]) -> None:
+    """A delivered draft whose files cannot be read (damaged, cut by a full disk, or gone) as
+    ``error`` naming the file, before a stage that reads it loads anything else."""
+    path = Path(path)
+    fix = "train the draft again (snakemake --forcerun train_draft), or put the file back from a copy"
+    read_json(path / "config.json", error=error, fix=fix)
+    check_safetensors(path / "model.safetensors", error=error, fix=fix)
 
 
 def load_speculators(path: str | Path, *, dtype: torch.dtype = torch.float32,

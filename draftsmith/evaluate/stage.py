@@ -29,10 +29,12 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     (``eval.backend: vllm``, ``_in_vllm_alone``); or with ``eval.hf_check`` the draft served by vLLM
     and checked against the HF loop (``_served_and_in_hf_loop``), where the HF loop can hold the target.
     """
+    from draftsmith.draft.speculators_format import check_draft_folder
     from draftsmith.engines.hf_model import model_dtype_name, resolve_device
     from draftsmith.targets.inspect import read_target_json
 
     target = read_target_json(target_json)
+    check_draft_folder(draft_dir, EvaluationError)
     prompts = read_prompts(heldout_jsonl, settings.max_prompts)
     _warn_past_context(target, prompts, settings, heldout_jsonl)
     sources = sources or {}

@@ -7,11 +7,8 @@ written, synced and checksummed, so a crash leaves either a whole shard or none.
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import shutil
-import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,46 +38,21 @@ from draftsmith.extract.hidden_states import (
     shard_manifest_bytes,
 )
 from draftsmith.extract.safetensors_stream import SafetensorsStream, write_safetensors
-from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
+from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sole_writer
 
 log = logging.getLogger(__name__)
 
 
 @contextmanager
 def part_lock(root: str | Path, part: int) -> Iterator[Path]:
-    """Hold part ``part`` of the store at ``root`` for this process alone while the block runs.
-
-    An orphaned job (its Snakemake killed) and the rerun's job would otherwise write the same
-    part's shards side by side. The lock is ``flock`` on ``<root>/part-<p>.lock``, taken without
-    waiting: the kernel drops it when the holder's last descriptor closes, so a writer killed any
-    way (SIGKILL, the OOM killer) leaves no stale lock. The file lies beside the part's folder, not
-    in it, because a part made from other inputs is cleared whole (``PartStore``); it holds the
-    holder's pid@host while held and nothing after, so a finished store's files are the same bytes
-    whoever wrote them.
-    """
+    """Hold part ``part`` of the store at ``root`` for this process alone while the block runs
+    (``io.sole_writer``): an orphaned job and the rerun's would otherwise write the same part's
+    shards side by side. The lock, ``<root>/part-<p>.lock``, lies beside the part's folder, not in
+    it, because a part made from other inputs is cleared whole (``PartStore``)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{part_dir_name(part)}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
-            pid, _, host = holder.partition("@")
-            raise ExtractionError(
-                f"another process ({f'pid {pid} on {host}' if pid else 'pid not yet written'}) is writing "
-                f"extraction part {part}", where=f"{root / part_dir_name(part)} (lock {path})",
-                fix="wait for it to finish, or stop it if it is left over from a killed run "
-                    f"({f'kill {pid} on {host}' if pid else 'fuser ' + str(path) + ' names it'}), then rerun") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
-        try:
-            yield path
-        finally:
-            os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)
+    with sole_writer(root / f"{part_dir_name(part)}.lock", f"writing extraction part {part}",
+                     str(root / part_dir_name(part)), ExtractionError) as path:
+        yield path
 
 
 class PartStore:

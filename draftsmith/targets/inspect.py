@@ -528,7 +528,7 @@ def refused_path(out_path: str | Path) -> Path:
 def read_target_json(path: str | Path) -> dict:
     from draftsmith.io import read_json
 
-    info = read_json(path)
+    info = read_json(path, error=TargetError, fix="rerun the inspect_target rule (snakemake --forcerun inspect_target)")
     if info.get("format") != TARGET_FORMAT:
         raise TargetError(f"not a Draftsmith target description (format {info.get('format')!r})", where=str(path),
                           fix="rerun the inspect_target rule")

@@ -15,7 +15,7 @@ from safetensors.torch import save as save_safetensors
 
 from draftsmith.draft.model import Eagle3Draft
 from draftsmith.errors import TrainingError
-from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sha256_file
+from draftsmith.io import atomic_write_bytes, atomic_write_json, check_safetensors, fsync_dir, read_json, sha256_file
 from draftsmith.train.settings import TrainSettings
 
 CHECKPOINT_FORMAT = "draftsmith.train-checkpoint/2"
@@ -128,9 +128,10 @@ def find_checkpoint(work_dir: Path, key: dict[str, str]) -> tuple[Path | None, d
     pointer = ckpt_root / "latest.json"
     if not pointer.exists():
         return None, None, f"no checkpoint in {ckpt_root}: training from step 0"
-    path = ckpt_root / read_json(pointer)["path"]
-    if not (path / "state.json").exists():
-        return None, None, f"the checkpoint pointer in {ckpt_root} names no checkpoint: training from step 0"
+    path, passed_over = _newest_readable(ckpt_root, pointer)
+    damaged = f" (passed over, unreadable: {'; '.join(passed_over)})" if passed_over else ""
+    if path is None:
+        return None, None, f"no readable checkpoint in {ckpt_root}{damaged}: training from step 0"
     state = read_json(path / "state.json")
     old = state.get("key") or {}
     changed = [_KEY_PARTS[part] for part in key if old.get(part) != key[part]]
@@ -142,7 +143,31 @@ def find_checkpoint(work_dir: Path, key: dict[str, str]) -> tuple[Path | None, d
         # (--forcerun) or its outputs were removed, and a rerun must train, not copy the old draft.
         return None, None, (f"not resuming from {path.name}: it ends a finished run whose draft was delivered; "
                             "training again from step 0")
-    return path, state, f"resuming from {path} (step {state['step']}): same code, settings and inputs"
+    return path, state, f"resuming from {path} (step {state['step']}): same code, settings and inputs{damaged}"
+
+
+def _newest_readable(ckpt_root: Path, pointer: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint latest.json names or, where it cannot be read (its files damaged on disk), the
+    newest one before it that can; and those passed over, with why. Writes are atomic, so only the
+    disk damages a checkpoint, and the one before it (train.keep_checkpoints) is still a resume."""
+    try:
+        named: Path | None = ckpt_root / read_json(pointer, error=TrainingError)["path"]
+    except (TrainingError, KeyError, TypeError):
+        named = None
+    older = sorted((p for p in ckpt_root.glob("step-*") if p.is_dir()), reverse=True)
+    candidates = ([named] if named is not None else []) + [p for p in older if named is None or p.name < named.name]
+    passed_over = []
+    for path in candidates:
+        try:
+            for name in ("state.json", "optimizer.json"):
+                read_json(path / name, error=TrainingError)
+            for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+                check_safetensors(path / name, error=TrainingError, fix="")
+        except (TrainingError, OSError) as e:
+            passed_over.append(f"{path.name}: {e.what if isinstance(e, TrainingError) else e}")
+            continue
+        return path, passed_over
+    return None, passed_over
 
 
 def load_checkpoint(path: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer) -> None:

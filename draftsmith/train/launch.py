@@ -14,7 +14,7 @@ from pathlib import Path
 
 from draftsmith.errors import TrainingError
 from draftsmith.extract.hidden_states import verify_store
-from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json
+from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json, sole_writer
 from draftsmith.train.batches import StateSource
 from draftsmith.train.checkpoints import FINISHED
 from draftsmith.train.loop import train_draft
@@ -73,41 +73,50 @@ def run_training(index_path: str | Path | None, mapping_path: str | Path, target
     Online training passes the ``source`` of its shards for this process, or, for torchrun's
     processes, the ``worker`` module that builds one from ``worker_args`` (in launch.json)."""
     work_dir = Path(work_dir)
-    launch = work_dir / "launch.json"
-    if devices * nodes > 1:  # a launch that cannot work stops before the store is read
-        cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port, worker=worker)
-    if settings.verify_shards and index_path is not None:
-        # Every shard's checksums before any state is read (training reads them shuffled): a damaged
-        # shard stops the run here, by name, and its part is queued for re-extraction.
-        verify_store(index_path)
-        settings = dataclasses.replace(settings, verify_shards=False)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    args = {"index_path": None if index_path is None else str(index_path), "mapping_path": str(mapping_path),
-            "target_json": str(target_json), "out_dir": str(out_dir), "work_dir": str(work_dir),
-            "settings": dataclasses.asdict(settings), **(worker_args or {})}
-    if devices * nodes > 1:
-        import subprocess
+    with trainer_lock(work_dir):
+        launch = work_dir / "launch.json"
+        if devices * nodes > 1:  # a launch that cannot work stops before the store is read
+            cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port, worker=worker)
+        if settings.verify_shards and index_path is not None:
+            # Every shard's checksums before any state is read (training reads them shuffled): a damaged
+            # shard stops the run here, by name, and its part is queued for re-extraction.
+            verify_store(index_path)
+            settings = dataclasses.replace(settings, verify_shards=False)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        args = {"index_path": None if index_path is None else str(index_path), "mapping_path": str(mapping_path),
+                "target_json": str(target_json), "out_dir": str(out_dir), "work_dir": str(work_dir),
+                "settings": dataclasses.asdict(settings), **(worker_args or {})}
+        if devices * nodes > 1:
+            import subprocess
 
-        atomic_write_json(launch, args)
-        log.info("launching %s", " ".join(cmd))
-        with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
-            code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None, env=env)
-        if code != 0:
-            raise TrainingError(f"{devices * nodes} training processes ({nodes} node(s)) exited with status {code}",
-                                where=str(log_path or "stderr"),
-                                fix="read the first traceback in the log; rerunning resumes from the last checkpoint")
-        summary = read_json(work_dir / "summary.json")
-    else:
-        summary = train_draft(index_path, mapping_path, target_json, out_dir, work_dir, settings, source=source)
-    if metrics_out is not None:
-        source = work_dir / "metrics.jsonl"
-        atomic_write_bytes(metrics_out, source.read_bytes() if source.exists() else b"")
-    if summary_out is not None:
-        atomic_write_json(summary_out, summary)
-    # The draft is delivered: a later run of the rule (--forcerun, outputs removed) trains again
-    # instead of resuming at the last step and re-saving this draft.
-    atomic_write_json(work_dir / FINISHED, {"checkpoint": summary.get("checkpoint"), "steps": summary.get("steps")})
-    return summary
+            atomic_write_json(launch, args)
+            log.info("launching %s", " ".join(cmd))
+            with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
+                code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT if sink else None, env=env)
+            if code != 0:
+                raise TrainingError(f"{devices * nodes} training processes ({nodes} node(s)) exited with status {code}",
+                                    where=str(log_path or "stderr"),
+                                    fix="read the first traceback in the log; rerunning resumes from the last checkpoint")
+            summary = read_json(work_dir / "summary.json")
+        else:
+            summary = train_draft(index_path, mapping_path, target_json, out_dir, work_dir, settings, source=source)
+        if metrics_out is not None:
+            source = work_dir / "metrics.jsonl"
+            atomic_write_bytes(metrics_out, source.read_bytes() if source.exists() else b"")
+        if summary_out is not None:
+            atomic_write_json(summary_out, summary)
+        # The draft is delivered: a later run of the rule (--forcerun, outputs removed) trains again
+        # instead of resuming at the last step and re-saving this draft.
+        atomic_write_json(work_dir / FINISHED, {"checkpoint": summary.get("checkpoint"), "steps": summary.get("steps")})
+        return summary
+
+
+def trainer_lock(work_dir: Path):
+    """This run's trainer alone in ``work_dir`` (``io.sole_writer``, the lock beside it): an orphaned
+    trainer, its Snakemake killed, and the rerun's would resume from the same checkpoints, delete
+    each other's and both write the draft."""
+    return sole_writer(work_dir.parent / f"{work_dir.name}.lock", f"training in {work_dir}", str(work_dir),
+                       TrainingError)
 
 
 def worker_args(argv: list[str] | None = None, prog: str = "python -m draftsmith.train") -> tuple[dict, TrainSettings]:

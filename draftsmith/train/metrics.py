@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftsmith.io import atomic_write_text, read_jsonl
+from draftsmith.io import atomic_write_text, read_jsonl, storage_error
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,10 @@ class RunLog:
         """Log one entry (``summarize``'s figures plus step, lr, tokens, throughput, gradient norm)."""
         if self.metrics_file is None:
             return
-        _log_metrics(self.metrics_file, self.writer, entry)
+        try:
+            _log_metrics(self.metrics_file, self.writer, entry)
+        except OSError as e:  # a full disk: say so, not TensorBoard's thread
+            raise storage_error(self.metrics_file.name, e) from e
         if self.progress is not None:
             self.progress.set_postfix(loss=_rounded(entry["loss"][0]), acc0=_rounded(entry["acc"][0]),
                                       tau=_rounded(entry["tau"]))
@@ -106,4 +109,7 @@ class RunLog:
     def close(self) -> None:
         for sink in (self.progress, self.metrics_file, self.writer):
             if sink is not None:
-                sink.close()
+                try:
+                    sink.close()
+                except OSError as e:
+                    raise storage_error(getattr(sink, "name", None) or getattr(sink, "log_dir", "tensorboard"), e) from e
