@@ -246,12 +246,13 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
                                                              f"({', '.join(PROMPT_FIELDS)}) (keys: {keys})")
                 continue
             value = raw[field]
-            if field == "turns" and isinstance(value, list) and value:
-                value = value[0]  # MT-bench: later turns follow the target's own first answer
+            if field == "turns" and isinstance(value, list) and value and not _is_turn_list(value):
+                value = value[0]  # MT-bench's strings: later turns follow the target's own first answer
             if field == "instruction":
                 value = _with_input(value, raw)
             row_id = next((raw[f] for f in ID_FIELDS if raw.get(f) not in (None, "")), None)
-            # TRL's conversational prompt-only rows hold the prompt's turns under "prompt"
+            # TRL's conversational prompt-only rows hold the prompt's turns under "prompt" (OpenAI's
+            # or ShareGPT's keys, read as in a conversation)
             turns = value if _is_turn_list(value) else [{"role": "user", "content": value}]
             raw = {"id": row_id, "system": raw.get("system"), "messages": turns}
         row = _normalize(_with_system_turn(raw), source, line, "auto", "optional")
@@ -266,7 +267,8 @@ def load_prompts(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYT
 
 
 def _is_turn_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) and "role" in v for v in value)
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) and ("role" in v or "from" in v)
+                                                           for v in value)
 
 
 def _with_input(instruction: Any, raw: dict) -> Any:

@@ -249,7 +249,7 @@ def speedups(shape: TargetShape, draft: DraftShape | None, acceptance: Sequence[
     ``proposals`` (share of steps proposing position j) default to every position proposed. A k
     beyond the measured positions rests on extrapolated rates (``acceptance_at_k``, each best's
     ``acceptance``)."""
-    if all(rate is None for rate in acceptance):  # evaluation decoded no step to measure
+    if acceptance and all(rate is None for rate in acceptance):  # evaluation decoded no step to measure
         return {"acceptance_rate_by_position": list(acceptance), "measured_positions": 0, "tau": None,
                 "speedup": None, "verify_step_ms": None, "best": None,
                 "not_measured": "evaluation measured no verification step (every generation ended at its "

@@ -968,6 +968,9 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
                            {"from": "gpt", "value": "An answer"}]},
         # TRL's conversational prompt-only rows: the prompt's turns under "prompt"
         {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]},
+        # the same with ShareGPT's keys, and turns as a list of turns rather than MT-bench's strings
+        {"prompt": [{"from": "human", "value": "Name a fruit."}]},
+        {"turns": [{"role": "user", "content": "Name a tree."}]},
     ])
     rows = list(load_prompts([source]))
     assert [r.id for r in rows[:3]] == ["81", "HumanEval/0", "mixed:3"]
@@ -981,6 +984,8 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
     # a greeting that opens the conversation is part of the prompt before the first answer
     assert [m["content"] for m in rows[7].messages] == ["Hi!", "Hello"]
     assert rows[8].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    assert rows[9].messages == [{"role": "user", "content": "Name a fruit."}]
+    assert rows[10].messages == [{"role": "user", "content": "Name a tree."}]
 
 
 def test_prepare_eval_prompts_renders_prompts_as_the_heldout_split(tmp_path):

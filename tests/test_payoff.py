@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, EvaluationError
 from draftsmith.payoff import (
     DraftShape,
     PayoffSettings,
@@ -202,6 +202,12 @@ def test_acceptance_that_measured_no_step_is_not_estimated(tmp_path, caplog):
         assert "no verification step" in result[name]["not_measured"]
     assert all("not estimated" in r.getMessage() for r in caplog.records if r.getMessage().startswith(("draft", "baseline")))
     assert plot_payoff(tmp_path / "payoff.json", tmp_path / "payoff.png").stat().st_size > 0
+
+    # no rates at all is a damaged acceptance.json, not a run that measured nothing
+    empty = {"acceptance_rate_by_position": [], "baseline": {"acceptance_rate_by_position": []}}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EvaluationError, match="holds no acceptance by position"):
+        estimate_payoff(*_payoff_inputs(tmp_path / "empty", empty), tmp_path / "empty.json", PayoffSettings(batch_sizes=(1,)))
 
 
 @pytest.mark.slow

@@ -184,7 +184,10 @@ def with_undrafted_steps(generation: Generation) -> Generation:
     """``generation`` from vLLM's n-gram speculator, whose step records hold the steps that had a
     draft only, with a step of nothing proposed for each of the others: each decode step after the
     prefill's token emits its accepted tokens and one more, so the steps are the tokens after the
-    first less the accepted ones (a step cut short by a stop makes it at most one step fewer)."""
+    first less the accepted ones. vLLM records a step's accepted tokens before it cuts the output at
+    a stop or at max_tokens, so a last drafted step cut short counts up to k tokens the output lacks,
+    and this count up to k undrafted steps too few (a baseline τ a little high; the one-engine replay,
+    eval.separate_engines off, counts every step exactly)."""
     undrafted = max(len(generation.tokens) - 1 - sum(a + 1 for a in generation.accepted), 0)
     return dataclasses.replace(generation, accepted=[*generation.accepted, *[0] * undrafted],
                                proposed=[*generation.proposed, *[0] * undrafted])
