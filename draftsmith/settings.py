@@ -139,8 +139,9 @@ class StageSettings:
     A subclass names its config section (``SECTION``), the keys of that section it does not take
     and why (``NOT_SETTINGS``), and any key it reads besides its fields' (``ALSO_READS``), so a
     rule can hand it exactly the config it reads (``config_keys``). ``UNTRACKED``: the keys its
-    rule's script reads that change neither what the stage writes nor whether a result still holds
-    (how often to checkpoint, a batch size the stage's own cache key leaves out): the rule leaves
+    rule's script reads that change how the stage runs, not what it computes (how often to
+    checkpoint; a batch size, which at most moves a bf16 state by its rounding, and which the
+    stage's own cache key leaves out, so its kept work is reused either way): the rule leaves
     them out of its tracked parameter, and the script puts them back from the workflow's config
     (``with_untracked``), so changing one reruns nothing.
     """
