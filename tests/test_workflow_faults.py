@@ -182,3 +182,28 @@ def test_crashes_a_concurrent_run_and_a_corrupt_shard_cost_only_the_unit_in_flig
     assert victim.read_bytes() == good
     assert {p: Path(p).stat().st_mtime_ns for p in intact} == intact  # only the damaged shard was rewritten
     assert _sha(workdir / DRAFT) == draft
+
+
+def test_a_job_that_outlived_its_killed_snakemake_is_redone_by_a_plain_rerun(workflow):
+    """kill -9 of snakemake alone (a lost login shell): its job goes on and writes its outputs, which
+    Snakemake still holds incomplete. A plain rerun (the workflow profile's rerun-incomplete, read
+    with or without another profile) redoes the job instead of stopping at them."""
+    workdir, model, data = workflow
+    config = write_config(workdir, _config(model, data))
+    script = workdir / "workflow_scripts" / "prepare_dataset.py"
+    script.write_text('import os, time\nif os.path.exists("SLOW"):\n    time.sleep(20)\n' + script.read_text())
+    (workdir / "SLOW").touch()
+    train = workdir / RESULTS / "data" / "train.jsonl"
+    run = _start(workdir, config, f"{RESULTS}/data/train.jsonl")
+    _wait(run, lambda: any("prepare_dataset" in cmd for _, cmd in _session(run.pid)), "prepare_dataset")
+    orphans = [pid for pid, cmd in _session(run.pid) if "prepare_dataset" in cmd]
+    os.kill(run.pid, signal.SIGKILL)  # snakemake alone: the job lives on
+    run.communicate(timeout=60)
+    deadline = time.monotonic() + 120
+    while any(Path(f"/proc/{pid}").exists() for pid in orphans) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert train.exists()  # the orphan finished its outputs
+    (workdir / "SLOW").unlink()
+    snakemake(workdir, "--unlock", configfile=config)
+    rerun = snakemake(workdir, f"{RESULTS}/data/train.jsonl", configfile=config)
+    assert "IncompleteFilesException" not in rerun.stderr and "prepare_dataset" in rerun.stderr
