@@ -303,7 +303,7 @@ def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_
 
     server = settings.resolved()
     target = read_json(target_json, error=EvaluationError, fix="rerun the inspect_target rule "
-                                                               "(snakemake --forcerun inspect_target)")
+                                                               "(snakemake --forcerun inspect_target --cores all, with the run's --configfile)")
     shape = target_shape(target.get("text_config") or {})
     check_draft_folder(draft_dir, EvaluationError)
     draft = draft_shape(draft_dir)

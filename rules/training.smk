@@ -78,6 +78,8 @@ else:
         threads: job_threads(train_gpus())
         resources:
             gpu=train_gpus(),
+            # SLURM's node count (the slurm executor's --nodes), so train.nodes alone asks for them
+            nodes=config["train"]["nodes"],
         params:
             work_dir=f"{RESULTS}/train/state",
             config=stage_config(

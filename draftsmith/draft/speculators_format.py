@@ -51,7 +51,8 @@ def check_draft_folder(path: str | Path, error: type[DraftsmithError]) -> None:
     """A delivered draft whose files cannot be read (damaged, cut by a full disk, or gone) as
     ``error`` naming the file, before a stage that reads it loads anything else."""
     path = Path(path)
-    fix = "train the draft again (snakemake --forcerun train_draft), or put the file back from a copy"
+    fix = ("train the draft again (snakemake --forcerun train_draft --cores all, with the run's --configfile), "
+           "or put the file back from a copy")
     read_json(path / "config.json", error=error, fix=fix)
     check_safetensors(path / "model.safetensors", error=error, fix=fix)
 

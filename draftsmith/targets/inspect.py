@@ -429,9 +429,10 @@ def check_gpu_present(device: str) -> None:
     raise ConfigError(
         "device: cuda, but torch sees no CUDA GPU on this machine (torch.cuda.is_available() is false), "
         "so the stages that run the target or train would stop", where="config key device",
-        fix="set device: cpu (or auto: the GPU where there is one), or run where torch can use a GPU (an NVIDIA "
-            f"driver, nvidia-smi listing the GPUs, a CUDA build of torch); {DEVICES_ENV} only names GPU ids for "
-            "placement, it makes none usable")
+        fix="on a cluster's login node, run it through the cluster's profile (--profile profiles/slurm: the jobs "
+            "run on its nodes, docs/cluster.md) and keep device: cuda; on one machine, set device: cpu (or auto: "
+            "the GPU where there is one), or run where torch can use a GPU (an NVIDIA driver, nvidia-smi listing "
+            f"the GPUs, a CUDA build of torch); {DEVICES_ENV} only names GPU ids for placement, it makes none usable")
 
 
 def _weights_phrase(info: dict, dtype: str) -> str:
@@ -528,7 +529,8 @@ def refused_path(out_path: str | Path) -> Path:
 def read_target_json(path: str | Path) -> dict:
     from draftsmith.io import read_json
 
-    info = read_json(path, error=TargetError, fix="rerun the inspect_target rule (snakemake --forcerun inspect_target)")
+    info = read_json(path, error=TargetError, fix="rerun the inspect_target rule (snakemake --forcerun inspect_target "
+                                                  "--cores all, with the run's --configfile)")
     if info.get("format") != TARGET_FORMAT:
         raise TargetError(f"not a Draftsmith target description (format {info.get('format')!r})", where=str(path),
                           fix="rerun the inspect_target rule")

@@ -47,14 +47,14 @@ def launch_command(launch: Path, devices: int, nodes: int = 1, *, rdzv_port: int
     if job is None:
         raise TrainingError(f"train.nodes is {nodes}, but this job is not a SLURM allocation",
                             where="train.nodes",
-                            fix="run the workflow with --profile profiles/slurm and set nodes for train_draft "
-                                "there to train.nodes (docs/cluster.md), or set train.nodes: 1")
+                            fix="run the workflow with --profile profiles/slurm (train_draft then asks SLURM for "
+                                "train.nodes nodes: docs/cluster.md), or set train.nodes: 1")
     allocated = int(env.get("SLURM_JOB_NUM_NODES", "1"))
     if allocated < nodes:
         raise TrainingError(f"train.nodes is {nodes}, but SLURM job {job} has {allocated} node(s)",
                             where="train.nodes",
-                            fix=f"give train_draft nodes: {nodes} in the profile's set-resources "
-                                f"(or --set-resources train_draft:nodes={nodes})")
+                            fix="the rule asks for train.nodes nodes: remove any nodes a profile's set-resources "
+                                "or --set-resources gives train_draft, which overrides it (docs/cluster.md)")
     cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={devices}",
            "--kill-on-bad-exit=1", *torchrun, f"--nnodes={nodes}", "--rdzv_backend=c10d",
            f"--rdzv_endpoint={socket.gethostname()}:{rdzv_port}", f"--rdzv_id=draftsmith-{job}", *module]
