@@ -138,11 +138,11 @@ def read_json(path: str | Path, *, error: type[DraftsmithError] | None = None, f
     """A JSON file's value; with ``error``, a file that is not JSON (damaged, or cut by a full disk)
     raises it, naming the file, with ``fix``."""
     with open(path, encoding="utf-8") as f:
-        if error is None:
-            return json.load(f)
         try:
             return json.load(f)
         except ValueError as e:
+            if error is None:
+                raise
             raise error(f"{Path(path).name} is not JSON ({e})", where=str(path), fix=fix) from None
 
 

@@ -300,10 +300,10 @@ def estimate_payoff(acceptance_json: str | Path, target_json: str | Path, draft_
     (acceptance.json) would give on the server of ``settings`` (eval.payoff); ``plots.plot_payoff``
     draws it. Nulls ``from_config`` has not filled in are one GPU's serving in bf16."""
     from draftsmith.draft.speculators_format import check_draft_folder
+    from draftsmith.targets.inspect import INSPECT_AGAIN
 
     server = settings.resolved()
-    target = read_json(target_json, error=EvaluationError, fix="rerun the inspect_target rule "
-                                                               "(snakemake --forcerun inspect_target --cores all, with the run's --configfile)")
+    target = read_json(target_json, error=EvaluationError, fix=INSPECT_AGAIN)
     shape = target_shape(target.get("text_config") or {})
     check_draft_folder(draft_dir, EvaluationError)
     draft = draft_shape(draft_dir)

@@ -800,43 +800,40 @@ def _(tmp, env):
                  ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs", tmp / "hs" / "part-0.json")
 
 
-@case("extraction-part-held-by-another-process", ExtractionError, "is writing extraction part 0", "hs/part-0.json")
-def _(tmp, env):
+@contextlib.contextmanager
+def _held_in_another_process(imports: str, lock: str):
+    """``with <lock>:`` entered in another process (the orphaned job of a kill -9-ed snakemake, still
+    writing when the rerun starts its own) for as long as the block runs."""
     import sys
 
-    # an orphaned job (its snakemake killed -9) still writing part 0 when the rerun starts it again
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from draftsmith.extract.shard_writer import part_lock\n"
-                               f"with part_lock({str(tmp / 'hs')!r}, 0):\n print('held', flush=True); sys.stdin.read()"],
+        [sys.executable, "-c", f"import sys; {imports}\nwith {lock}:\n print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert holder.stdout.readline() == b"held\n"
-        train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
-        extract_part(train, env["target"], 0, ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs",
-                     tmp / "hs" / "part-0.json")
+        yield
     finally:
         holder.kill()
         holder.wait()
+
+
+@case("extraction-part-held-by-another-process", ExtractionError, "is writing extraction part 0", "hs/part-0.json")
+def _(tmp, env):
+    with _held_in_another_process("from draftsmith.extract.shard_writer import part_lock",
+                                  f"part_lock({str(tmp / 'hs')!r}, 0)"):
+        train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+        extract_part(train, env["target"], 0, ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs",
+                     tmp / "hs" / "part-0.json")
 
 
 @case("training-held-by-another-process", TrainingError, "is training in", "draft/model.safetensors")
 def _(tmp, env):
-    import sys
-
     from draftsmith.train import TrainSettings, run_training
 
-    # the orphaned trainer of a kill -9-ed snakemake, still training when the rerun starts its own
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from draftsmith.train.launch import trainer_lock\n"
-                               f"with trainer_lock(Path({str(tmp / 'work')!r})):\n print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert holder.stdout.readline() == b"held\n"
+    with _held_in_another_process("from pathlib import Path; from draftsmith.train.launch import trainer_lock",
+                                  f"trainer_lock(Path({str(tmp / 'work')!r}))"):
         run_training(tmp / "hs" / "index.json", tmp / "mapping.safetensors", env["target"], tmp / "draft", tmp / "work",
                      TrainSettings(device="cpu", progress=False))
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 @case("target-json-damaged", TargetError, "target.json is not JSON", "eval/acceptance.json")

@@ -526,12 +526,15 @@ def refused_path(out_path: str | Path) -> Path:
     return out_path.with_name(f"{out_path.stem}.refused.json")
 
 
+# How target.json is made again, wherever a stage finds it damaged or not Draftsmith's.
+INSPECT_AGAIN = "rerun the inspect_target rule (snakemake --forcerun inspect_target --cores all, with the run's --configfile)"
+
+
 def read_target_json(path: str | Path) -> dict:
     from draftsmith.io import read_json
 
-    info = read_json(path, error=TargetError, fix="rerun the inspect_target rule (snakemake --forcerun inspect_target "
-                                                  "--cores all, with the run's --configfile)")
+    info = read_json(path, error=TargetError, fix=INSPECT_AGAIN)
     if info.get("format") != TARGET_FORMAT:
         raise TargetError(f"not a Draftsmith target description (format {info.get('format')!r})", where=str(path),
-                          fix="rerun the inspect_target rule")
+                          fix=INSPECT_AGAIN)
     return info

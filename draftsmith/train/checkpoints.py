@@ -128,11 +128,10 @@ def find_checkpoint(work_dir: Path, key: dict[str, str]) -> tuple[Path | None, d
     pointer = ckpt_root / "latest.json"
     if not pointer.exists():
         return None, None, f"no checkpoint in {ckpt_root}: training from step 0"
-    path, passed_over = _newest_readable(ckpt_root, pointer)
+    path, state, passed_over = _newest_readable(ckpt_root, pointer)
     damaged = f" (passed over, unreadable: {'; '.join(passed_over)})" if passed_over else ""
     if path is None:
         return None, None, f"no readable checkpoint in {ckpt_root}{damaged}: training from step 0"
-    state = read_json(path / "state.json")
     old = state.get("key") or {}
     changed = [_KEY_PARTS[part] for part in key if old.get(part) != key[part]]
     if changed:
@@ -146,9 +145,9 @@ def find_checkpoint(work_dir: Path, key: dict[str, str]) -> tuple[Path | None, d
     return path, state, f"resuming from {path} (step {state['step']}): same code, settings and inputs{damaged}"
 
 
-def _newest_readable(ckpt_root: Path, pointer: Path) -> tuple[Path | None, list[str]]:
+def _newest_readable(ckpt_root: Path, pointer: Path) -> tuple[Path | None, dict | None, list[str]]:
     """The checkpoint latest.json names or, where it cannot be read (its files damaged on disk), the
-    newest one before it that can; and those passed over, with why. Writes are atomic, so only the
+    newest one before it that can, with its state.json; and those passed over, with why. Writes are atomic, so only the
     disk damages a checkpoint, and the one before it (train.keep_checkpoints) is still a resume."""
     try:
         named: Path | None = ckpt_root / read_json(pointer, error=TrainingError)["path"]
@@ -159,15 +158,15 @@ def _newest_readable(ckpt_root: Path, pointer: Path) -> tuple[Path | None, list[
     passed_over = []
     for path in candidates:
         try:
-            for name in ("state.json", "optimizer.json"):
-                read_json(path / name, error=TrainingError)
+            state = read_json(path / "state.json", error=TrainingError)
+            read_json(path / "optimizer.json", error=TrainingError)
             for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
                 check_safetensors(path / name, error=TrainingError, fix="")
         except (TrainingError, OSError) as e:
             passed_over.append(f"{path.name}: {e.what if isinstance(e, TrainingError) else e}")
             continue
-        return path, passed_over
-    return None, passed_over
+        return path, state, passed_over
+    return None, None, passed_over
 
 
 def load_checkpoint(path: Path, draft: Eagle3Draft, optimizer: torch.optim.Optimizer) -> None:
