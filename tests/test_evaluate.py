@@ -658,7 +658,7 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     script = tmp_path / "evaluate.py"
     script.write_text(textwrap.dedent(f"""
         import json, os, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # tests, then the tree
         from draftsmith.evaluate import EvalSettings, evaluate_draft
         from draftsmith.logs import setup_logging
         from tiny_vllm import CAPTURE_DTYPE, ENGINE_ARGS, ON_CUDA

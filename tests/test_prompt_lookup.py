@@ -97,7 +97,7 @@ def test_replay_is_vllms_ngram_speculator(tmp_path):
     build_cycle_target(model)
     script = textwrap.dedent(f"""
         import json, os, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # tests, then the tree
         if __name__ == "__main__":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

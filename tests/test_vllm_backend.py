@@ -88,91 +88,95 @@ def _engine(path, layer_ids, dtype=CAPTURE_DTYPE, **kwargs):
     return VllmBackend(str(path), layer_ids, dtype=dtype, max_model_len=MAX_MODEL_LEN, **ENGINE_ARGS, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory, in_process_engine):
-    path = build_llama(tmp_path_factory.mktemp("vllm-llama") / "target", num_layers=4)
-    layer_ids = [0, 1, 2, 4]
-    backend = _engine(path, layer_ids, layers_path="model.layers", max_num_seqs=4)
-    yield path, layer_ids, backend
-    backend.close()
+class TestOneLlamaEngine:
+    """One Llama capture engine for these tests, closed before any later test starts its own: in one
+    process vLLM keeps one parallel state, whose expert-parallel group exists only if the engine that
+    made it served a MoE target (vLLM 0.33), so a MoE engine beside a live dense one fails to load."""
 
-
-@vllm_test
-def test_llama_matches_hf_in_any_batch(llama):
-    path, layer_ids, backend = llama
-    assert backend.info["layers_path"] == "model.layers"
-    batch = random_batch(384)
-    got = backend.capture(batch)
-    assert_parity(got, path, batch, layer_ids)
-    # The same samples in another order, beside other samples and a repeat of one of them: the same
-    # states (bit-identical on the CPU; on CUDA other batch shapes may pick other kernel tilings).
-    others = random_batch(384, lengths=(40, 2, 11), seed=1)
-    mixed = backend.capture(others + batch[::-1] + batch[:1])[len(others):]
-    assert torch.equal(mixed[-1][0], mixed[-2][0])
-    for a, b in zip(got, mixed[:-1][::-1]):
-        for lid in layer_ids:
-            if ON_CUDA:
-                assert relative_error(b[lid], a[lid]) < 0.01
-            else:
-                assert torch.equal(a[lid], b[lid])
-
-
-@vllm_test
-def test_llama_rejects_samples_longer_than_the_engine_takes(llama):
-    from draftsmith.errors import ExtractionError
-
-    _, _, backend = llama
-    with pytest.raises(ExtractionError, match="max_model_len"):
-        backend.capture([[5] * MAX_MODEL_LEN])
-    assert backend.capture([]) == []
-    assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards
-
-
-@vllm_test
-def test_llama_stream_matches_capture_and_leaves_no_pass_behind(llama):
-    """The stream runs each batch before it maps the previous one's passes: the same states as
-    batch-by-batch capture, and an abandoned stream leaves no pass file in the spool."""
-    import os
-
-    _, layer_ids, backend = llama
-    batches = [random_batch(384, seed=s) for s in (2, 3, 4)]
-    streamed = list(backend.capture_stream(batches))
-    for batch, got in zip(batches, streamed, strict=True):
-        for a, b in zip(got, backend.capture(batch), strict=True):
-            for lid in layer_ids:
-                assert torch.equal(a[lid], b[lid]) if not ON_CUDA else relative_error(a[lid], b[lid]) < 0.01
-    stream = backend.capture_stream(batches)
-    next(stream)  # the second batch has run; its passes wait in the spool
-    stream.close()
-    assert os.listdir(backend.spool) == []
-    assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards
-
-
-@vllm_test
-def test_llama_fp8_capture_is_the_stores_quantiser_of_its_states(llama):
-    """For an fp8 store the worker quantises each pass on its device, and the spool carries values
-    and scales: each sample's are the store's quantiser of the states a full-precision capture of
-    the same batch gives (bit for bit on the CPU; on CUDA two engines need not pick the same
-    kernels, so there within e4m3's rounding)."""
-    path, layer_ids, full = llama
-    batch = random_batch(384)
-    expected = full.capture(batch)
-    backend = _engine(path, layer_ids, layers_path="model.layers", max_num_seqs=4, fp8=True)
-    try:
-        got = backend.capture(batch)
-        assert os.listdir(backend.spool) == []
-    finally:
+    @pytest.fixture(scope="class")
+    def llama(self, tmp_path_factory, in_process_engine):
+        path = build_llama(tmp_path_factory.mktemp("vllm-llama") / "target", num_layers=4)
+        layer_ids = [0, 1, 2, 4]
+        backend = _engine(path, layer_ids, layers_path="model.layers", max_num_seqs=4)
+        yield path, layer_ids, backend
         backend.close()
-    for sample, reference in zip(got, expected, strict=True):
-        for lid in layer_ids:
-            rows = sample[lid]
-            assert isinstance(rows, Fp8Rows) and rows.shape == reference[lid].shape
-            values, scales = quantize_fp8(reference[lid])
-            if ON_CUDA:
-                assert relative_error(dequantize_fp8(rows.values, rows.scales), reference[lid]) < 2 ** -4
-            else:
-                assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
-                assert torch.equal(rows.scales, scales)
+
+    @vllm_test
+    def test_llama_matches_hf_in_any_batch(self, llama):
+        path, layer_ids, backend = llama
+        assert backend.info["layers_path"] == "model.layers"
+        batch = random_batch(384)
+        got = backend.capture(batch)
+        assert_parity(got, path, batch, layer_ids)
+        # The same samples in another order, beside other samples and a repeat of one of them: the same
+        # states (bit-identical on the CPU; on CUDA other batch shapes may pick other kernel tilings).
+        others = random_batch(384, lengths=(40, 2, 11), seed=1)
+        mixed = backend.capture(others + batch[::-1] + batch[:1])[len(others):]
+        assert torch.equal(mixed[-1][0], mixed[-2][0])
+        for a, b in zip(got, mixed[:-1][::-1]):
+            for lid in layer_ids:
+                if ON_CUDA:
+                    assert relative_error(b[lid], a[lid]) < 0.01
+                else:
+                    assert torch.equal(a[lid], b[lid])
+
+
+    @vllm_test
+    def test_llama_rejects_samples_longer_than_the_engine_takes(self, llama):
+        from draftsmith.errors import ExtractionError
+
+        _, _, backend = llama
+        with pytest.raises(ExtractionError, match="max_model_len"):
+            backend.capture([[5] * MAX_MODEL_LEN])
+        assert backend.capture([]) == []
+        assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards
+
+
+    @vllm_test
+    def test_llama_stream_matches_capture_and_leaves_no_pass_behind(self, llama):
+        """The stream runs each batch before it maps the previous one's passes: the same states as
+        batch-by-batch capture, and an abandoned stream leaves no pass file in the spool."""
+        import os
+
+        _, layer_ids, backend = llama
+        batches = [random_batch(384, seed=s) for s in (2, 3, 4)]
+        streamed = list(backend.capture_stream(batches))
+        for batch, got in zip(batches, streamed, strict=True):
+            for a, b in zip(got, backend.capture(batch), strict=True):
+                for lid in layer_ids:
+                    assert torch.equal(a[lid], b[lid]) if not ON_CUDA else relative_error(a[lid], b[lid]) < 0.01
+        stream = backend.capture_stream(batches)
+        next(stream)  # the second batch has run; its passes wait in the spool
+        stream.close()
+        assert os.listdir(backend.spool) == []
+        assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards
+
+
+    @vllm_test
+    def test_llama_fp8_capture_is_the_stores_quantiser_of_its_states(self, llama):
+        """For an fp8 store the worker quantises each pass on its device, and the spool carries values
+        and scales: each sample's are the store's quantiser of the states a full-precision capture of
+        the same batch gives (bit for bit on the CPU; on CUDA two engines need not pick the same
+        kernels, so there within e4m3's rounding)."""
+        path, layer_ids, full = llama
+        batch = random_batch(384)
+        expected = full.capture(batch)
+        backend = _engine(path, layer_ids, layers_path="model.layers", max_num_seqs=4, fp8=True)
+        try:
+            got = backend.capture(batch)
+            assert os.listdir(backend.spool) == []
+        finally:
+            backend.close()
+        for sample, reference in zip(got, expected, strict=True):
+            for lid in layer_ids:
+                rows = sample[lid]
+                assert isinstance(rows, Fp8Rows) and rows.shape == reference[lid].shape
+                values, scales = quantize_fp8(reference[lid])
+                if ON_CUDA:
+                    assert relative_error(dequantize_fp8(rows.values, rows.scales), reference[lid]) < 2 ** -4
+                else:
+                    assert torch.equal(rows.values.view(torch.uint8), values.view(torch.uint8))
+                    assert torch.equal(rows.scales, scales)
 
 
 @vllm_test
