@@ -9,6 +9,11 @@ chunks): a resume is only ever a resume of the same code.
 What is hashed is each file's token stream, not its bytes: comments, blank lines and spacing
 within a line change nothing, so a comment edit reruns nothing; code, docstrings (string tokens)
 and indentation (which is Python's structure) change the fingerprint.
+
+Parsing and tokenizing the package takes most of a second, and every Snakemake command (a plan, a
+dry run, each job a cluster executor starts) fingerprints every rule again, so what earlier
+processes computed is kept in the package's ``__pycache__`` (``MEMO_NAME``), keyed by the files'
+contents: an edit is a new key, never a stale answer.
 """
 
 from __future__ import annotations
@@ -17,12 +22,20 @@ import ast
 import functools
 import hashlib
 import io
+import json
+import os
+import sys
+import tempfile
 import tokenize
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGE = PACKAGE_DIR.name
+MEMO_NAME = "fingerprints.json"
+MEMO_MAX_ENTRIES = 4096  # past this, a save keeps only what this process used
+# tokenize's and ast's output may differ between Python versions: a memo of another one is not read
+MEMO_PYTHON = "{}.{}".format(*sys.version_info[:2])
 
 
 def _module_file(module: str) -> Path | None:
@@ -36,18 +49,92 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
+class _Memo:
+    """What earlier processes computed, by content: a file's imports (by its bytes' hash and package)
+    and a script's fingerprint (by the names and hashes of the files it covers)."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.entries: dict[str, dict] = {}
+        self.used: dict[str, set] = {"imports": set(), "fingerprints": set()}
+        self.dirty = False
+
+    def _load(self) -> None:
+        path = PACKAGE_DIR / "__pycache__" / MEMO_NAME
+        if path == self.path:
+            return
+        self.path, self.entries, self.dirty = path, {"imports": {}, "fingerprints": {}}, False
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # none yet, or damaged: computed again
+        if isinstance(saved, dict) and saved.get("python") == MEMO_PYTHON:
+            self.entries = {kind: dict(saved.get(kind) or {}) for kind in self.entries}
+
+    def get(self, kind: str, key: str):
+        self._load()
+        self.used[kind].add(key)
+        return self.entries[kind].get(key)
+
+    def put(self, kind: str, key: str, value) -> None:
+        self._load()
+        self.used[kind].add(key)
+        self.entries[kind][key] = value
+        self.dirty = True
+
+    def save(self) -> None:
+        """Write what is new; a folder that cannot be written to (a read-only install) keeps none."""
+        if not self.dirty or self.path is None:
+            return
+        entries = self.entries
+        if sum(map(len, entries.values())) > MEMO_MAX_ENTRIES:
+            entries = {kind: {k: v for k, v in found.items() if k in self.used[kind]} for kind, found in entries.items()}
+        temporary = None
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
+                temporary = f.name
+                json.dump({"python": MEMO_PYTHON, **entries}, f)
+            os.chmod(temporary, 0o644)  # like the bytecode beside it: whoever runs the workflow may read it
+            os.replace(temporary, self.path)  # whole or not at all, whoever else writes it meanwhile
+        except OSError:
+            if temporary:
+                Path(temporary).unlink(missing_ok=True)
+            return
+        self.dirty = False
+
+
+_MEMO = _Memo()
+
+
+def _contents(file: Path) -> tuple[bytes, str]:
+    """``file``'s bytes and their SHA-256."""
+    stat = file.stat()
+    return _read(file, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read(file: Path, mtime_ns: int, ctime_ns: int, size: int) -> tuple[bytes, str]:
+    # Every rule's closure shares most files: each is read once a process. Any write to a file, or a
+    # modification time set back, moves its status-change time, so an edit is always read again.
+    data = file.read_bytes()
+    return data, hashlib.sha256(data).hexdigest()
+
+
 def _imports(file: Path, package: str | None) -> set[str]:
     """Every module ``file`` names in an import statement; relative ones resolved against ``package``."""
-    stat = file.stat()
-    return set(_parsed_imports(file, package, stat.st_mtime_ns, stat.st_size))
+    data, sha = _contents(file)
+    key = f"{sha}:{package or ''}"
+    found = _MEMO.get("imports", key)
+    if found is None:
+        found = sorted(_parsed_imports(data, package))
+        _MEMO.put("imports", key, found)
+    return set(found)
 
 
-@functools.lru_cache(maxsize=1024)
-def _parsed_imports(file: Path, package: str | None, mtime_ns: int, size: int) -> frozenset[str]:
-    # Parsing is most of a fingerprint's cost, and every rule's closure shares most files; the
-    # file's modification time and size in the key let an edited file be parsed again.
+def _parsed_imports(data: bytes, package: str | None) -> set[str]:
     found = set()
-    for node in _statements(ast.parse(file.read_text(encoding="utf-8")).body):
+    for node in _statements(ast.parse(data.decode("utf-8")).body):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -60,7 +147,7 @@ def _parsed_imports(file: Path, package: str | None, mtime_ns: int, size: int) -
             found.add(base)
             # `from draftsmith.targets import inspect` imports a module, not a name
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    return frozenset(found)
+    return found
 
 
 def _statements(nodes: list) -> Iterable[ast.AST]:
@@ -117,7 +204,7 @@ def script_closure(script: str | Path) -> list[Path]:
 
 def code_tokens(file: Path) -> bytes:
     """What of ``file`` the fingerprint hashes: its tokens without comments and blank lines."""
-    return _code_tokens(file.read_bytes())
+    return _code_tokens(_contents(file)[0])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -138,14 +225,20 @@ def _code_tokens(data: bytes) -> bytes:
 
 
 def _digest(files: Iterable[Path], script: Path | None = None) -> str:
-    digest = hashlib.sha256()
     named = [(script.name, script)] if script else []
     named += [(str(file.relative_to(PACKAGE_DIR)), file) for file in files]
-    for name, file in named:
-        data = code_tokens(file)
-        digest.update(f"{name}\0{len(data)}\0".encode())
-        digest.update(data)
-    return digest.hexdigest()[:16]
+    key = hashlib.sha256("\0".join(f"{name}\0{_contents(file)[1]}" for name, file in named).encode()).hexdigest()
+    found = _MEMO.get("fingerprints", key)
+    if found is None:
+        digest = hashlib.sha256()
+        for name, file in named:
+            data = code_tokens(file)
+            digest.update(f"{name}\0{len(data)}\0".encode())
+            digest.update(data)
+        found = digest.hexdigest()[:16]
+        _MEMO.put("fingerprints", key, found)
+    _MEMO.save()
+    return found
 
 
 def code_fingerprint(*modules: str) -> str:

@@ -101,3 +101,62 @@ def test_rerun_table_follows_imports_and_the_rule_graph(toy_package, tmp_path):
     assert table["draftsmith.b"] == ["second"]
     assert table["draftsmith.c"] == ["first", "second", "third"]
     assert table["draftsmith"] == ["first", "second", "third"]
+
+
+def _fresh_memo(monkeypatch):
+    """A new process's memo: nothing of this one's in memory, only what is on disk."""
+    from draftsmith import fingerprint
+
+    monkeypatch.setattr(fingerprint, "_MEMO", fingerprint._Memo())
+    fingerprint._read.cache_clear()
+    fingerprint._code_tokens.cache_clear()
+
+
+def test_a_later_process_takes_fingerprints_from_the_memo_and_an_edit_is_computed_again(toy_package, monkeypatch):
+    from draftsmith import fingerprint
+
+    before = code_fingerprint("draftsmith.a")
+    memo = toy_package / "__pycache__" / fingerprint.MEMO_NAME
+    assert memo.is_file()
+    _fresh_memo(monkeypatch)
+    computed = []
+    tokens = fingerprint._code_tokens.__wrapped__
+    monkeypatch.setattr(fingerprint, "_code_tokens", lambda data: computed.append(data) or tokens(data))
+    assert code_fingerprint("draftsmith.a") == before and computed == []  # nothing tokenized again
+    (toy_package / "b.py").write_text("X = 2\n")
+    edited = code_fingerprint("draftsmith.a")
+    assert edited != before and computed  # the new content is a new key
+    (toy_package / "b.py").write_text("X = 1\n")
+    assert code_fingerprint("draftsmith.a") == before
+
+
+def test_an_edit_that_keeps_size_and_modification_time_is_still_seen(toy_package):
+    import os
+
+    b = toy_package / "b.py"
+    before = code_fingerprint("draftsmith.a")
+    stat = b.stat()
+    b.write_text("X = 7\n")  # the same size
+    os.utime(b, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the modification time set back
+    assert code_fingerprint("draftsmith.a") != before
+
+
+def test_a_damaged_or_foreign_memo_is_computed_again_and_an_unwritable_one_is_left(toy_package, monkeypatch):
+    import json
+
+    from draftsmith import fingerprint
+
+    expected = code_fingerprint("draftsmith.a")
+    memo = toy_package / "__pycache__" / fingerprint.MEMO_NAME
+    saved = json.loads(memo.read_text())
+    for damaged in ("{not json", json.dumps({**saved, "python": "2.7",
+                                             "fingerprints": {k: "0" * 16 for k in saved["fingerprints"]}})):
+        memo.write_text(damaged)
+        _fresh_memo(monkeypatch)
+        assert code_fingerprint("draftsmith.a") == expected
+        assert json.loads(memo.read_text())["python"] == fingerprint.MEMO_PYTHON  # written again, whole
+    memo.unlink()
+    monkeypatch.setattr(fingerprint.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "read-only")))
+    _fresh_memo(monkeypatch)
+    assert code_fingerprint("draftsmith.a") == expected and not memo.exists()
+    assert not list(memo.parent.glob("*.tmp"))
