@@ -107,7 +107,8 @@ def normalize_paths(config: dict) -> None:
 
 def one_spelling(path: str) -> str:
     """``path`` relative to the working directory when it lies under it (``./x.jsonl``, ``a/../x`` and
-    ``/abs/workdir/x`` all as ``x``: a project folder moved elsewhere keeps its results), else
+    ``/abs/workdir/x`` all as ``x``: a project folder renamed on its file system keeps its results; a
+    copy reruns what reads files inside it, whose status-change times are new), else
     absolute (``../data/x`` and ``/abs/data/x`` alike). Symbolic links are kept as written, and a
     ``..`` after one too: the file it leads to is not the one the spelling without both names."""
     absolute = os.path.abspath(path)

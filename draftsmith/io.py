@@ -45,6 +45,17 @@ def storage_error(path: str | Path, error: OSError) -> StorageError:
 _HELD_LOCKS: set[Path] = set()
 
 
+def lock_beside(folder: Path) -> Path:
+    """The ``sole_writer`` lock of the files in ``folder``: beside it, so that clearing the folder
+    whole leaves the lock alone."""
+    folder = Path(folder)
+    return folder.parent / f"{folder.name}.lock"
+
+
+def _superseded_mark(lock: Path) -> Path:
+    return lock.with_name(f"{lock.name}.superseded")
+
+
 @contextmanager
 def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]) -> Iterator[Path]:
     """Hold ``lock`` for this process alone while the block runs (again within it: a no-op).
@@ -53,7 +64,8 @@ def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]
     files side by side. The lock is ``flock`` on ``lock``, taken without waiting: the kernel drops
     it when the holder's last descriptor closes, so a writer killed any way (SIGKILL, the OOM killer)
     leaves no stale lock. It holds the holder's pid@host while held and nothing after. A second
-    writer gets ``error``: "another process ... is ``doing``", ``where`` and how to find the first.
+    writer gets ``error``: "another process ... is ``doing``", ``where`` and how to find the first,
+    and marks the first superseded (``check_not_superseded``).
     """
     lock = Path(lock).absolute()
     if lock in _HELD_LOCKS:
@@ -67,11 +79,17 @@ def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
             pid, _, host = holder.partition("@")
+            # Snakemake runs one job per output, so the holder is left over from a killed run. This
+            # job's failure is recorded against the outputs, and whatever the holder writes there later
+            # would pass for this job's work: the mark stops it from writing them.
+            _superseded_mark(lock).write_text(f"{os.getpid()}@{socket.gethostname()}\n")
             raise error(
                 f"another process ({f'pid {pid} on {host}' if pid else 'pid not yet written'}) is {doing}",
                 where=f"{where} (lock {lock})",
                 fix="wait for it to finish, or stop it if it is left over from a killed run "
-                    f"({f'kill {pid} on {host}' if pid else 'fuser ' + str(lock) + ' names it'}), then rerun") from None
+                    f"({f'kill {pid} on {host}' if pid else 'fuser ' + str(lock) + ' names it'}), then rerun: "
+                    "it leaves its result to the rerun, which resumes from the work it kept") from None
+        _superseded_mark(lock).unlink(missing_ok=True)  # this writer is the latest
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
         _HELD_LOCKS.add(lock)
@@ -82,6 +100,18 @@ def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)
+
+
+def check_not_superseded(lock: Path, doing: str, error: type[DraftsmithError]) -> None:
+    """Before the holder of ``lock`` writes a rule's outputs: stop if a later job was refused the lock
+    meanwhile (``sole_writer``), since this process then outlived its own Snakemake and the outputs
+    belong to that job's rerun, which resumes from the work this process kept."""
+    mark = _superseded_mark(Path(lock).absolute())
+    if mark.exists():
+        later = mark.read_text(errors="replace").strip()
+        raise error(f"a later job ({later}) asked for the same work while this process was {doing}, its own "
+                    "Snakemake gone: this process leaves the rule's outputs to that job's rerun",
+                    where=str(mark), fix="rerun the workflow: it resumes from the work this process kept")
 
 
 def _read_umask() -> int:

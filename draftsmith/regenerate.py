@@ -49,7 +49,17 @@ from draftsmith.engines.hf_model import (
     stop_token_ids,
 )
 from draftsmith.errors import DataError, TargetError, out_of_memory_as
-from draftsmith.io import atomic_write_json, atomic_write_text, fsync_dir, read_json, read_jsonl, sha256_file
+from draftsmith.io import (
+    atomic_write_json,
+    atomic_write_text,
+    check_not_superseded,
+    fsync_dir,
+    lock_beside,
+    read_json,
+    read_jsonl,
+    sha256_file,
+    sole_writer,
+)
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 from draftsmith.targets.vllm_install import engine_release
@@ -449,6 +459,7 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
         regenerator.on_answers = None
     num_chunks = reused + written
     _stop_on_empty_answers(counts, regenerator, target, work_dir)
+    check_not_superseded(lock_beside(work_dir), f"regenerating answers in {work_dir}", TargetError)
     _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
@@ -546,11 +557,13 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     from transformers import AutoTokenizer
 
     counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
-    model_path = Path(model_path)
+    model_path, work_dir = Path(model_path), Path(work_dir)
     fingerprint = regeneration_fingerprint(settings, model=weights_identity(model_path), sources=sources)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    with open_regenerators(model_path, tokenizer, [settings], trust_remote_code=trust_remote_code,
-                           engine_kwargs=engine_kwargs) as [regenerator]:
+    # one writer of the chunks (an orphaned job's and its rerun's would mix), before the target loads
+    with (sole_writer(lock_beside(work_dir), f"regenerating answers in {work_dir}", str(work_dir), TargetError),
+          open_regenerators(model_path, tokenizer, [settings], trust_remote_code=trust_remote_code,
+                            engine_kwargs=engine_kwargs) as [regenerator]):
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted,
                                         target=model_path)
 

@@ -44,8 +44,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftsmith.chat import UserTurn, user_turn
-from draftsmith.errors import DataError
-from draftsmith.io import atomic_write_json, atomic_write_text, read_json, read_jsonl
+from draftsmith.errors import DataError, TargetError
+from draftsmith.io import (
+    atomic_write_json,
+    atomic_write_text,
+    check_not_superseded,
+    lock_beside,
+    read_json,
+    read_jsonl,
+    sole_writer,
+)
 from draftsmith.regenerate import (
     RegenerateSettings,
     Regenerator,
@@ -188,10 +196,22 @@ def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats
     """Write ``settings.conversations`` conversations the target in ``model_path`` wrote, user turns
     and answers, to ``out_path`` (OpenAI messages), their counts to ``stats_path``; ``exclude``:
     prompt sets (prepare_eval_prompts' outputs) no request may repeat."""
+    work_dir = Path(work_dir)
+    with sole_writer(lock_beside(work_dir), _writing(work_dir), str(work_dir), TargetError):  # one writer of the chunks
+        return _synthesize(Path(model_path), out_path, stats_path, work_dir, settings, answers, exclude,
+                           trust_remote_code, engine_kwargs)
+
+
+def _writing(work_dir: Path) -> str:
+    return f"writing the target's conversations in {work_dir}"
+
+
+def _synthesize(model_path: Path, out_path: str | Path, stats_path: str | Path, work_dir: Path,
+                settings: SynthesizeSettings, answers: RegenerateSettings, exclude: Sequence[str | Path],
+                trust_remote_code: bool, engine_kwargs: dict | None) -> dict:
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
-    model_path, work_dir = Path(model_path), Path(work_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     where = f"{model_path} (its chat template)"
     turns = [user_turn(tokenizer, system, where) for system in (settings.system_prompts or (None,))]
@@ -214,6 +234,7 @@ def synthesize_conversations(model_path: str | Path, out_path: str | Path, stats
             check_answers(counts, answers, tokenizer, model_path)
 
         rows, stats = _collect(work_dir, write_chunk, settings, excluded, judge)
+    check_not_superseded(lock_beside(work_dir), _writing(work_dir), TargetError)
     atomic_write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     stats["seconds"] = round(time.perf_counter() - started, 2)
     atomic_write_json(stats_path, stats)

@@ -836,6 +836,36 @@ def _(tmp, env):
                      TrainSettings(device="cpu", progress=False))
 
 
+@case("regeneration-held-by-another-process", TargetError, "is regenerating answers in", "out/regenerated.jsonl")
+def _(tmp, env):
+    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+
+    source = tiny.write_jsonl(tmp / "chats.jsonl", [_chat(i) for i in range(2)])
+    with _held_in_another_process("from pathlib import Path; from draftsmith.io import lock_beside, sole_writer; "
+                                  "from draftsmith.errors import TargetError",
+                                  f"sole_writer(lock_beside(Path({str(tmp / 'work')!r})), 'regenerating', 'x', "
+                                  "TargetError)"):
+        regenerate_responses([source], env["model"], tmp / "out" / "regenerated.jsonl", tmp / "work",
+                             RegenerateSettings(device="cpu", max_new_tokens=4))
+
+
+@case("writer-outlived-its-snakemake", ExtractionError, "leaves the rule's outputs to that job's rerun",
+      "hs/part-0.json")
+def _(tmp, env):
+    import sys
+
+    from draftsmith.extract.shard_writer import part_lock
+
+    train = tiny.write_jsonl(tmp / "train.jsonl", [{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    with part_lock(tmp / "hs", 0):  # this process: the orphaned writer
+        rerun = subprocess.run([sys.executable, "-c", "from draftsmith.extract.shard_writer import part_lock\n"
+                                f"with part_lock({str(tmp / 'hs')!r}, 0): pass"],
+                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert "is writing extraction part 0" in rerun.stderr  # the rerun's job, refused
+        extract_part(train, env["target"], 0, ExtractionSettings(device="cpu", min_free_bytes=0), tmp / "hs",
+                     tmp / "hs" / "part-0.json")
+
+
 @case("target-json-damaged", TargetError, "target.json is not JSON", "eval/acceptance.json")
 def _(tmp, env):
     from draftsmith.evaluate import EvalSettings, evaluate_draft

@@ -501,6 +501,32 @@ def test_a_part_has_one_writer_and_its_lock_dies_with_it(train, target, tmp_path
     assert (root / "part-0.json").is_file() and lock.read_text() == ""  # held while writing only
 
 
+def test_a_writer_that_outlives_its_snakemake_leaves_the_manifest_to_the_rerun(train, target, tmp_path):
+    """The first writer goes on after the rerun's job was refused (and failed): it must not then
+    write the part's manifest, which Snakemake would take for that job's output; its shards stay,
+    and the next rerun finishes the part from them."""
+    target_json, _ = target
+    settings = dict(SMALL, shard_tokens=60, batch_tokens=64)
+    root = tmp_path / "hs"
+    first = _start(train, target_json, root, settings)
+    _go(first)
+    lock = root / "part-0.lock"
+    deadline = time.monotonic() + 90
+    while not (lock.is_file() and lock.read_text().startswith(f"{first.pid}@")):
+        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()[-2000:]
+        time.sleep(0.01)
+    with pytest.raises(ExtractionError, match="another process"):
+        extract_part(train, target_json, 0, ExtractionSettings(**settings), root, root / "part-0.json")
+    assert first.wait(timeout=120) != 0
+    assert "leaves the rule's outputs to that job's rerun" in first.stderr.read().decode()
+    assert not (root / "part-0.json").exists()
+    written = _complete(root)
+    assert written >= 10  # the first writer's shards, all of them
+    extract_part(train, target_json, 0, ExtractionSettings(**settings), root, root / "part-0.json")
+    assert (root / "part-0.json").is_file() and _complete(root) == written
+    assert not (root / "part-0.lock.superseded").exists()
+
+
 # --- stops ------------------------------------------------------------------------------------
 
 

@@ -643,6 +643,63 @@ def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_
     assert steps == sorted(set(steps)) and steps[-1] == 12
 
 
+def test_a_retrain_that_stops_leaves_no_summary_of_the_draft_snakemake_removed(tmp_path):
+    """Snakemake removes the draft's declared files (config.json, model.safetensors) before the job
+    and after a failure; the summary beside them goes at the job's start, so an interrupted retrain
+    leaves no summary of a draft that is gone."""
+    from draftsmith.train import run_training
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "training_summary.json").write_text('{"settings": {"lr": 0.0003}}')
+    with pytest.raises(FileNotFoundError):  # a retrain that stops at once: here, on a store that is not there
+        run_training(tmp_path / "hs" / "index.json", tmp_path / "mapping.safetensors", tmp_path / "target.json",
+                     draft, tmp_path / "work", SETTINGS)
+    assert not (draft / "training_summary.json").exists()
+
+
+def test_an_orphaned_trainer_leaves_the_draft_to_the_rerun_it_outlived(inputs, tmp_path):
+    """Snakemake killed, its trainer runs on; the rerun's job (other settings) is refused the lock
+    and fails. The orphan must not then deliver its draft where the failed job's outputs were
+    recorded (Snakemake would take it for the new settings' draft): it stops before writing it,
+    and the next rerun trains with the new settings."""
+    from draftsmith.train import run_training
+
+    settings = dataclasses.replace(SETTINGS, max_steps=8, checkpoint_every=2)
+    draft, work = tmp_path / "run" / "draft", tmp_path / "run" / "work"
+    script = tmp_path / "orphan.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        import draftsmith.train.loop as loop
+        from draftsmith.errors import TrainingError
+        from draftsmith.train import TrainSettings, run_training
+        slow = loop.train_step
+        loop.train_step = lambda *a, **k: (time.sleep(0.3), slow(*a, **k))[1]  # still running when the rerun comes
+        try:
+            run_training({str(inputs["index"])!r}, {str(inputs["mapping"])!r}, {str(inputs["target"])!r},
+                         {str(draft)!r}, {str(work)!r}, TrainSettings(**{dataclasses.asdict(settings)!r}))
+        except TrainingError as e:
+            print("REFUSED", e.what, flush=True)
+    """))
+    orphan = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                              stderr=subprocess.DEVNULL)
+    pointer = work / "checkpoints" / "latest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and not pointer.exists():
+        assert orphan.poll() is None, "the orphan finished before the rerun came"
+        time.sleep(0.05)
+    rerun = dataclasses.replace(settings, lr=1e-3)
+    with pytest.raises(TrainingError, match="another process .* is training in"):
+        run_training(inputs["index"], inputs["mapping"], inputs["target"], draft, work, rerun)
+    out, _ = orphan.communicate(timeout=300)
+    assert "REFUSED a later job" in out and "leaves the rule's outputs to that job's rerun" in out
+    assert not draft.exists()  # nothing for Snakemake to take for the rerun's draft
+    summary = run_training(inputs["index"], inputs["mapping"], inputs["target"], draft, work, rerun)
+    assert summary["resumed_from_step"] == 0 and summary["settings"]["lr"] == 1e-3
+    assert read_json(draft / "training_summary.json")["settings"]["lr"] == 1e-3
+
+
 @pytest.mark.gpu
 def test_checkpoint_from_other_settings_is_not_resumed(inputs, tmp_path):
     settings = dataclasses.replace(SETTINGS, max_steps=4, checkpoint_every=2)

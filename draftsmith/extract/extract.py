@@ -38,7 +38,7 @@ from draftsmith.extract.hidden_states import (
 )
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore, part_lock
-from draftsmith.io import read_json, read_jsonl
+from draftsmith.io import check_not_superseded, lock_beside, read_json, read_jsonl
 from draftsmith.settings import PROGRESS_INTERVAL_S
 from draftsmith.targets.identity import weights_identity
 from draftsmith.targets.vllm_install import engine_release
@@ -281,6 +281,7 @@ def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, s
                  part, len(written), todo_tokens, progress.seconds, todo_tokens / max(progress.seconds, 1e-9),
                  time.perf_counter() - started)
         done.update({info.shard: info for info in written})
+    check_not_superseded(lock_beside(store.dir), f"writing extraction part {part}", ExtractionError)
     return store.finish([done[n] for n in range(len(shards))], manifest_path)
 
 

@@ -38,7 +38,7 @@ from draftsmith.extract.hidden_states import (
     shard_manifest_bytes,
 )
 from draftsmith.extract.safetensors_stream import SafetensorsStream, write_safetensors
-from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, read_json, sole_writer
+from draftsmith.io import atomic_write_bytes, atomic_write_json, fsync_dir, lock_beside, read_json, sole_writer
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def part_lock(root: str | Path, part: int) -> Iterator[Path]:
     shards side by side. The lock, ``<root>/part-<p>.lock``, lies beside the part's folder, not in
     it, because a part made from other inputs is cleared whole (``PartStore``)."""
     root = Path(root)
-    with sole_writer(root / f"{part_dir_name(part)}.lock", f"writing extraction part {part}",
+    with sole_writer(lock_beside(root / part_dir_name(part)), f"writing extraction part {part}",
                      str(root / part_dir_name(part)), ExtractionError) as path:
         yield path
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from draftsmith.errors import TrainingError
 from draftsmith.extract.hidden_states import verify_store
-from draftsmith.io import atomic_write_bytes, atomic_write_json, read_json, sole_writer
+from draftsmith.io import atomic_write_bytes, atomic_write_json, lock_beside, read_json, sole_writer
 from draftsmith.train.batches import StateSource
 from draftsmith.train.checkpoints import FINISHED
-from draftsmith.train.loop import train_draft
+from draftsmith.train.loop import DRAFT_SUMMARY, train_draft
 from draftsmith.train.settings import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ def run_training(index_path: str | Path | None, mapping_path: str | Path, target
     processes, the ``worker`` module that builds one from ``worker_args`` (in launch.json)."""
     work_dir = Path(work_dir)
     with trainer_lock(work_dir):
+        # Snakemake removed the draft's files before this job, not the summary beside them: an
+        # interrupted retrain must not leave the last draft's summary without its draft.
+        (Path(out_dir) / DRAFT_SUMMARY).unlink(missing_ok=True)
         launch = work_dir / "launch.json"
         if devices * nodes > 1:  # a launch that cannot work stops before the store is read
             cmd, env = launch_command(launch, devices, nodes, rdzv_port=rdzv_port, worker=worker)
@@ -115,8 +118,7 @@ def trainer_lock(work_dir: Path):
     """This run's trainer alone in ``work_dir`` (``io.sole_writer``, the lock beside it): an orphaned
     trainer, its Snakemake killed, and the rerun's would resume from the same checkpoints, delete
     each other's and both write the draft."""
-    return sole_writer(work_dir.parent / f"{work_dir.name}.lock", f"training in {work_dir}", str(work_dir),
-                       TrainingError)
+    return sole_writer(lock_beside(work_dir), f"training in {work_dir}", str(work_dir), TrainingError)
 
 
 def worker_args(argv: list[str] | None = None, prog: str = "python -m draftsmith.train") -> tuple[dict, TrainSettings]:

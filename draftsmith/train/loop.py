@@ -28,7 +28,7 @@ from draftsmith.draft.speculators_format import save_speculators
 from draftsmith.errors import TrainingError, out_of_memory_as
 from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.fits import StepShape, attention_span, check_step_fits, check_warmup, process_memory
-from draftsmith.io import atomic_write_json, read_json
+from draftsmith.io import atomic_write_json, check_not_superseded, lock_beside, read_json
 from draftsmith.train.batches import (
     BatchFeed,
     ShardMeta,
@@ -63,6 +63,7 @@ _OOM_FIX = {
     "flex": "lower train.batch_tokens (keep it >= data.max_seq_len, lowering that too if needed), or lower "
             "vocab.draft_vocab_size (each TTT step keeps its logits)",
 }
+DRAFT_SUMMARY = "training_summary.json"  # beside the draft: how it was trained
 
 
 def train_draft(index_path: str | Path | None, mapping_path: str | Path, target_json: str | Path,
@@ -142,8 +143,10 @@ def _train(index_path: Path | None, mapping_path: Path, target_json: Path, out_d
         "checkpoint": last_good, "settings": dataclasses.asdict(settings),
     }
     if ddp.main:
+        # the last checkpoint is kept: a rerun refused while this process ran on resumes from it
+        check_not_superseded(lock_beside(work_dir), f"training in {work_dir}", TrainingError)
         save_dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
-        save_speculators(run.draft, out_dir, dtype=save_dtype, extra_files={"training_summary.json": result})
+        save_speculators(run.draft, out_dir, dtype=save_dtype, extra_files={DRAFT_SUMMARY: result})
         atomic_write_json(work_dir / "summary.json", result)
         log.info("draft written to %s: %d steps, %d tokens, step-0 accuracy %s, simulated tau %s", out_dir,
                  len(run.steps), tokens, result["final"].get("acc", ["?"])[0], result["final"].get("tau"))
