@@ -27,6 +27,9 @@ into ``--work`` (its FULL budget: answers up to 256 tokens; ``--storage bfloat16
     python bench/trainer_quality.py --work /tmp/ds-work --seeds 0 1 2 --variants eagle3 eagle3.1 \
         --out /tmp/ds-out/trainer_quality.json
 
+``--prompt-sets mt-bench=data/eval/mt_bench.jsonl humaneval=... gsm8k=...`` (``scripts/prompt_sets.py``'s
+files, or any eval.sources file) evaluates every draft on each set too, reported on its own.
+
 ``--tiny`` builds its own inputs on the CPU in seconds (a random-init 4-layer Llama, prompts
 answered by its own greedy decoding, the same extraction and vocabulary stages) and evaluates on
 prompts of the training rows: a random target has no distribution to generalise over, so this
@@ -90,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=3, help="the k reported first (and the loop evaluator's)")
     p.add_argument("--max-k", type=int, default=5, help="replay: tau for every k from 1 to this")
     p.add_argument("--evaluator", choices=["replay", "loop"], default="replay")
+    p.add_argument("--prompt-sets", nargs="+", default=[], metavar="NAME=PATH",
+                   help="more prompt sets (eval.sources' files, e.g. scripts/prompt_sets.py's), rendered with the "
+                        "target's chat template, each evaluated (replay) and reported on its own")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="a prompt set's longer prompts are left out")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after which no new run starts (what is done is kept; rerun to go on)")
     p.add_argument("--phase", choices=["all", "train", "evaluate"], default="all",
@@ -390,14 +397,41 @@ class Evaluator:
 # The runs and the table
 
 
+def prompt_set_evaluators(inputs: dict, args: argparse.Namespace, runs: Path) -> dict[str, Evaluator]:
+    """An evaluator for each ``--prompt-sets`` file, rendered as prepare_eval_prompts renders an
+    eval.sources set (the same prompt fields and chat template as the workflow's evaluation)."""
+    from draftsmith.eval_prompts import EvalPromptsSettings, prepare_eval_prompts
+    from draftsmith.targets.inspect import read_target_json
+
+    if args.prompt_sets and args.evaluator != "replay":
+        raise SystemExit("--prompt-sets takes the replay evaluator")
+    model = read_target_json(inputs["target"])["model_path"]
+    settings = EvalPromptsSettings(max_prompts=args.eval_prompts or 10**6, max_seq_len=args.max_prompt_tokens,
+                                   max_bad_fraction=0.5)
+    evaluators = {}
+    for spec in args.prompt_sets:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or name == "heldout":
+            raise SystemExit(f"--prompt-sets {spec!r}: give NAME=PATH (a name other than heldout)")
+        folder = runs / "prompt_sets" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        rendered = folder / "prompts.jsonl"
+        prepare_eval_prompts(path, model, rendered, settings)
+        evaluators[name] = Evaluator({**inputs, "heldout": rendered}, args, folder)
+    return evaluators
+
+
 def run_one(inputs: dict, args: argparse.Namespace, runs: Path, variant: str, seed: int, recipe: str,
-            evaluator: Evaluator | None) -> dict | None:
+            evaluator: Evaluator | None, prompt_sets: dict[str, Evaluator] | None = None) -> dict | None:
     """Train (unless a trained draft is there) and evaluate one recipe; the result is kept in its
     folder (``result.json``), so a rerun returns it at once."""
     folder = runs / f"{variant}-{args.num_layers}" / f"seed-{seed}" / recipe
     result_file, trained_file = folder / "result.json", folder / "trained.json"
     if result_file.is_file():
-        return json.loads(result_file.read_text(encoding="utf-8"))
+        result = json.loads(result_file.read_text(encoding="utf-8"))
+        if set(prompt_sets or ()) - set(result.get("sets", ())):  # a run kept from before: the new sets too
+            result = _with_sets(result, prompt_sets, result_file)
+        return result
     if trained_file.is_file():
         trained = json.loads(trained_file.read_text(encoding="utf-8"))
     elif args.phase == "evaluate":
@@ -420,8 +454,19 @@ def run_one(inputs: dict, args: argparse.Namespace, runs: Path, variant: str, se
     if evaluator is None or args.phase == "train":
         return trained
     result = {**trained, "variant": variant, "seed": seed, "recipe": recipe, **evaluator(Path(trained["draft"]), folder)}
-    result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    result = _with_sets(result, prompt_sets or {}, result_file)
     print(f"{variant} seed {seed} {recipe}: tau {result['tau']:.3f}", file=sys.stderr)
+    return result
+
+
+def _with_sets(result: dict, prompt_sets: dict[str, Evaluator], result_file: Path) -> dict:
+    """``result`` with each prompt set's evaluation it lacks, written to ``result_file``."""
+    sets = dict(result.get("sets", {}))
+    for name, evaluate in prompt_sets.items():
+        if name not in sets:
+            sets[name] = evaluate(Path(result["draft"]), result_file.parent)
+    result = {**result, **({"sets": sets} if sets else {})}
+    result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
 
 
@@ -435,6 +480,7 @@ def main(argv=None) -> dict:
     runs = work / "trainer_quality"
     runs.mkdir(parents=True, exist_ok=True)
     evaluator = Evaluator(inputs, args, runs) if args.phase != "train" else None
+    prompt_sets = prompt_set_evaluators(inputs, args, runs) if evaluator is not None else {}
     results, skipped = [], []
     for variant in args.variants:  # a job cut short still leaves whole comparisons of the first variant
         for seed in args.seeds:
@@ -442,13 +488,16 @@ def main(argv=None) -> dict:
                 if args.deadline is not None and time.perf_counter() - started > args.deadline:
                     skipped.append(f"{variant} seed {seed} {recipe}")
                     continue
-                result = run_one(inputs, args, runs, variant, seed, recipe, evaluator)
+                result = run_one(inputs, args, runs, variant, seed, recipe, evaluator, prompt_sets)
                 if result is not None and "tau" in result:
                     results.append(result)
     summary = {"settings": {k: getattr(args, k) for k in (*TRAIN_KEYS, "k", "max_k", "max_new_tokens", "device",
                                                           "evaluator", "eval_prompts")},
                "inputs": {k: str(v) for k, v in inputs.items()}, "runs": results, "not_run": skipped,
-               "means": means(results)}
+               "means": means(results),
+               # each prompt set's means, over the runs that evaluated it (a run kept from before may not have)
+               "prompt_sets": {name: means([{**r, **r["sets"][name]} for r in results if name in r.get("sets", {})])
+                               for name in prompt_sets}}
     print_table(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -503,6 +552,14 @@ def print_table(summary: dict) -> None:
             print(f"mean {variant:<9} {recipe:<34} tau {m['tau']:.3f} ({len(m['seeds'])} seeds) [{by_pos}] {ratios}")
     if summary["runs"]:
         print(f"n-gram baseline tau {summary['runs'][0]['ngram_tau']:.3f}")
+    for name, means_of_set in summary["prompt_sets"].items():
+        for variant, table in means_of_set.items():
+            for recipe, m in table.items():
+                ratios = " ".join(f"{k[9:]} {v:.3f}" for k, v in m.items() if k.startswith("ratio_to_"))
+                print(f"{name}: mean {variant:<9} {recipe:<34} tau {m['tau']:.3f} ({len(m['seeds'])} seeds) {ratios}")
+        sample = next((r["sets"][name] for r in summary["runs"] if name in r.get("sets", {})), None)
+        if sample:
+            print(f"{name}: {sample['num_prompts']} prompts, n-gram baseline tau {sample['ngram_tau']:.3f}")
     if summary["not_run"]:
         print("not run (deadline): " + "; ".join(summary["not_run"]))
 
