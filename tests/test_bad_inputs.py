@@ -894,6 +894,18 @@ def _(tmp, env):
                    EvalSettings(device="cpu"))
 
 
+@case("evaluation-held-by-another-process", EvaluationError, "is evaluating a draft into", "eval/acceptance.json")
+def _(tmp, env):
+    from draftsmith.evaluate import EvalSettings, evaluate_draft
+
+    with _held_in_another_process("from pathlib import Path; from draftsmith.io import lock_beside, sole_writer; "
+                                  "from draftsmith.errors import EvaluationError",
+                                  f"sole_writer(lock_beside(Path({str(tmp / 'eval')!r})), 'evaluating', 'x', "
+                                  "EvaluationError)"):
+        evaluate_draft(tmp / "draft", env["target"], tmp / "heldout.jsonl", tmp / "eval" / "acceptance.json",
+                       EvalSettings(device="cpu"))
+
+
 def _train(tmp: Path, env: dict, **settings) -> None:
     """train_draft, as its rule calls it, on a store extracted from 8 random rows of the tiny target
     (about 180 tokens)."""

@@ -11,7 +11,7 @@ from draftsmith.evaluate.decoding import make_decoder
 from draftsmith.evaluate.metrics import evaluate_runs
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, read_prompts
 from draftsmith.evaluate.vllm import evaluate_in_vllm, serve_with_vllm, vllm_outside_runs, vllm_section
-from draftsmith.io import atomic_write_json
+from draftsmith.io import atomic_write_json, check_not_superseded, lock_beside, sole_writer
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,21 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     One of three modes runs: the HF loop alone (``eval.backend: hf``, ``_in_hf_loop``); vLLM alone
     (``eval.backend: vllm``, ``_in_vllm_alone``); or with ``eval.hf_check`` the draft served by vLLM
     and checked against the HF loop (``_served_and_in_hf_loop``), where the HF loop can hold the target.
+    The job is the only writer of ``out_path``'s folder (``io.sole_writer``): an orphaned evaluation of
+    an older draft must not write over its rerun's.
     """
+    out_dir = Path(out_path).parent
+    doing = f"evaluating a draft into {out_dir}"
+    with sole_writer(lock_beside(out_dir), doing, str(out_dir), EvaluationError):
+        result = _evaluate(draft_dir, target_json, heldout_jsonl, settings, engine_kwargs, sources, shared_engine)
+        check_not_superseded(lock_beside(out_dir), doing, EvaluationError)
+        atomic_write_json(out_path, result)
+    return result
+
+
+def _evaluate(draft_dir: str | Path, target_json: str | Path, heldout_jsonl: str | Path, settings: EvalSettings,
+              engine_kwargs: dict | None, sources: dict[str, str | Path] | None,
+              shared_engine: SharedEngine | None) -> dict:
     from draftsmith.draft.speculators_format import check_draft_folder
     from draftsmith.engines.hf_model import model_dtype_name, resolve_device
     from draftsmith.targets.inspect import read_target_json
@@ -53,7 +67,6 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
         else:
             result = _in_vllm_alone(target, draft_dir, prompts, settings, sources, engine, shared_engine)
     result["settings"].update(target=target["model_path"], heldout=str(heldout_jsonl))
-    atomic_write_json(out_path, result)
     return result
 
 
