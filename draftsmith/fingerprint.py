@@ -32,10 +32,11 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGE = PACKAGE_DIR.name
-MEMO_NAME = "fingerprints.json"
 MEMO_MAX_ENTRIES = 4096  # past this, a save keeps only what this process used
-# tokenize's and ast's output may differ between Python versions: a memo of another one is not read
-MEMO_PYTHON = "{}.{}".format(*sys.version_info[:2])
+# A memo is read only by the Python version (tokenize's and ast's output may differ between them)
+# and the fingerprinting code that wrote it: a fix to either must not meet the old answers.
+MEMO_NAME = "fingerprints-{}.{}.json".format(*sys.version_info[:2])
+MEMO_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
 def _module_file(module: str) -> Path | None:
@@ -68,7 +69,7 @@ class _Memo:
             saved = json.loads(path.read_text())
         except (OSError, ValueError):
             return  # none yet, or damaged: computed again
-        if isinstance(saved, dict) and saved.get("python") == MEMO_PYTHON:
+        if isinstance(saved, dict) and saved.get("version") == MEMO_VERSION:
             self.entries = {kind: dict(saved.get(kind) or {}) for kind in self.entries}
 
     def get(self, kind: str, key: str):
@@ -94,7 +95,7 @@ class _Memo:
             self.path.parent.mkdir(exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as f:
                 temporary = f.name
-                json.dump({"python": MEMO_PYTHON, **entries}, f)
+                json.dump({"version": MEMO_VERSION, **entries}, f)
             os.chmod(temporary, 0o644)  # like the bytecode beside it: whoever runs the workflow may read it
             os.replace(temporary, self.path)  # whole or not at all, whoever else writes it meanwhile
         except OSError:
@@ -115,8 +116,9 @@ def _contents(file: Path) -> tuple[bytes, str]:
 
 @functools.lru_cache(maxsize=4096)
 def _read(file: Path, mtime_ns: int, ctime_ns: int, size: int) -> tuple[bytes, str]:
-    # Every rule's closure shares most files: each is read once a process. Any write to a file, or a
-    # modification time set back, moves its status-change time, so an edit is always read again.
+    # Every rule's closure shares most files: each is read once a process. A write to a file, or a
+    # modification time set back, moves its status-change time (to the kernel's clock tick), so an
+    # edit is read again; the memo on disk is keyed by the bytes read, whatever the stat says.
     data = file.read_bytes()
     return data, hashlib.sha256(data).hexdigest()
 
@@ -227,14 +229,17 @@ def _code_tokens(data: bytes) -> bytes:
 def _digest(files: Iterable[Path], script: Path | None = None) -> str:
     named = [(script.name, script)] if script else []
     named += [(str(file.relative_to(PACKAGE_DIR)), file) for file in files]
-    key = hashlib.sha256("\0".join(f"{name}\0{_contents(file)[1]}" for name, file in named).encode()).hexdigest()
+    # each file read once: the memo's key and the tokens hashed come from the same bytes, even while
+    # a checkout rewrites the files
+    read = [(name, *_contents(file)) for name, file in named]
+    key = hashlib.sha256("\0".join(f"{name}\0{sha}" for name, _, sha in read).encode()).hexdigest()
     found = _MEMO.get("fingerprints", key)
     if found is None:
         digest = hashlib.sha256()
-        for name, file in named:
-            data = code_tokens(file)
-            digest.update(f"{name}\0{len(data)}\0".encode())
-            digest.update(data)
+        for name, data, _ in read:
+            tokens = _code_tokens(data)
+            digest.update(f"{name}\0{len(tokens)}\0".encode())
+            digest.update(tokens)
         found = digest.hexdigest()[:16]
         _MEMO.put("fingerprints", key, found)
     _MEMO.save()

@@ -102,15 +102,19 @@ def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]
         os.close(fd)
 
 
-def check_not_superseded(lock: Path, doing: str, error: type[DraftsmithError]) -> None:
-    """Before the holder of ``lock`` writes a rule's outputs: stop if a later job was refused the lock
-    meanwhile (``sole_writer``), since this process then outlived its own Snakemake and the outputs
-    belong to that job's rerun, which resumes from the work this process kept."""
+def check_not_superseded(lock: Path, doing: str, error: type[DraftsmithError], written: Iterable[Path] = ()) -> None:
+    """Around the holder of ``lock`` writing a rule's outputs (before, and after with ``written``,
+    which it then removes): stop if a later job was refused the lock meanwhile (``sole_writer``).
+    This process then outlived its own Snakemake (or shares a results folder with another run), and
+    the outputs belong to that job's rerun, which resumes from the work this process kept."""
     mark = _superseded_mark(Path(lock).absolute())
     if mark.exists():
+        for path in written:  # written while the later job failed: Snakemake would take them for its
+            Path(path).unlink(missing_ok=True)
         later = mark.read_text(errors="replace").strip()
-        raise error(f"a later job ({later}) asked for the same work while this process was {doing}, its own "
-                    "Snakemake gone: this process leaves the rule's outputs to that job's rerun",
+        raise error(f"a later job ({later}) asked for the same work while this process was {doing}: this "
+                    "process, which outlived its own Snakemake (or shares the results folder with another "
+                    "run), leaves the rule's outputs to that job's rerun",
                     where=str(mark), fix="rerun the workflow: it resumes from the work this process kept")
 
 

@@ -459,8 +459,10 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
         regenerator.on_answers = None
     num_chunks = reused + written
     _stop_on_empty_answers(counts, regenerator, target, work_dir)
-    check_not_superseded(lock_beside(work_dir), f"regenerating answers in {work_dir}", TargetError)
+    lock, doing = lock_beside(work_dir), f"regenerating answers in {work_dir}"
+    check_not_superseded(lock, doing, TargetError)
     _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
+    check_not_superseded(lock, doing, TargetError, written=[out_path])
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
         "turns_generated": counts.turns, "tokens_generated": counts.tokens,

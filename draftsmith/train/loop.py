@@ -144,9 +144,12 @@ def _train(index_path: Path | None, mapping_path: Path, target_json: Path, out_d
     }
     if ddp.main:
         # the last checkpoint is kept: a rerun refused while this process ran on resumes from it
-        check_not_superseded(lock_beside(work_dir), f"training in {work_dir}", TrainingError)
+        lock, doing = lock_beside(work_dir), f"training in {work_dir}"
+        check_not_superseded(lock, doing, TrainingError)
         save_dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
         save_speculators(run.draft, out_dir, dtype=save_dtype, extra_files={DRAFT_SUMMARY: result})
+        check_not_superseded(lock, doing, TrainingError,
+                             written=[out_dir / name for name in ("config.json", "model.safetensors", DRAFT_SUMMARY)])
         atomic_write_json(work_dir / "summary.json", result)
         log.info("draft written to %s: %d steps, %d tokens, step-0 accuracy %s, simulated tau %s", out_dir,
                  len(run.steps), tokens, result["final"].get("acc", ["?"])[0], result["final"].get("tau"))
@@ -213,6 +216,8 @@ def _loop(run: _Run, feed: BatchFeed, verifier: ShardVerifier | None, run_log: R
             window_tokens, window_start = 0, time.perf_counter()
         if checkpoint_now:
             last_good = _save(run, work_dir, step, done, tokens_done, last_log) or last_good
+            if ddp.main:  # a rerun was refused: stop here, not at the end, and free the devices for it
+                check_not_superseded(lock_beside(work_dir), f"training in {work_dir}", TrainingError)
     return tokens_done, last_log, last_good
 
 
