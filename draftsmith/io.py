@@ -89,7 +89,9 @@ def sole_writer(lock: Path, doing: str, where: str, error: type[DraftsmithError]
                 fix="wait for it to finish, or stop it if it is left over from a killed run "
                     f"({f'kill {pid} on {host}' if pid else 'fuser ' + str(lock) + ' names it'}), then rerun: "
                     "it leaves its result to the rerun, which resumes from the work it kept") from None
-        _superseded_mark(lock).unlink(missing_ok=True)  # this writer is the latest
+        # This writer is the latest. (A refusal in the instant between the flock and this unlink is
+        # lost: it comes from a job started as this one was, not from the rerun of an orphan.)
+        _superseded_mark(lock).unlink(missing_ok=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
         _HELD_LOCKS.add(lock)
