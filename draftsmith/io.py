@@ -120,6 +120,15 @@ def check_not_superseded(lock: Path, doing: str, error: type[DraftsmithError], w
                     where=str(mark), fix="rerun the workflow: it resumes from the work this process kept")
 
 
+@contextmanager
+def publishing(lock: Path, doing: str, error: type[DraftsmithError], outputs: Iterable[Path]) -> Iterator[None]:
+    """The block writes a rule's ``outputs`` as the holder of ``lock``: ``check_not_superseded``
+    before it, and after it, removing the outputs, since a later job may be refused meanwhile."""
+    check_not_superseded(lock, doing, error)
+    yield
+    check_not_superseded(lock, doing, error, written=outputs)
+
+
 def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -52,9 +52,9 @@ from draftsmith.errors import DataError, TargetError, out_of_memory_as
 from draftsmith.io import (
     atomic_write_json,
     atomic_write_text,
-    check_not_superseded,
     fsync_dir,
     lock_beside,
+    publishing,
     read_json,
     read_jsonl,
     sha256_file,
@@ -459,10 +459,8 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
         regenerator.on_answers = None
     num_chunks = reused + written
     _stop_on_empty_answers(counts, regenerator, target, work_dir)
-    lock, doing = lock_beside(work_dir), f"regenerating answers in {work_dir}"
-    check_not_superseded(lock, doing, TargetError)
-    _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
-    check_not_superseded(lock, doing, TargetError, written=[out_path])
+    with publishing(lock_beside(work_dir), f"regenerating answers in {work_dir}", TargetError, [out_path]):
+        _concatenate([_chunk_path(work_dir, i) for i in range(num_chunks)], out_path)
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
         "turns_generated": counts.turns, "tokens_generated": counts.tokens,

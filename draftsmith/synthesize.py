@@ -48,8 +48,8 @@ from draftsmith.errors import DataError, TargetError
 from draftsmith.io import (
     atomic_write_json,
     atomic_write_text,
-    check_not_superseded,
     lock_beside,
+    publishing,
     read_json,
     read_jsonl,
     sole_writer,
@@ -234,11 +234,10 @@ def _synthesize(model_path: Path, out_path: str | Path, stats_path: str | Path, 
             check_answers(counts, answers, tokenizer, model_path)
 
         rows, stats = _collect(work_dir, write_chunk, settings, excluded, judge)
-    check_not_superseded(lock_beside(work_dir), _writing(work_dir), TargetError)
-    atomic_write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     stats["seconds"] = round(time.perf_counter() - started, 2)
-    atomic_write_json(stats_path, stats)
-    check_not_superseded(lock_beside(work_dir), _writing(work_dir), TargetError, written=[Path(out_path), Path(stats_path)])
+    with publishing(lock_beside(work_dir), _writing(work_dir), TargetError, [Path(out_path), Path(stats_path)]):
+        atomic_write_text(out_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        atomic_write_json(stats_path, stats)
     log.info("wrote %d conversations of the target's own into %s from %d tries (%s dropped: %s)",
              len(rows), out_path, stats["tries"], sum(stats["dropped"].values()), stats["dropped"])
     return stats

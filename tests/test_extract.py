@@ -475,6 +475,15 @@ def test_killed_at_any_moment_a_rerun_finishes_byte_identical(train, target, tmp
     assert _tree(root) == _tree(reference)
 
 
+def _holding(proc, lock: Path) -> Path:
+    """``lock`` once ``proc`` holds it (its pid written in it)."""
+    deadline = time.monotonic() + 90
+    while not (lock.is_file() and lock.read_text().startswith(f"{proc.pid}@")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.01)
+    return lock
+
+
 def test_a_part_has_one_writer_and_its_lock_dies_with_it(train, target, tmp_path):
     """An orphaned job and its rerun on one part: the second writer stops at once, naming the
     first; once the first is killed (-9, no clean-up), a new writer takes the part and finishes."""
@@ -483,11 +492,7 @@ def test_a_part_has_one_writer_and_its_lock_dies_with_it(train, target, tmp_path
     root = tmp_path / "hs"
     first = _start(train, target_json, root, settings)
     _go(first)
-    lock = root / "part-0.lock"
-    deadline = time.monotonic() + 90
-    while not (lock.is_file() and lock.read_text().startswith(f"{first.pid}@")):
-        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()[-2000:]
-        time.sleep(0.01)
+    lock = _holding(first, root / "part-0.lock")
     try:
         with pytest.raises(ExtractionError) as e:
             extract_part(train, target_json, 0, ExtractionSettings(**settings), root, root / "part-0.json")
@@ -510,11 +515,7 @@ def test_a_writer_that_outlives_its_snakemake_leaves_the_manifest_to_the_rerun(t
     root = tmp_path / "hs"
     first = _start(train, target_json, root, settings)
     _go(first)
-    lock = root / "part-0.lock"
-    deadline = time.monotonic() + 90
-    while not (lock.is_file() and lock.read_text().startswith(f"{first.pid}@")):
-        assert first.poll() is None and time.monotonic() < deadline, first.stderr.read().decode()[-2000:]
-        time.sleep(0.01)
+    _holding(first, root / "part-0.lock")
     with pytest.raises(ExtractionError, match="another process"):
         extract_part(train, target_json, 0, ExtractionSettings(**settings), root, root / "part-0.json")
     assert first.wait(timeout=120) != 0

@@ -11,7 +11,7 @@ from draftsmith.evaluate.decoding import make_decoder
 from draftsmith.evaluate.metrics import evaluate_runs
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, read_prompts
 from draftsmith.evaluate.vllm import evaluate_in_vllm, serve_with_vllm, vllm_outside_runs, vllm_section
-from draftsmith.io import atomic_write_json, check_not_superseded, lock_beside, sole_writer
+from draftsmith.io import atomic_write_json, lock_beside, publishing, sole_writer
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,8 @@ def evaluate_draft(draft_dir: str | Path, target_json: str | Path, heldout_jsonl
     doing = f"evaluating a draft into {out_dir}"
     with sole_writer(lock_beside(out_dir), doing, str(out_dir), EvaluationError):
         result = _evaluate(draft_dir, target_json, heldout_jsonl, settings, engine_kwargs, sources, shared_engine)
-        check_not_superseded(lock_beside(out_dir), doing, EvaluationError)
-        atomic_write_json(out_path, result)
-        check_not_superseded(lock_beside(out_dir), doing, EvaluationError, written=[Path(out_path)])
+        with publishing(lock_beside(out_dir), doing, EvaluationError, [Path(out_path)]):
+            atomic_write_json(out_path, result)
     return result
 
 

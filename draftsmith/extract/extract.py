@@ -38,7 +38,7 @@ from draftsmith.extract.hidden_states import (
 )
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore, part_lock
-from draftsmith.io import check_not_superseded, lock_beside, read_json, read_jsonl
+from draftsmith.io import lock_beside, publishing, read_json, read_jsonl
 from draftsmith.settings import PROGRESS_INTERVAL_S
 from draftsmith.targets.identity import weights_identity
 from draftsmith.targets.vllm_install import engine_release
@@ -281,11 +281,8 @@ def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, s
                  part, len(written), todo_tokens, progress.seconds, todo_tokens / max(progress.seconds, 1e-9),
                  time.perf_counter() - started)
         done.update({info.shard: info for info in written})
-    lock, doing = lock_beside(store.dir), f"writing extraction part {part}"
-    check_not_superseded(lock, doing, ExtractionError)
-    manifest = store.finish([done[n] for n in range(len(shards))], manifest_path)
-    check_not_superseded(lock, doing, ExtractionError, written=[Path(manifest_path)])
-    return manifest
+    with publishing(lock_beside(store.dir), f"writing extraction part {part}", ExtractionError, [Path(manifest_path)]):
+        return store.finish([done[n] for n in range(len(shards))], manifest_path)
 
 
 def merge(manifests: Sequence[str | Path], index_path: str | Path) -> HiddenStateIndex:

@@ -28,7 +28,7 @@ from draftsmith.draft.speculators_format import save_speculators
 from draftsmith.errors import TrainingError, out_of_memory_as
 from draftsmith.extract.hidden_states import HiddenStateIndex
 from draftsmith.fits import StepShape, attention_span, check_step_fits, check_warmup, process_memory
-from draftsmith.io import atomic_write_json, check_not_superseded, lock_beside, read_json
+from draftsmith.io import atomic_write_json, check_not_superseded, lock_beside, publishing, read_json
 from draftsmith.train.batches import (
     BatchFeed,
     ShardMeta,
@@ -144,12 +144,10 @@ def _train(index_path: Path | None, mapping_path: Path, target_json: Path, out_d
     }
     if ddp.main:
         # the last checkpoint is kept: a rerun refused while this process ran on resumes from it
-        lock, doing = lock_beside(work_dir), f"training in {work_dir}"
-        check_not_superseded(lock, doing, TrainingError)
         save_dtype = "bfloat16" if run.dtype == torch.bfloat16 else "float32"
-        save_speculators(run.draft, out_dir, dtype=save_dtype, extra_files={DRAFT_SUMMARY: result})
-        check_not_superseded(lock, doing, TrainingError,
-                             written=[out_dir / name for name in ("config.json", "model.safetensors", DRAFT_SUMMARY)])
+        with publishing(lock_beside(work_dir), f"training in {work_dir}", TrainingError,
+                        [out_dir / name for name in ("config.json", "model.safetensors", DRAFT_SUMMARY)]):
+            save_speculators(run.draft, out_dir, dtype=save_dtype, extra_files={DRAFT_SUMMARY: result})
         atomic_write_json(work_dir / "summary.json", result)
         log.info("draft written to %s: %d steps, %d tokens, step-0 accuracy %s, simulated tau %s", out_dir,
                  len(run.steps), tokens, result["final"].get("acc", ["?"])[0], result["final"].get("tau"))
