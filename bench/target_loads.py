@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,11 +48,16 @@ MODES = {
 BENCH_CASES = {"llama_8b": ("llama", "8b")}  # case: (the lane's case it runs, the bench/regeneration.py shape)
 TOKENIZER_VOCAB = 384  # tests/tiny.py's tokenizer, which the lane's cases use
 STAGES = ("regenerate_responses", "extract_hidden_states/part-0", "train_draft", "evaluate_draft")
+# vLLM's own lines on where an engine's start went (0.33's model runner, loader and engine core)
+VLLM_START_LINE = re.compile(r"(Initializing model took|Loading weights took|Model loading took|torch\.compile takes"
+                             r"|Graph capturing finished|init engine \(profile, create kv cache, warmup model\) took)"
+                             r"[^\n]*")
 
 
-def run_mode(work: Path, case: str, mode: str, target: dict) -> dict:
+def run_mode(work: Path, case: str, mode: str, target: dict, logs: Path | None) -> dict:
     """One workflow run and a rerun of evaluate_draft; the figures of each job that runs the target.
-    ``target``: config sections that replace the case's target (empty: the case's own)."""
+    ``target``: config sections that replace the case's target (empty: the case's own); ``logs``: where
+    the jobs' and the warm engines' logs are copied (none: not kept)."""
     from draftsmith.engines import registry
 
     os.environ[registry.ENGINE_DIR_ENV] = str(work / "engines")  # the run's jobs inherit it
@@ -73,6 +79,21 @@ def run_mode(work: Path, case: str, mode: str, target: dict) -> dict:
     finally:
         for engine in registry.list_engines():
             registry.stop_engine(Path(engine["folder"]))
+        if logs:
+            keep_logs(work, logs / mode)
+
+
+def keep_logs(work: Path, into: Path) -> None:
+    """The mode's job logs and its warm engines' logs under ``into``, and vLLM's own lines on where
+    each engine's start went (``vllm-start.txt``), for comparing one mode's loads with the other's."""
+    shutil.rmtree(into, ignore_errors=True)
+    for log in [*work.glob("*/logs/**/*.log"), *work.glob("engines/*/engine.log")]:
+        copy = into / log.relative_to(work)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, copy)
+    lines = [f"{log.relative_to(into)}: {match.group(0)}" for log in sorted(into.rglob("*.log"))
+             for match in VLLM_START_LINE.finditer(log.read_text(errors="replace"))]
+    (into / "vllm-start.txt").write_text("\n".join(lines) + "\n")
 
 
 def build_target(folder: Path, shape: str) -> Path:
@@ -112,6 +133,8 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="the summary as JSON (rewritten after each mode)")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="keep each mode's job and engine logs here, with vLLM's start lines in vllm-start.txt")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="target-loads-"))
     summary = {"case": args.case, "modes": {}}
@@ -124,7 +147,7 @@ def main() -> int:
         folder = work / mode
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        summary["modes"][mode] = run_mode(folder, case, mode, target)
+        summary["modes"][mode] = run_mode(folder, case, mode, target, args.logs)
         print(table(summary), file=sys.stderr)
         if args.out:  # after each mode: a run cut short keeps the modes it finished
             args.out.parent.mkdir(parents=True, exist_ok=True)

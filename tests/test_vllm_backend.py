@@ -94,7 +94,8 @@ class TestOneLlamaEngine:
     made it served a MoE target (vLLM 0.33), so a MoE engine beside a live dense one fails to load."""
 
     @pytest.fixture(scope="class")
-    def llama(self, tmp_path_factory, in_process_engine):
+    @staticmethod
+    def llama(tmp_path_factory, in_process_engine):
         path = build_llama(tmp_path_factory.mktemp("vllm-llama") / "target", num_layers=4)
         layer_ids = [0, 1, 2, 4]
         backend = _engine(path, layer_ids, layers_path="model.layers", max_num_seqs=4)
