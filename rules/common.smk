@@ -28,11 +28,24 @@ onstart:
 
 onsuccess:
     say_warm_engines()
+    cancel_scheduler_timers()
 
 
 onerror:
     # a failed job's engine stays warm for the rerun: say so
     say_warm_engines()
+    cancel_scheduler_timers()
+
+
+def cancel_scheduler_timers():
+    """The scheduling is over: end the timer Snakemake's job-rate limiter set when it started the
+    last job, which Python would otherwise wait for at exit (up to its 1-s timespan, a tenth of the
+    preflight's budget). Snakemake 9's own; a release without it leaves nothing to cancel."""
+    import threading
+
+    for thread in threading.enumerate():
+        if isinstance(thread, threading.Timer) and "_schedule_reevalutation" in thread.function.__qualname__:
+            thread.cancel()
 
 
 def stage_config(*keys, leave_out=()):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,6 +136,28 @@ def test_preflight_with_regeneration_on_needs_no_weights_and_no_regenerated_data
     snakemake(workdir, "preflight", configfile=configfile)
     assert (workdir / "results/t/preflight.json").exists()
     assert not (workdir / "results/t/data/regenerated.jsonl").exists()
+
+
+def test_a_job_ended_early_keeps_its_log_and_console_and_exits_0(tmp_path):
+    """The preflight's jobs skip the interpreter's teardown (draftsmith.quick_exit): what they logged
+    and printed is all there, the status is 0, and the teardown (an atexit hook here) never runs."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import atexit, logging, sys\n"
+        "from draftsmith.logs import setup_logging\n"
+        "from draftsmith.quick_exit import end_job\n"
+        f"setup_logging({str(tmp_path / 'job.log')!r})\n"
+        "atexit.register(lambda: print('torn down'))\n"
+        "logging.getLogger('draftsmith').info('the last line of the log')\n"
+        "print('printed, not yet flushed', end='')\n"
+        "end_job()\n"
+        "print('never reached')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "printed, not yet flushed"
+    assert "the last line of the log" in (tmp_path / "job.log").read_text()
+    assert "the last line of the log" in done.stderr
 
 
 def test_the_gate_holds_a_load_until_check_setup_passes_and_stops_it_when_check_setup_fails(tmp_path):

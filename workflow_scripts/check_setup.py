@@ -6,6 +6,7 @@ from pathlib import Path
 from draftsmith.gate import deciding, gate_for_run
 from draftsmith.logs import setup_logging
 from draftsmith.preflight import PreflightSettings, check_setup
+from draftsmith.quick_exit import end_job
 from draftsmith.targets.inspect import read_target_json
 
 setup_logging(snakemake.log[0])
@@ -18,3 +19,4 @@ with deciding(gate_for_run(snakemake.config["run"])):
         self_written=snakemake.params.self_written,
         target=read_target_json(snakemake.input.target),
     )
+end_job()

@@ -4,6 +4,7 @@ from pathlib import Path
 
 from draftsmith.config import uses_gpu
 from draftsmith.logs import setup_logging
+from draftsmith.quick_exit import end_job
 from draftsmith.targets.inspect import hf_stages, write_target_json
 
 setup_logging(snakemake.log[0])
@@ -18,3 +19,4 @@ write_target_json(
     dtype=snakemake.config["target"]["dtype"],
     hf_stages=hf_stages(snakemake.config, gpu=uses_gpu(snakemake.config["device"])),
 )
+end_job()
