@@ -13,6 +13,7 @@ from draftsmith.gate import gate_for_run, mark_planned
 from draftsmith.preflight import PreflightSettings
 from draftsmith.targets.identity import files_fingerprint, weights_fingerprint
 from draftsmith.targets.vllm_install import installed_vllm_version
+from draftsmith.workflow_profile import check_workflow_profile
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -21,7 +22,10 @@ BENCH = f"benchmarks/{RUN}"
 
 
 onstart:
-    # Before any job starts: when this plan runs check_setup, the jobs that load the target wait
+    # Before any job starts (the plan is known only now): the profile that keeps a comment edit from
+    # rerunning a stage is in effect (draftsmith/workflow_profile.py).
+    check_workflow_profile({t.name.lower() for t in workflow.rerun_triggers}, Path.cwd(), Path(workflow.basedir))
+    # When this plan runs check_setup, the jobs that load the target wait
     # for its verdict (draftsmith/gate.py; docs/design.md says why this is no file edge).
     mark_planned(gate_for_run(RUN), any(job.rule.name == "check_setup" for job in workflow.dag.needrun_jobs()))
 

@@ -40,6 +40,7 @@ from draftsmith.gate import PreflightGateError, gate_for_run, mark_planned, reco
 from draftsmith.placement import DEVICES_ENV, PlacementError, claim_devices
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.vocab import build_vocab_mapping
+from draftsmith.workflow_profile import check_workflow_profile
 from workflow_helpers import ROOT, copy_workflow, snakemake, write_config
 
 SCHEMA = ROOT / "config" / "schema.yaml"
@@ -242,6 +243,14 @@ def _(tmp, env):
 def _(tmp, env):
     (tmp / "results").write_text("a file where the results folder should be")
     _check({}, cwd=tmp)
+
+
+@case("workflow-profile-shadowed", ConfigError, "Snakemake read the folder ./default as the workflow profile")
+def _(tmp, env):
+    # a folder ./default with a config.yaml of its own: Snakemake reads it instead of profiles/default
+    (tmp / "default").mkdir()
+    (tmp / "default" / "config.yaml").write_text("cores: 2\n")
+    check_workflow_profile({"mtime", "params", "input", "software_env", "code"}, tmp, ROOT)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,6 +73,20 @@ def _patch(workdir: Path, module: str, text: str = PATCH) -> Path:
     return file
 
 
+def test_a_run_without_the_workflow_profile_is_refused_before_any_job(tmp_path):
+    """Without profiles/default Snakemake's code trigger is on, and a comment edit would rerun a
+    stage: such a run stops before its first job, saying what took the profile's place."""
+    workdir, config = tiny_workflow(tmp_path)
+    config.update(vocab={"draft_vocab_size": 64})
+    configfile = write_config(workdir, config)
+    done = snakemake(workdir, "preflight", "--workflow-profile", "none", configfile=configfile, check=False)
+    assert done.returncode != 0
+    assert "Snakemake's rerun triggers include 'code'" in done.stderr, done.stderr[-3000:]
+    assert not (workdir / "results/t/target.json").exists()
+    snakemake(workdir, "preflight", configfile=configfile)  # with the profile: runs
+    assert (workdir / "results/t/target.json").exists()
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """The whole tiny workflow, regeneration on, run to the end once."""

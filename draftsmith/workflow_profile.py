@@ -1,0 +1,39 @@
+"""Whether Snakemake plans with the workflow's own profile, ``profiles/default``.
+
+That profile turns Snakemake's ``code`` rerun trigger off: the trigger reruns a rule whenever its
+script file is newer than its outputs, after a comment edit or a git checkout that leaves the code
+as it was (at scale, training from step 0); each rule's code fingerprint reruns it on a real change
+instead (docs/design.md, "What a patch reruns"). Snakemake reads that profile only when no other
+takes its place: a folder ``./default`` holding a ``config.yaml`` is read first, and
+``--workflow-profile none`` or another profile turns it off, all without a word. A module of its
+own, called by the Snakefile alone, so that no rule's code fingerprint takes it in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from draftsmith.errors import ConfigError
+
+
+def check_workflow_profile(rerun_triggers: Collection[str], workdir: Path, workflow_dir: Path) -> None:
+    """Refuse a plan whose rerun triggers include ``code`` (Snakemake's trigger names, lower case),
+    naming what took the workflow profile's place."""
+    if "code" not in rerun_triggers:
+        return
+    ours = (workflow_dir / "profiles" / "default").resolve()
+    shadow = workdir / "default"
+    if shadow.is_dir() and shadow.resolve() != ours:
+        where = str(shadow.resolve())
+        cause = ("Snakemake read the folder ./default as the workflow profile, before profiles/default "
+                 "(it looks in the working folder first)")
+        fix = f"rename {shadow.resolve()} (or run Snakemake from another folder), then run the same command"
+    else:
+        where = "the snakemake command line"
+        cause = ("the workflow profile profiles/default is not in effect (--workflow-profile none or another "
+                 "one), or --rerun-triggers names code")
+        fix = ("leave out --workflow-profile (profiles/local and profiles/slurm go with --profile, beside it) "
+               "and --rerun-triggers")
+    raise ConfigError(f"{cause}: Snakemake's rerun triggers include 'code', which reruns a stage after a comment "
+                      "edit or a git checkout (training from step 0)", where=where, fix=fix)
