@@ -67,27 +67,39 @@ def run_mode(work: Path, case: str, mode: str, target: dict, logs: Path | None) 
     try:
         workdir, configfile, _ = vllm_workflow(work, case, **sections)
         started = time.monotonic()
-        snakemake(workdir, "--resources", "gpu=1", configfile=configfile, timeout=3600)
+        _snakemake(work / "snakemake-run.log", workdir, "--resources", "gpu=1", configfile=configfile)
         run = {"wall_seconds": round(time.monotonic() - started, 1),
                "stages": _figures(workdir)}
         started = time.monotonic()
-        snakemake(workdir, "--resources", "gpu=1", "--forcerun", "evaluate_draft", "--until", "evaluate_draft",
-                  configfile=configfile, timeout=3600)
+        _snakemake(work / "snakemake-rerun.log", workdir, "--resources", "gpu=1", "--forcerun", "evaluate_draft",
+                   "--until", "evaluate_draft", configfile=configfile)
         run["rerun_evaluate_draft"] = {"wall_seconds": round(time.monotonic() - started, 1),
                                        **_figures(workdir)["evaluate_draft"]}
         return run
     finally:
-        for engine in registry.list_engines():
-            registry.stop_engine(Path(engine["folder"]))
-        if logs:
-            keep_logs(work, logs / mode)
+        try:
+            for engine in registry.list_engines():
+                registry.stop_engine(Path(engine["folder"]))
+        finally:
+            if logs:
+                keep_logs(work, logs / mode)
+
+
+def _snakemake(console: Path, workdir: Path, *args: str, configfile: Path) -> None:
+    """A Snakemake run, its console kept in ``console``: a job's own engine logs vLLM's lines there
+    (vLLM's logger writes to the job's stdout, not to the rule's log)."""
+    done = snakemake(workdir, *args, configfile=configfile, timeout=3600, check=False)
+    console.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"snakemake {' '.join(args)} failed (its console: {console}):\n{done.stderr[-4000:]}")
 
 
 def keep_logs(work: Path, into: Path) -> None:
-    """The mode's job logs and its warm engines' logs under ``into``, and vLLM's own lines on where
-    each engine's start went (``vllm-start.txt``), for comparing one mode's loads with the other's."""
+    """The mode's job logs, its warm engines' logs and Snakemake's console under ``into``, and vLLM's
+    own lines on where each engine's start went (``vllm-start.txt``), for comparing one mode's loads
+    with the other's."""
     shutil.rmtree(into, ignore_errors=True)
-    for log in [*work.glob("*/logs/**/*.log"), *work.glob("engines/*/engine.log")]:
+    for log in [*work.glob("*/logs/**/*.log"), *work.glob("engines/*/engine.log"), *work.glob("snakemake-*.log")]:
         copy = into / log.relative_to(work)
         copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(log, copy)

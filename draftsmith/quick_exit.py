@@ -3,7 +3,8 @@
 A process that imported torch and transformers spends about a second after its last line freeing
 modules and running native destructors, on every job; for the preflight's two jobs, whose whole
 budget is seconds, that is a tenth of it (docs/benchmarks.md, "Preflight and planning"). A module of
-its own, so that only the scripts that call it take it into their code fingerprints.
+its own, so that only the scripts that call it take it into their code fingerprints; inspect_target
+is one, whose target.json every stage reads, so a change here reruns a run (docs/reruns.md).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ That profile turns Snakemake's ``code`` rerun trigger off: the trigger reruns a 
 script file is newer than its outputs, after a comment edit or a git checkout that leaves the code
 as it was (at scale, training from step 0); each rule's code fingerprint reruns it on a real change
 instead (docs/design.md, "What a patch reruns"). Snakemake reads that profile only when no other
-takes its place: a folder ``./default`` holding a ``config.yaml`` is read first, and
+takes its place: ``./default`` in the folder Snakemake starts from is read first, and
 ``--workflow-profile none`` or another profile turns it off, all without a word. A module of its
-own, called by the Snakefile alone, so that no rule's code fingerprint takes it in.
+own, called by the workflow's hooks alone, so that no rule's code fingerprint takes it in. Dry runs
+call no hooks, so a dry run without the profile goes unchecked (its plan shows the reruns).
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ def check_workflow_profile(rerun_triggers: Collection[str], workdir: Path, workf
         return
     ours = (workflow_dir / "profiles" / "default").resolve()
     shadow = workdir / "default"
-    if shadow.is_dir() and shadow.resolve() != ours:
+    if shadow.exists() and shadow.resolve() != ours:
         where = str(shadow.resolve())
-        cause = ("Snakemake read the folder ./default as the workflow profile, before profiles/default "
-                 "(it looks in the working folder first)")
-        fix = f"rename {shadow.resolve()} (or run Snakemake from another folder), then run the same command"
+        cause = ("Snakemake read ./default as the workflow profile, before profiles/default (it looks in "
+                 "the folder it was started from first)")
+        fix = f"rename {shadow.resolve()} (or start Snakemake from another folder), then run the same command"
     else:
         where = "the snakemake command line"
-        cause = ("the workflow profile profiles/default is not in effect (--workflow-profile none or another "
-                 "one), or --rerun-triggers names code")
+        cause = ("the workflow profile profiles/default is not in effect: --workflow-profile none or another "
+                 "workflow profile, --rerun-triggers naming code, or a ./default in the folder Snakemake was "
+                 "started from before --directory")
         fix = ("leave out --workflow-profile (profiles/local and profiles/slurm go with --profile, beside it) "
-               "and --rerun-triggers")
+               "and --rerun-triggers, and start Snakemake from the workflow's folder")
     raise ConfigError(f"{cause}: Snakemake's rerun triggers include 'code', which reruns a stage after a comment "
                       "edit or a git checkout (training from step 0)", where=where, fix=fix)

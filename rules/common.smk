@@ -22,8 +22,9 @@ BENCH = f"benchmarks/{RUN}"
 
 
 onstart:
-    # Before any job starts (the plan is known only now): the profile that keeps a comment edit from
-    # rerunning a stage is in effect (draftsmith/workflow_profile.py).
+    # Before any job starts, the profile that keeps a comment edit from rerunning a stage is in effect
+    # (draftsmith/workflow_profile.py); here, since Snakemake sets its rerun triggers only after it
+    # has read the Snakefile.
     check_workflow_profile({t.name.lower() for t in workflow.rerun_triggers}, Path.cwd(), Path(workflow.basedir))
     # When this plan runs check_setup, the jobs that load the target wait
     # for its verdict (draftsmith/gate.py; docs/design.md says why this is no file edge).
@@ -48,7 +49,8 @@ def cancel_scheduler_timers():
     import threading
 
     for thread in threading.enumerate():
-        if isinstance(thread, threading.Timer) and "_schedule_reevalutation" in thread.function.__qualname__:
+        name = getattr(getattr(thread, "function", None), "__qualname__", "")
+        if isinstance(thread, threading.Timer) and "_schedule_reevalutation" in name:
             thread.cancel()
 
 

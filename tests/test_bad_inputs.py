@@ -245,7 +245,7 @@ def _(tmp, env):
     _check({}, cwd=tmp)
 
 
-@case("workflow-profile-shadowed", ConfigError, "Snakemake read the folder ./default as the workflow profile")
+@case("workflow-profile-shadowed", ConfigError, "Snakemake read ./default as the workflow profile")
 def _(tmp, env):
     # a folder ./default with a config.yaml of its own: Snakemake reads it instead of profiles/default
     (tmp / "default").mkdir()

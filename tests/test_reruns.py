@@ -83,6 +83,15 @@ def test_a_run_without_the_workflow_profile_is_refused_before_any_job(tmp_path):
     assert done.returncode != 0
     assert "Snakemake's rerun triggers include 'code'" in done.stderr, done.stderr[-3000:]
     assert not (workdir / "results/t/target.json").exists()
+    # a profile of the user's own in ./default, which Snakemake reads before profiles/default
+    (workdir / "default").mkdir()
+    (workdir / "default" / "config.yaml").write_text("printshellcmds: true\n")
+    done = snakemake(workdir, "preflight", configfile=configfile, check=False)
+    assert done.returncode != 0
+    assert "Snakemake read ./default as the workflow profile" in done.stderr, done.stderr[-3000:]
+    assert not (workdir / "results/t/target.json").exists()
+    (workdir / "default" / "config.yaml").unlink()
+    (workdir / "default").rmdir()
     snakemake(workdir, "preflight", configfile=configfile)  # with the profile: runs
     assert (workdir / "results/t/target.json").exists()
 
