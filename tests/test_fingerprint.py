@@ -19,6 +19,15 @@ def test_closure_of_a_stage_excludes_other_stages():
     assert "targets/inspect.py" not in names(module_closure("draftsmith.vocab"))
 
 
+def test_online_training_is_fingerprinted_with_the_processes_it_starts():
+    # the producer and the trainer's workers run as `python -m` processes of the job: a patch to
+    # either must train again
+    from draftsmith.fingerprint import script_closure
+
+    closure = names(script_closure(PACKAGE_DIR.parent / "workflow_scripts" / "train_draft_online.py"))
+    assert {"online/producer.py", "online/worker.py"} <= closure
+
+
 @pytest.fixture
 def toy_package(tmp_path, monkeypatch):
     """A package of three modules in place of draftsmith's: a imports b, c stands alone."""

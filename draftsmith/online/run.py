@@ -17,6 +17,10 @@ from draftsmith.errors import TrainingError
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import atomic_write_json, read_json
+# Imported for their names: the processes this job starts run them (python -m), so their code is in
+# train_draft_online's code fingerprint, and a patch to either trains again.
+from draftsmith.online import producer as producer_module
+from draftsmith.online import worker as worker_module
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings
 from draftsmith.online.window import PRODUCER_STATS, PROGRESS, WindowSource
 from draftsmith.train.batches import plan_steps
@@ -85,7 +89,7 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
         if trainer_devices is not None:  # before this process (or torchrun's) first touches CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = trainer_devices
         with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as sink:
-            producer = subprocess.Popen([sys.executable, "-m", "draftsmith.online.producer", str(spec_path)], env=env,
+            producer = subprocess.Popen([sys.executable, "-m", producer_module.__name__, str(spec_path)], env=env,
                                         stdout=sink, stderr=subprocess.STDOUT if sink else None,
                                         preexec_fn=_die_with_parent)
         log.info("online: producer pid %d (CUDA_VISIBLE_DEVICES=%s), trainer on %s", producer.pid,
@@ -94,7 +98,7 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
         try:
             summary = run_training(None, mapping_path, target_json, out_dir, work_dir, settings, devices=devices,
                                    log_path=log_path, metrics_out=metrics_out, source=source,
-                                   worker="draftsmith.online.worker",
+                                   worker=worker_module.__name__,
                                    worker_args={"online_spec": str(spec_path), "producer_pid": producer.pid})
             code = producer.wait(timeout=PRODUCER_EXIT_WAIT_S)
         finally:
