@@ -17,8 +17,9 @@ from draftsmith.errors import TrainingError
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import atomic_write_json, read_json
-# Imported for their names: the processes this job starts run them (python -m), so their code is in
-# train_draft_online's code fingerprint, and a patch to either trains again.
+
+# Both for their names: the processes this job starts run them (python -m), and imported they are in
+# train_draft_online's code fingerprint, so a patch to either trains again.
 from draftsmith.online import producer as producer_module
 from draftsmith.online import worker as worker_module
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings
