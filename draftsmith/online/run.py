@@ -13,15 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Both for their names: the processes this job starts run them (python -m), and imported they are in
+# train_draft_online's code fingerprint, so a patch to either trains again.
+import draftsmith.online.producer as producer_module
+import draftsmith.online.worker as worker_module
 from draftsmith.errors import TrainingError
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore
 from draftsmith.io import atomic_write_json, read_json
-
-# Both for their names: the processes this job starts run them (python -m), and imported they are in
-# train_draft_online's code fingerprint, so a patch to either trains again.
-from draftsmith.online import producer as producer_module
-from draftsmith.online import worker as worker_module
 from draftsmith.online.plan import PART, OnlinePlan, OnlineSettings
 from draftsmith.online.window import PRODUCER_STATS, PROGRESS, WindowSource
 from draftsmith.train.batches import plan_steps
