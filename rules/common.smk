@@ -13,7 +13,7 @@ from draftsmith.gate import gate_for_run, mark_planned
 from draftsmith.preflight import PreflightSettings
 from draftsmith.targets.identity import files_fingerprint, weights_fingerprint
 from draftsmith.targets.vllm_install import installed_vllm_version
-from draftsmith.workflow_profile import check_workflow_profile
+from draftsmith.workflow_hooks import cancel_scheduler_timers, check_workflow_profile
 
 RUN = config["run"]
 RESULTS = f"results/{RUN}"
@@ -23,7 +23,7 @@ BENCH = f"benchmarks/{RUN}"
 
 onstart:
     # Before any job starts, the profile that keeps a comment edit from rerunning a stage is in effect
-    # (draftsmith/workflow_profile.py); here, since Snakemake sets its rerun triggers only after it
+    # (draftsmith/workflow_hooks.py); here, since Snakemake sets its rerun triggers only after it
     # has read the Snakefile.
     check_workflow_profile({t.name.lower() for t in workflow.rerun_triggers}, Path.cwd(), Path(workflow.basedir))
     # When this plan runs check_setup, the jobs that load the target wait
@@ -40,18 +40,6 @@ onerror:
     # a failed job's engine stays warm for the rerun: say so
     say_warm_engines()
     cancel_scheduler_timers()
-
-
-def cancel_scheduler_timers():
-    """The scheduling is over: end the timer Snakemake's job-rate limiter set when it started the
-    last job, which Python would otherwise wait for at exit (up to its 1-s timespan, a tenth of the
-    preflight's budget). Snakemake 9's own; a release without it leaves nothing to cancel."""
-    import threading
-
-    for thread in threading.enumerate():
-        name = getattr(getattr(thread, "function", None), "__qualname__", "")
-        if isinstance(thread, threading.Timer) and "_schedule_reevalutation" in name:
-            thread.cancel()
 
 
 def stage_config(*keys, leave_out=()):

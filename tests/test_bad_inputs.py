@@ -40,7 +40,7 @@ from draftsmith.gate import PreflightGateError, gate_for_run, mark_planned, reco
 from draftsmith.placement import DEVICES_ENV, PlacementError, claim_devices
 from draftsmith.targets.inspect import write_target_json
 from draftsmith.vocab import build_vocab_mapping
-from draftsmith.workflow_profile import check_workflow_profile
+from draftsmith.workflow_hooks import check_workflow_profile
 from workflow_helpers import ROOT, copy_workflow, snakemake, write_config
 
 SCHEMA = ROOT / "config" / "schema.yaml"

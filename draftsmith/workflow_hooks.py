@@ -1,4 +1,5 @@
-"""Whether Snakemake plans with the workflow's own profile, ``profiles/default``.
+"""What the workflow's Snakemake hooks do beside the gate and the warm engines: check that Snakemake
+plans with the workflow's own profile, ``profiles/default``, and end the scheduler's last timer.
 
 That profile turns Snakemake's ``code`` rerun trigger off: the trigger reruns a rule whenever its
 script file is newer than its outputs, after a comment edit or a git checkout that leaves the code
@@ -16,6 +17,18 @@ from collections.abc import Collection
 from pathlib import Path
 
 from draftsmith.errors import ConfigError
+
+
+def cancel_scheduler_timers() -> None:
+    """The scheduling is over: end the timer Snakemake's job-rate limiter set when it started the
+    last job, which Python would otherwise wait for at exit (up to its 1-s timespan, a tenth of the
+    preflight's budget). Snakemake 9's own; a release without it leaves nothing to cancel."""
+    import threading
+
+    for thread in threading.enumerate():
+        name = getattr(getattr(thread, "function", None), "__qualname__", "")
+        if isinstance(thread, threading.Timer) and "_schedule_reevalutation" in name:
+            thread.cancel()
 
 
 def check_workflow_profile(rerun_triggers: Collection[str], workdir: Path, workflow_dir: Path) -> None:
