@@ -40,9 +40,10 @@ from extraction import SHAPES, filesystem, make_samples, shards_of  # noqa: E402
 from store_rate import disk_write_rate  # noqa: E402
 from usage import Usage  # noqa: E402
 
+from draftsmith.engines.shared import DEFAULT_TOKEN_BUDGET  # noqa: E402
 from draftsmith.extract.capture import capture_batches, extract_shards, plan_batches  # noqa: E402
 from draftsmith.extract.shard_writer import PartStore  # noqa: E402
-from draftsmith.extract.vllm_backend import DEFAULT_TOKEN_BUDGET, VllmBackend  # noqa: E402
+from draftsmith.extract.vllm_backend import VllmBackend  # noqa: E402
 from draftsmith.logs import setup_logging  # noqa: E402
 from draftsmith.settings import schema_default  # noqa: E402
 from draftsmith.targets.vllm_compat import engine_kwargs, shutdown_llm  # noqa: E402

@@ -48,6 +48,7 @@ from draftsmith.engines.hf_model import (
     stop_ids_from_files,
     stop_token_ids,
 )
+from draftsmith.engines.shared import SharedEngine, capture_engine_args
 from draftsmith.errors import DataError, TargetError, out_of_memory_as
 from draftsmith.io import (
     atomic_write_json,
@@ -113,8 +114,10 @@ def _source_identity(source: Path) -> dict:
     return {source.name: sha256_file(source)}
 
 
-def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path]) -> str:
-    """Hash of everything that decides the regenerated text; chunks written under another are stale."""
+def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path],
+                             shared_engine: bool = False) -> str:
+    """Hash of everything that decides the regenerated text; chunks written under another are stale.
+    ``shared_engine``: vLLM decodes in the engine shared with capture (``engines.shared``)."""
     from draftsmith.fingerprint import code_fingerprint
 
     generation = settings.section_values()
@@ -133,6 +136,8 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
                 "tensor_parallel_size": settings.tensor_parallel_size if settings.backend == "vllm" else 1}
     if eager and settings.backend == "vllm" and numerics["device"] == "cuda":  # other kernels than CUDA graphs'
         numerics["enforce_eager"] = True
+    if shared_engine:  # the target verifies the slot's drafts: other kernels, and sampled answers other draws
+        numerics["speculator_slot"] = True
     numerics.update(engine_release(settings.backend))
     payload = {
         "format": REGENERATE_FORMAT,
@@ -160,6 +165,7 @@ class TurnCounts:
     truncated: int = 0  # answers cut at max_new_tokens
     empty: int = 0  # answers that are empty or whitespace (prepare_dataset drops their conversations)
     unchanged: int = 0  # conversations passed through (template failure, tool use)
+    unanswered: int = 0  # turns left as written: the conversation before them fills the engine's context
     # The first empty answer, for the message that reports them: its tokens and text, and where
     # regenerate() met it (the message's index, and the conversation's id, file and line when named).
     first_empty: dict | None = None
@@ -191,9 +197,10 @@ class Regenerator:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        """New tokens per prompt (the stop token excluded), in ``prompts`` order; left-padded
-        batches of similar length keep padding small."""
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int] | None]:
+        """New tokens per prompt (the stop token excluded), in ``prompts`` order (None for a prompt
+        that leaves no room in the engine's context: vLLM's); left-padded batches of similar length
+        keep padding small."""
         s = self.settings
         out: list[list[int]] = [[] for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -261,7 +268,9 @@ class Regenerator:
 
         A conversation the chat template cannot render is returned unchanged: prepare_dataset drops
         and counts it with its reason. So is one with tool calls or tool results (``uses_tools``): the
-        tools cannot be run here to answer the target's own calls.
+        tools cannot be run here to answer the target's own calls. A turn whose prompt leaves no
+        room in the engine's context, and every turn after it, stays as written (counted in
+        ``unanswered``): none of it could be trained, and an empty answer would drop the turns before it.
         """
         messages = [[dict(m) for m in conv] for conv in conversations]
         tools = list(tools) if tools is not None else [None] * len(conversations)
@@ -282,6 +291,10 @@ class Regenerator:
                 jobs.append((c, t[r]))
             answers = self.generate(prompts, seed=derived_seed(self.seed, seed, r))
             for (c, k), tokens in zip(jobs, answers):
+                if tokens is None:  # no room left: this turn and the later ones stay as written
+                    counts.unanswered += len(turns[c]) - r
+                    turns[c] = turns[c][:r]
+                    continue
                 messages[c][k] = {"role": "assistant", "content": self.answer(tokens, counts)}
                 if counts.first_empty is not None and "message" not in counts.first_empty:
                     counts.first_empty.update(message=k, **(names[c] if names is not None else {}))
@@ -464,7 +477,7 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
         "turns_generated": counts.turns, "tokens_generated": counts.tokens,
-        "turns_truncated": counts.truncated, "empty_answers": counts.empty,
+        "turns_truncated": counts.truncated, "empty_answers": counts.empty, "turns_left_as_written": counts.unanswered,
         "text_rows_passed_through": text_rows, "conversations_unchanged": counts.unchanged,
         "bad_rows_skipped": dict(bad),
         "seconds": round(time.perf_counter() - started, 2),
@@ -473,6 +486,10 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
              "(%d cut at max_new_tokens, %d empty); %d bad rows skipped %s",
              total, out_path, written, reused, counts.turns, counts.tokens, counts.truncated, counts.empty,
              sum(bad.values()), dict(bad) or "")
+    if counts.unanswered:
+        log.warning("%d turns are left as the sources wrote them: the conversation before each fills the engine's "
+                    "context (none of them is trained: prepare_dataset cuts every sample at data.max_seq_len)",
+                    counts.unanswered)
     if counts.turns and counts.truncated / counts.turns > 0.5:
         log.warning("%d of %d answers hit regenerate.max_new_tokens=%d: the draft will learn cut-off answers; "
                     "raise regenerate.max_new_tokens", counts.truncated, counts.turns,
@@ -550,20 +567,22 @@ def _concatenate(parts: list[Path], out_path: Path) -> None:
 
 def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, out_path: str | Path,
                          work_dir: str | Path, settings: RegenerateSettings, *, trust_remote_code: bool = False,
-                         engine_kwargs: dict | None = None) -> dict:
+                         engine_kwargs: dict | None = None, shared_engine: SharedEngine | None = None) -> dict:
     """Load the target in ``model_path`` (transformers or vLLM, per ``settings.backend``) and write
     ``out_path``: the conversations of ``sources`` with the target's own answers (OpenAI messages,
-    same ids, plus ``source``). ``engine_kwargs`` are vLLM's."""
+    same ids, plus ``source``). ``engine_kwargs`` are vLLM's; with ``shared_engine`` vLLM decodes in
+    the engine capture and evaluation share (``engines.shared``), started here when none is warm."""
     from transformers import AutoTokenizer
 
     counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
     model_path, work_dir = Path(model_path), Path(work_dir)
-    fingerprint = regeneration_fingerprint(settings, model=weights_identity(model_path), sources=sources)
+    fingerprint = regeneration_fingerprint(settings, model=weights_identity(model_path), sources=sources,
+                                           shared_engine=shared_engine is not None)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     # one writer of the chunks (an orphaned job's and its rerun's would mix), before the target loads
     with (sole_writer(lock_beside(work_dir), f"regenerating answers in {work_dir}", str(work_dir), TargetError),
           open_regenerators(model_path, tokenizer, [settings], trust_remote_code=trust_remote_code,
-                            engine_kwargs=engine_kwargs) as [regenerator]):
+                            engine_kwargs=engine_kwargs, shared_engine=shared_engine) as [regenerator]):
         return regenerate_conversations(sources, regenerator, out_path, work_dir, fingerprint, counted,
                                         target=model_path)
 
@@ -571,11 +590,12 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
 @contextmanager
 def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence[RegenerateSettings], *,
                       trust_remote_code: bool = False, engine_kwargs: dict | None = None,
-                      stop_ids: Sequence[Sequence[int] | None] = ()) -> Iterator[list[Regenerator]]:
+                      stop_ids: Sequence[Sequence[int] | None] = (), shared_engine: SharedEngine | None = None
+                      ) -> Iterator[list[Regenerator]]:
     """The target in ``model_path`` loaded once (transformers or vLLM, per ``settings[0].backend``),
     and one Regenerator on it per entry of ``settings``, each with its own sampling and lengths;
     ``stop_ids[i]``, where given, adds stop tokens to the i-th (a user turn's end, say).
-    ``engine_kwargs`` are vLLM's."""
+    ``engine_kwargs`` are vLLM's; ``shared_engine`` as ``regenerate_responses`` says."""
     first = settings[0]
     torch_device = resolve_device(first.device)
     dtype_name = model_dtype_name(first.model_dtype, torch_device)
@@ -592,9 +612,20 @@ def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence
     from draftsmith.engines.vllm_generation import VllmGenerator
 
     defaults = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
-    with VllmGenerator(str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
-                       trust_remote_code=trust_remote_code, max_num_seqs=first.batch_size,
-                       enforce_eager=first.enforce_eager, **(engine_kwargs or {})) as generator:
+    if shared_engine is not None:
+        # capture's own arguments (extraction and evaluation build them alike): the same engine
+        args = capture_engine_args(str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
+                                   max_model_len=shared_engine.max_model_len, trust_remote_code=trust_remote_code,
+                                   shared=shared_engine, **(engine_kwargs or {}))
+        generator = VllmGenerator(str(model_path), slot_engine=(args, shared_engine.speculator_slot))
+        log.info("regeneration decodes in the engine capture and evaluation share (eager, with a speculator slot "
+                 "of k=%d; regenerate.batch_size does not apply): the run loads the target once",
+                 shared_engine.speculative_tokens)
+    else:
+        generator = VllmGenerator(str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
+                                  trust_remote_code=trust_remote_code, max_num_seqs=first.batch_size,
+                                  enforce_eager=first.enforce_eager, **(engine_kwargs or {}))
+    with generator:
         log.info("generating with %s in vLLM, tensor parallel %d (%s): %s", model_path,
                  first.tensor_parallel_size, dtype_name, sampling)
         yield [VllmRegenerator(generator, tokenizer, s, stop_ids=[*defaults, *(more or ())])

@@ -155,7 +155,7 @@ def write_requests(prompter: Regenerator, turns: Sequence[UserTurn], seed: int) 
     generated = prompter.generate([t.opening for t in turns], seed=seed)
     requests: list[str | None] = []
     for turn, tokens in zip(turns, generated):
-        end = next((j for j, t in enumerate(tokens) if t in turn.closing or t in prompter.stop_ids), None)
+        end = next((j for j, t in enumerate(tokens or ()) if t in turn.closing or t in prompter.stop_ids), None)
         requests.append(None if end is None else prompter.tokenizer.decode(tokens[:end], skip_special_tokens=True).strip())
     return requests
 

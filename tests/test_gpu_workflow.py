@@ -10,9 +10,10 @@ extraction, evaluation), on a GPU, for two targets:
   MoE's router sits near ties, which bfloat16 tips either way, so the HF loop is no exact reference
   for it.
 
-The target's engines stay warm between jobs (``warm_target``): regeneration loads its own, capture
-loads the one evaluation then attaches to (``draftsmith.engines.shared``), with the trained draft
-loaded into its speculator slot; a rerun of ``evaluate_draft`` afterwards loads nothing. Each
+The target's engines stay warm between jobs (``warm_target``): regeneration (eager) loads the engine
+capture and evaluation then attach to (``draftsmith.engines.shared``), with the trained draft loaded
+into its speculator slot, so the run loads the target once; a rerun of ``evaluate_draft`` afterwards
+loads nothing. Each
 stage's seconds (Snakemake's benchmark files), each job's target loads and where each warm engine's
 start went (its log) are printed, for docs/gpu-tests.md. On the CPU each of these vLLM paths has its own tests (test_regenerate,
 test_vllm_backend, test_vllm_serving, test_evaluate); the whole chain is the GPU lane's.
@@ -62,7 +63,8 @@ def test_the_workflow_runs_every_target_stage_in_vllm(tmp_path, case, engines):
     regenerated = (workdir / "results/t/data/regenerated.jsonl").read_text().splitlines()
     assert len(regenerated) == 40
     loads = {job: [what for what, _ in found] for job, found in target_loads(workdir).items()}
-    assert [len(loads[stage]) for stage in TARGET_STAGES[:2]] == [1, 1]
+    assert [len(loads[stage]) for stage in TARGET_STAGES[:2]] == [1, 0]  # capture attached to regeneration's engine
+    assert "attached to the warm target engine" in (workdir / "logs/t/extract_hidden_states/part-0.log").read_text()
     assert not loads["check_setup"] and not loads["inspect_target"] and not loads["train_draft"]
     assert all("eager" in what for stage in TARGET_STAGES for what in loads[stage] if "vLLM" in what)
     lossless = acceptance["lossless"]

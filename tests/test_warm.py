@@ -206,6 +206,42 @@ def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeyp
     assert "capture and evaluation load the target each in their own engine" in caplog.text
 
 
+def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, monkeypatch, caplog):
+    """Regeneration decodes in the shared engine only in vLLM, eager anyway (its setting, or the CPU
+    build) and with extraction's engine environment; the engine's context then holds a whole answer
+    after data.max_seq_len tokens, within the target's own positions."""
+    from draftsmith.engines import shared
+    from draftsmith.targets import vllm_install
+
+    model = tiny.build_llama(tmp_path / "target", num_layers=1)
+    target = {"model_path": str(model), "architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 384,
+              "aux_layer_ids": [0], "text_config": {"max_position_embeddings": 512},
+              "backends": {"vllm": {"supported": True, "supports_eagle3": True}}}
+    (tmp_path / "target.json").write_text(json.dumps(target))
+    config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
+              "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 100},
+              "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
+              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64},
+              "regenerate": {"enabled": True, "backend": "vllm", "max_new_tokens": 300, "enforce_eager": True}}
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(vllm_install, "vllm_device_type", lambda: "cuda")
+
+    def engine(**regenerate) -> shared.SharedEngine:
+        return shared.SharedEngine.from_config({**config, "regenerate": {**config["regenerate"], **regenerate}},
+                                               tmp_path / "target.json")
+
+    assert engine().regeneration and engine().max_model_len == 400
+    assert engine(max_new_tokens=1000).max_model_len == 512  # the target's own positions
+    assert not engine(enforce_eager=False).regeneration  # CUDA graphs: an engine of its own
+    assert engine(enforce_eager=False).max_model_len == 100 + 20 + 3 + 1
+    assert not engine(backend="hf").regeneration and not engine(enabled=False).regeneration
+    monkeypatch.setattr(vllm_install, "vllm_device_type", lambda: "cpu")
+    assert engine(enforce_eager=False).regeneration
+    config["engine_env"] = {"regenerate_responses": {"VLLM_ATTENTION_BACKEND": "FLEX_ATTENTION"}}
+    assert not engine().regeneration
+    assert "regeneration loads the target in an engine of its own" in caplog.text
+
+
 def test_an_engines_key_follows_what_it_computes(tmp_path, monkeypatch):
     """The key changes with the target's content, a draft's, any engine argument, the GPUs and the
     engine's environment; not with the job's own thread count."""
@@ -265,7 +301,16 @@ SHARED_JOB = textwrap.dedent("""
         setup_logging({log!r})
         config, target = json.loads({config!r}), read_json({target_json!r})
         shared = SharedEngine.from_config(config, {target_json!r}) if {shared!r} else None
-        if {stage!r} == "capture":
+        if {stage!r} == "regenerate":
+            from transformers import AutoTokenizer
+            from draftsmith.regenerate import RegenerateSettings, open_regenerators
+            settings = RegenerateSettings(backend="vllm", max_new_tokens=12, model_dtype="float32", device="cpu")
+            tokenizer = AutoTokenizer.from_pretrained(target["model_path"])
+            with open_regenerators(target["model_path"], tokenizer, [settings], engine_kwargs=ENGINE_ARGS,
+                                   shared_engine=shared) as [regenerator]:
+                answers = regenerator.generate(list(json.loads({prompts!r}).values()), seed=0)
+            print("RESULT", json.dumps({{"answers": answers}}))
+        elif {stage!r} == "capture":
             with VllmBackend(target["model_path"], target["captured_layer_ids"], dtype="float32", max_model_len=16,
                              shared=shared, **ENGINE_ARGS) as backend:
                 states = backend.capture([[20, 21, 22, 23], [30, 31]])
@@ -280,10 +325,12 @@ SHARED_JOB = textwrap.dedent("""
 
 
 @vllm_test
-def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
-    """Extraction starts the engine with evaluation's speculator slot; evaluation attaches to it, loads
-    the trained draft into the slot in place and serves it: no second load of the target, and the same
-    figures as the draft served by an engine of its own (the cycle target's, known in advance)."""
+def test_regeneration_capture_and_evaluation_share_one_engine(tmp_path, registry):
+    """Regeneration (eager anyway on the CPU) starts the engine with evaluation's speculator slot and
+    writes the answers an engine of its own writes (vLLM verifies every drafted token); extraction
+    attaches to it; evaluation attaches, loads the trained draft into the slot in place and serves it:
+    one load of the target for the three, and the same figures as the draft served by an engine of
+    its own (the cycle target's, known in advance)."""
     from test_vllm_serving import CYCLE_PROMPTS, CYCLE_STEPS, build_cycle_draft, build_cycle_target
 
     from draftsmith.targets.inspect import inspect_target, write_target_json
@@ -295,7 +342,8 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
     config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
               "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 16},
               "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
-              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": target["hidden_size"]}}
+              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": target["hidden_size"]},
+              "regenerate": {"enabled": True, "backend": "vllm", "max_new_tokens": 12, "enforce_eager": False}}
 
     def job(stage: str, name: str, *, shared: bool = True) -> dict:
         log = tmp_path / f"{name}.log"
@@ -308,15 +356,19 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
         assert out.returncode == 0, out.stderr[-3000:]
         return {**json.loads(out.stdout.split("RESULT", 1)[1]), "log": log.read_text()}
 
+    regenerated = job("regenerate", "regenerate")
+    assert len(loads_in(tmp_path / "regenerate.log")) == 1
+    assert "shared with capture and evaluation" in regenerated["log"]
+    assert re.search(r"ready [\d.]+ s after its process started: .*the speculator slot's draft [\d.]+ s",
+                     regenerated["log"])
     captured = job("capture", "capture")
-    assert captured["rows"] == [4, 2] and len(loads_in(tmp_path / "capture.log")) == 1
-    assert "with evaluation's speculator slot" in captured["log"]
-    assert re.search(r"ready [\d.]+ s after its process started: .*the speculator slot's draft [\d.]+ s", captured["log"])
+    assert captured["rows"] == [4, 2] and loads_in(tmp_path / "capture.log") == [], captured["log"]
+    assert "attached to the warm target engine" in captured["log"]
     shared = job("evaluate", "evaluate")
     assert loads_in(tmp_path / "evaluate.log") == [], shared["log"]  # no load of the target: attached
     assert "loaded into the speculator slot of the engine shared with capture" in shared["log"]
     [engine] = [e for e in list_engines() if e["alive"]]
-    assert engine["jobs"] == 2
+    assert engine["jobs"] == 3
     own = job("evaluate", "own-engine", shared=False)
     assert len(loads_in(tmp_path / "own-engine.log")) == 1
     # a job's own engine on the same devices: the idle shared engine is stopped first
@@ -327,6 +379,10 @@ def test_capture_and_evaluation_share_one_engine(tmp_path, registry):
     steps = sum(CYCLE_STEPS.values(), [])
     assert shared["tau"] == pytest.approx(1 + sum(steps) / len(steps))
     assert shared["vllm"]["speculative_config"]["model"] == str(draft)
+    own_answers = job("regenerate", "own-regeneration", shared=False)
+    assert len(loads_in(tmp_path / "own-regeneration.log")) == 1
+    assert regenerated["answers"] == own_answers["answers"]
+    assert all(len(a) == 12 for a in own_answers["answers"])  # the cycle target never stops: every answer whole
 
 
 def test_the_end_of_a_run_says_which_engines_stay_up(tmp_path, monkeypatch, capsys):

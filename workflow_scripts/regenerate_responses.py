@@ -1,5 +1,6 @@
 """Snakemake entry: replace the training conversations' assistant turns with the target's answers."""
 
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
@@ -12,6 +13,7 @@ if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     target = read_target_json(snakemake.input.target)
+    shared = SharedEngine.from_config(snakemake.config, snakemake.input.target)
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config, snakemake.rule)):
         regenerate_responses(
             snakemake.input.sources,
@@ -20,4 +22,5 @@ if __name__ == "__main__":
             snakemake.params.work_dir,
             RegenerateSettings.from_config(snakemake.params.config),
             trust_remote_code=target["trust_remote_code"],
+            shared_engine=shared if shared is not None and shared.regeneration else None,
         )

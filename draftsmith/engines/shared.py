@@ -1,4 +1,4 @@
-"""One engine for capture and evaluation: the run's target loaded once for both.
+"""One engine for capture and evaluation (and regeneration): the run's target loaded once for them.
 
 Capture needs its engine eager, without prefix caching or chunked prefill, with the capture hooks'
 worker extension; evaluation needs the draft as the engine's EAGLE-3 speculator, which vLLM fixes
@@ -12,12 +12,20 @@ the same: ``SharedEngine`` gives both stages identical engine arguments) and loa
 draft's weights into the slot in place (``draftsmith_load_draft`` in the worker extension); a draft
 of another architecture, or a context the engine was not sized for, gets an engine of its own.
 
-Regeneration keeps an engine of its own: on a speculator slot with random weights every decode
-step would verify ``k`` drafts that are never accepted.
+Regeneration in vLLM shares the engine too where it would run eager anyway
+(``regenerate.enforce_eager``, or the CPU build), so that a run loads the target once: it starts the
+engine, and the slot costs each of its decode steps the draft's ``k`` proposals and their
+verification (vLLM's speculative decoding is lossless, so the answers are the target's). The
+context then also holds ``data.max_seq_len`` plus ``regenerate.max_new_tokens``, so every turn that
+can be trained gets its whole answer. With CUDA graphs regeneration keeps an engine of its own: the
+shared engine is eager, and a large regeneration decodes about twice as fast with graphs.
 
-Everything here is read from the config, never a rule's parameter: which engine a stage attaches to
-decides no result (capture's states and the served tokens are checked as always), so a change here
-reruns nothing.
+The capture engine's arguments are built here (``capture_engine_args``), by every stage that uses
+the engine alike: equal arguments are what makes it one engine (the warm engine's key).
+
+Which engine capture and evaluation attach to is read from the config, never a rule's parameter:
+it decides no result (capture's states and the served tokens are checked as always). Regeneration's
+chunks are keyed by whether it decoded here (``regeneration_fingerprint``).
 """
 
 from __future__ import annotations
@@ -27,24 +35,36 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
+
 log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "draftsmith.extract.vllm_worker.CaptureWorkerExtension"
+DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
 
 
 @dataclass(frozen=True)
 class SharedEngine:
-    """What makes the capture engine also the evaluation's: its context (enough for the longest
-    sample and the longest prompt plus its answer), the speculator's ``k``, and the slot's draft."""
+    """What makes the capture engine also the evaluation's (and regeneration's, with ``regeneration``):
+    its context (enough for the longest sample, the longest prompt plus its answer, and a regenerated
+    turn), the speculator's ``k``, and the slot's draft."""
 
     max_model_len: int
     speculative_tokens: int
     slot: dict  # what the engine process builds the slot's draft from: target.json, draft settings, vocabulary
+    regeneration: bool = False  # regeneration runs in it too (and starts it)
+
+    @property
+    def speculator_slot(self) -> dict:
+        """``open_llm``'s description of the engine's speculator slot."""
+        return {"slot": self.slot, "num_speculative_tokens": self.speculative_tokens}
 
     @classmethod
     def from_config(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:
         """The shared engine of this run, or None where capture and evaluation do not share one:
         either stage outside vLLM, evaluation's three-engine cross-check, engines that die with
         their job (``warm_target.minutes: 0``, SLURM, a target too large for the machine's memory
-        asleep), or a target vLLM cannot draft for."""
+        asleep), or a target vLLM cannot draft for. Regeneration's share is ``shares_regeneration``'s."""
         import os
 
         from draftsmith.engines.warm import too_large_to_keep
@@ -70,6 +90,9 @@ class SharedEngine:
             return None
         samples = max(int(config["data"]["max_seq_len"]), int(extraction.get("max_model_len") or 0) - 1)
         context = samples + int(evaluation["max_new_tokens"]) + int(evaluation["k"]) + 1
+        regeneration = shares_regeneration(config)
+        if regeneration:  # a turn that starts within data.max_seq_len gets its whole answer, as in an engine of its own
+            context = max(context, int(config["data"]["max_seq_len"]) + int(config["regenerate"]["max_new_tokens"]))
         limit = (target.get("text_config") or {}).get("max_position_embeddings")
         if limit:  # vLLM refuses more than the model's own; evaluation checks its prompts against this
             context = min(context, int(limit))
@@ -81,4 +104,51 @@ class SharedEngine:
                       "speculative_tokens": train["ttt_steps"]},
             "draft_vocab_size": min(int(config["vocab"]["draft_vocab_size"]), int(target["vocab_size"])),
         }
-        return cls(context, int(evaluation["k"]), slot)
+        return cls(context, int(evaluation["k"]), slot, regeneration)
+
+
+def shares_regeneration(config: Mapping) -> bool:
+    """Whether regeneration runs in the shared engine (given that there is one): in vLLM, eager anyway
+    (``regenerate.enforce_eager`` or the CPU build) and with the engine environment extraction's
+    engine has."""
+    from draftsmith.targets.vllm_install import vllm_device_type
+
+    regenerate = config.get("regenerate") or {}
+    if not regenerate.get("enabled") or regenerate.get("backend") != "vllm":
+        return False
+    if not regenerate.get("enforce_eager") and vllm_device_type() != "cpu":
+        return False
+    env = config.get("engine_env") or {}
+    if (env.get("regenerate_responses") or {}) != (env.get("extract_hidden_states") or {}):
+        log.warning("engine_env gives regenerate_responses and extract_hidden_states other variables: "
+                    "regeneration loads the target in an engine of its own")
+        return False
+    return True
+
+
+def capture_engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                        max_model_len: int, trust_remote_code: bool = False, language_model_only: bool = True,
+                        max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, shared: SharedEngine | None = None,
+                        **llm_kwargs) -> dict:
+    """The ``LLM`` arguments of a capture engine (``draftsmith.extract.vllm_backend``), as the
+    installed vLLM takes them. With ``shared`` it is also evaluation's (and regeneration's) engine:
+    sized for them, recording what serving reads (spec-decode metrics, raw logits)."""
+    if shared is not None:
+        max_model_len = max(int(max_model_len), shared.max_model_len)
+    kwargs = dict(
+        model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+        max_model_len=int(max_model_len), trust_remote_code=trust_remote_code,
+        enforce_eager=True,                 # hooks must run as Python, not be traced by torch.compile
+        enable_prefix_caching=False,        # every prompt row must be computed
+        enable_chunked_prefill=False,       # a prompt's rows all lie in one forward pass
+        max_num_batched_tokens=max(int(max_num_batched_tokens), int(max_model_len)),
+        async_scheduling=False,             # no speculative extra steps beside the prefills
+        worker_extension_cls=WORKER_EXTENSION,
+        language_model_only=language_model_only,  # text-only capture: no vision encoder in memory
+        seed=0,
+    )
+    if shared is not None:
+        kwargs.update(disable_log_stats=False, per_request_spec_decode_metrics="detailed", logprobs_mode="raw_logits")
+    kwargs.update(platform_workarounds(kwargs))
+    kwargs.update(llm_kwargs)
+    return engine_kwargs(kwargs)

@@ -54,19 +54,25 @@ def engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = 
 class VllmGenerator:
     """The target loaded once in vLLM; ``generate`` returns the new token ids of each prompt."""
 
-    def __init__(self, model_path: str, **kwargs) -> None:
+    def __init__(self, model_path: str, *, slot_engine: tuple[dict, dict] | None = None, **kwargs) -> None:
+        """``kwargs`` are ``engine_args``'; or ``slot_engine`` (complete engine arguments and the slot of
+        ``engines.shared``) names the run's shared engine, whose speculator (random weights, never
+        trusted: vLLM verifies every drafted token) regeneration decodes through."""
         if installed_vllm_version() is None:  # not imported here: a warm engine imports it
             raise TargetError("vLLM is not installed in this environment", where="regenerate.backend",
                               fix="run in the vLLM environment (envs/vllm.yaml, or scripts/setup.sh --cuda) "
                                   "or set regenerate.backend: hf")
-        self.args = engine_args(model_path, **kwargs)
+        self.args, slot = slot_engine if slot_engine is not None else (engine_args(model_path, **kwargs), None)
         # An in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaces torch.set_num_threads
         # with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
-        graphs = "eager" if self.args.get("enforce_eager") else "CUDA graphs"
+        role = "eager" if self.args.get("enforce_eager") else "CUDA graphs"
+        if slot is not None:
+            role = "eager, shared with capture and evaluation"
         try:
             self.engine = open_llm(self.args, what=f"vLLM generation engine (TP {self.args['tensor_parallel_size']}, "
-                                                   f"{graphs})", set_num_threads=self._set_num_threads)
+                                                   f"{role})", set_num_threads=self._set_num_threads,
+                                   speculator_slot=slot)
         except Exception as e:
             torch.set_num_threads = self._set_num_threads
             raise TargetError(f"vLLM cannot load {model_path}: {type(e).__name__}: {e}", where=str(model_path),
@@ -81,27 +87,30 @@ class VllmGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
                  temperature: float = 0.0, top_p: float = 1.0, seeds: Sequence[int] | None = None
-                 ) -> list[list[int]]:
+                 ) -> list[list[int] | None]:
         """New tokens per prompt, in prompt order, all prompts in one call (vLLM batches them).
 
-        A prompt too long for the engine's context gets as many new tokens as fit, down to none.
+        A prompt too long for the engine's context gets as many new tokens as fit; one that leaves
+        no room, None.
         """
         greedy = temperature == 0
         params, inputs, fits = [], [], []
+        short = [len(ids) for ids in prompts if self.max_model_len - len(ids) < max_new_tokens]
+        if short:
+            log.warning("%d of %d prompts (up to %d tokens) leave less than max_new_tokens=%d in the engine's %d "
+                        "positions: their answers are cut, or not written where nothing fits", len(short),
+                        len(prompts), max(short), max_new_tokens, self.max_model_len)
         for n, ids in enumerate(prompts):
             room = self.max_model_len - len(ids)
-            if room < max_new_tokens:
-                log.warning("a prompt of %d tokens leaves room for %d of max_new_tokens=%d in the engine's %d "
-                            "positions", len(ids), max(room, 0), max_new_tokens, self.max_model_len)
             if room < 1:
-                continue  # nothing fits: an empty answer, dropped and counted by prepare_dataset
+                continue  # nothing fits: the caller leaves the turn as it was
             fits.append(n)
             params.append(dict(
                 max_tokens=min(max_new_tokens, room), temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else top_p, seed=None if greedy or seeds is None else int(seeds[n]),
                 ignore_eos=True, stop_token_ids=[int(t) for t in stop_ids], detokenize=False))
             inputs.append([int(t) for t in ids])
-        out: list[list[int]] = [[] for _ in prompts]
+        out: list[list[int] | None] = [None for _ in prompts]
         if inputs:
             for n, output in zip(fits, self.llm.generate(inputs, params)):
                 out[n] = output.token_ids

@@ -215,7 +215,7 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
             reason = (f"the prompts and answers need {common['max_model_len']} positions, the engine holds "
                       f"{shared.max_model_len}")
         else:
-            from draftsmith.extract.vllm_backend import capture_engine_args, speculator_slot
+            from draftsmith.engines.shared import capture_engine_args
 
             extra = {k: v for k, v in common.items()  # what capture's engine was built with: the same engine
                      if k not in ("dtype", "max_model_len", "tensor_parallel_size", "trust_remote_code", "enforce_eager",
@@ -223,7 +223,7 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
             kwargs = capture_engine_args(model_path, tensor_parallel_size=common["tensor_parallel_size"],
                                          dtype=common["dtype"], max_model_len=shared.max_model_len,
                                          trust_remote_code=common["trust_remote_code"], shared=shared, **extra)
-            server = VllmServer(model_path, slot_engine=(kwargs, speculator_slot(shared)))
+            server = VllmServer(model_path, slot_engine=(kwargs, shared.speculator_slot))
             reason = draft_misfit(server.engine.slot, draft_dir)
             if reason is None:
                 try:

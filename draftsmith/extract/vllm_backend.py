@@ -29,18 +29,15 @@ from typing import Any
 
 import torch
 
-from draftsmith.engines.shared import SharedEngine
+from draftsmith.engines.shared import DEFAULT_TOKEN_BUDGET, SharedEngine, capture_engine_args
 from draftsmith.engines.warm import open_llm
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.hidden_states import CapturedRows
-from draftsmith.targets.vllm_compat import engine_kwargs, platform_workarounds
 from draftsmith.targets.vllm_install import installed_vllm_version
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "draftsmith.extract.vllm_worker.CaptureWorkerExtension"
-DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
 SPOOL_MIN_FREE = 8 << 30  # the passes of the batches in flight; containers often mount a 64 MiB /dev/shm
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
 
@@ -59,40 +56,6 @@ class _Ran:
     keys: list[tuple[int, ...]]  # the batch's samples, in order
     distinct: list[tuple[int, ...]]  # the prompts run, one per distinct sample
     result: dict[str, Any]  # the worker's draftsmith_collect answer
-
-
-def capture_engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                        max_model_len: int, trust_remote_code: bool = False, language_model_only: bool = True,
-                        max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET, shared: SharedEngine | None = None,
-                        **llm_kwargs) -> dict:
-    """The ``LLM`` arguments of a capture engine, as the installed vLLM takes them. With ``shared``
-    it is also the evaluation's engine (draftsmith.engines.shared): sized for both, recording what
-    serving reads (spec-decode metrics, raw logits); evaluation builds its arguments here too, so
-    that both stages name the same engine."""
-    if shared is not None:
-        max_model_len = max(int(max_model_len), shared.max_model_len)
-    kwargs = dict(
-        model=str(model_path), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-        max_model_len=int(max_model_len), trust_remote_code=trust_remote_code,
-        enforce_eager=True,                 # hooks must run as Python, not be traced by torch.compile
-        enable_prefix_caching=False,        # every prompt row must be computed
-        enable_chunked_prefill=False,       # a prompt's rows all lie in one forward pass
-        max_num_batched_tokens=max(int(max_num_batched_tokens), int(max_model_len)),
-        async_scheduling=False,             # no speculative extra steps beside the prefills
-        worker_extension_cls=WORKER_EXTENSION,
-        language_model_only=language_model_only,  # text-only capture: no vision encoder in memory
-        seed=0,
-    )
-    if shared is not None:
-        kwargs.update(disable_log_stats=False, per_request_spec_decode_metrics="detailed", logprobs_mode="raw_logits")
-    kwargs.update(platform_workarounds(kwargs))
-    kwargs.update(llm_kwargs)
-    return engine_kwargs(kwargs)
-
-
-def speculator_slot(shared: SharedEngine) -> dict:
-    """``open_llm``'s description of the shared engine's speculator slot."""
-    return {"slot": shared.slot, "num_speculative_tokens": shared.speculative_tokens}
 
 
 class VllmBackend(CaptureBackend):
@@ -131,7 +94,7 @@ class VllmBackend(CaptureBackend):
         role = ", with evaluation's speculator slot" if shared is not None else ""
         try:
             self.engine = open_llm(kwargs, set_num_threads=self._set_num_threads,
-                                   speculator_slot=speculator_slot(shared) if shared is not None else None,
+                                   speculator_slot=shared.speculator_slot if shared is not None else None,
                                    what=f"vLLM capture engine (TP {tensor_parallel_size}, eager{role})")
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)
