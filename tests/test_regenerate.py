@@ -357,6 +357,29 @@ def test_vllm_resumes_by_chunk_and_samples_reproducibly(source, model_dir, tmp_p
     assert rows == reference  # per-request seeds: a resumed chunk draws what it drew before
 
 
+@_vllm_test
+def test_a_turn_past_the_engines_context_stays_as_written(model_dir, tmp_path):
+    """A turn whose prompt leaves no room in vLLM's context stays as the source wrote it, with the
+    turns after it; the turn before keeps the target's answer (an empty answer in its place would have
+    dropped the whole conversation in prepare_dataset)."""
+    conversation = CONVERSATIONS[1]  # b: two turns
+    source = tiny.write_jsonl(tmp_path / "b.jsonl", [conversation])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    regenerator = Regenerator.__new__(Regenerator)
+    regenerator.tokenizer = tokenizer
+    first_prompt = len(regenerator.prompt_ids(conversation["messages"][:2]))
+    settings = RegenerateSettings(backend="vllm", max_new_tokens=12, model_dtype="float32", device="cpu")
+    out = tmp_path / "regenerated.jsonl"
+    # room for 4 tokens after the first turn's prompt: the second turn's prompt adds a user turn to it
+    stats = regenerate_responses([source], model_dir, out, tmp_path / "work", settings,
+                                 engine_kwargs={"max_model_len": first_prompt + 4})
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert stats["turns_generated"] == 1 and stats["turns_left_as_written"] == 1
+    assert 0 < stats["tokens_generated"] <= 4 and stats["empty_answers"] == 0
+    assert row["messages"][2]["content"] != conversation["messages"][2]["content"]  # the target's
+    assert row["messages"][3:] == conversation["messages"][3:]
+
+
 def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
     pytest.importorskip("vllm")
     from draftsmith.engines.vllm_generation import engine_args
