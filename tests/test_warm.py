@@ -231,6 +231,7 @@ def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, mon
                                                tmp_path / "target.json")
 
     assert engine().regeneration and engine().max_model_len == 400
+    assert shared.SharedEngine.for_regeneration(config, tmp_path / "target.json") == engine()
     assert engine(max_new_tokens=1000).max_model_len == 512  # the target's own positions
     assert not engine(enforce_eager=False).regeneration  # CUDA graphs: an engine of its own
     assert engine(enforce_eager=False).max_model_len == 100 + 20 + 3 + 1
@@ -239,6 +240,7 @@ def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, mon
     assert engine(enforce_eager=False).regeneration
     config["engine_env"] = {"regenerate_responses": {"VLLM_ATTENTION_BACKEND": "FLEX_ATTENTION"}}
     assert not engine().regeneration
+    assert shared.SharedEngine.for_regeneration(config, tmp_path / "target.json") is None
     assert "regeneration loads the target in an engine of its own" in caplog.text
 
 

@@ -13,7 +13,6 @@ if __name__ == "__main__":
     setup_logging(snakemake.log[0])
     wait_for_preflight(gate_for_run(snakemake.config["run"]))  # no load before check_setup passes
     target = read_target_json(snakemake.input.target)
-    shared = SharedEngine.from_config(snakemake.config, snakemake.input.target)
     with engine_placement(snakemake.resources.gpu, engine_env(snakemake.config, snakemake.rule)):
         regenerate_responses(
             snakemake.input.sources,
@@ -22,5 +21,5 @@ if __name__ == "__main__":
             snakemake.params.work_dir,
             RegenerateSettings.from_config(snakemake.params.config),
             trust_remote_code=target["trust_remote_code"],
-            shared_engine=shared if shared is not None and shared.regeneration else None,
+            shared_engine=SharedEngine.for_regeneration(snakemake.config, snakemake.input.target),
         )

@@ -106,6 +106,12 @@ class SharedEngine:
         }
         return cls(context, int(evaluation["k"]), slot, regeneration)
 
+    @classmethod
+    def for_regeneration(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:
+        """The shared engine where regeneration decodes in it, else None (an engine of its own)."""
+        engine = cls.from_config(config, target_json) if shares_regeneration(config) else None
+        return engine if engine is not None and engine.regeneration else None
+
 
 def shares_regeneration(config: Mapping) -> bool:
     """Whether regeneration runs in the shared engine (given that there is one): in vLLM, eager anyway
