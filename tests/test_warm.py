@@ -698,3 +698,24 @@ def test_a_request_cut_short_ends_the_session_instead_of_answering_the_next(tmp_
         signal.signal(signal.SIGALRM, previous)
         engine.kill()
         engine.wait()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_regeneration_and_capture_load_the_target_once_under_snakemake(tmp_path, registry):
+    """The rules as a user runs them, the engines kept warm: regeneration in vLLM (eager on the CPU
+    build) starts the engine with evaluation's speculator slot, and extraction attaches to it."""
+    from workflow_helpers import snakemake, target_loads, tiny_workflow, write_config
+
+    workdir, config = tiny_workflow(tmp_path)
+    config.update(regenerate={"enabled": True, "backend": "vllm", "max_new_tokens": 4, "chunk_size": 64},
+                  extraction={"backend": "vllm", "shard_tokens": 512}, eval={"backend": "vllm"},
+                  warm_target={"minutes": 10},
+                  engine_env={"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 1})
+    snakemake(workdir, "results/t/hidden_states/part-0.json", configfile=write_config(workdir, config))
+    loads = target_loads(workdir)
+    [(what, _)] = loads["regenerate_responses"]
+    assert "shared with capture and evaluation" in what
+    assert loads["extract_hidden_states/part-0"] == []
+    assert "attached to the warm target engine" in (workdir / "logs/t/extract_hidden_states/part-0.log").read_text()
