@@ -115,9 +115,10 @@ def _source_identity(source: Path) -> dict:
 
 
 def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sources: Sequence[str | Path],
-                             shared_engine: bool = False) -> str:
+                             shared_context: int | None = None) -> str:
     """Hash of everything that decides the regenerated text; chunks written under another are stale.
-    ``shared_engine``: vLLM decodes in the engine shared with capture (``engines.shared``)."""
+    ``shared_context``: vLLM decodes in the engine shared with capture (``engines.shared``), whose
+    context gives each answer that many positions (``regeneration_context``)."""
     from draftsmith.fingerprint import code_fingerprint
 
     generation = settings.section_values()
@@ -136,8 +137,8 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
                 "tensor_parallel_size": settings.tensor_parallel_size if settings.backend == "vllm" else 1}
     if eager and settings.backend == "vllm" and numerics["device"] == "cuda":  # other kernels than CUDA graphs'
         numerics["enforce_eager"] = True
-    if shared_engine:  # the target verifies the slot's drafts: other kernels, and sampled answers other draws
-        numerics["speculator_slot"] = True
+    if shared_context:  # the target verifies the slot's drafts (other kernels) in a context of this size
+        numerics["shared_engine_context"] = shared_context
     numerics.update(engine_release(settings.backend))
     payload = {
         "format": REGENERATE_FORMAT,
@@ -165,7 +166,7 @@ class TurnCounts:
     truncated: int = 0  # answers cut at max_new_tokens
     empty: int = 0  # answers that are empty or whitespace (prepare_dataset drops their conversations)
     unchanged: int = 0  # conversations passed through (template failure, tool use)
-    unanswered: int = 0  # turns left as written: the conversation before them fills the engine's context
+    unanswered: int = 0  # turns not answered: the conversation before them fills the engine's context
     # The first empty answer, for the message that reports them: its tokens and text, and where
     # regenerate() met it (the message's index, and the conversation's id, file and line when named).
     first_empty: dict | None = None
@@ -269,8 +270,10 @@ class Regenerator:
         A conversation the chat template cannot render is returned unchanged: prepare_dataset drops
         and counts it with its reason. So is one with tool calls or tool results (``uses_tools``): the
         tools cannot be run here to answer the target's own calls. A turn whose prompt leaves no
-        room in the engine's context, and every turn after it, stays as written (counted in
-        ``unanswered``): none of it could be trained, and an empty answer would drop the turns before it.
+        room in the engine's context is not answered, nor any turn after it (counted in
+        ``unanswered``): none of it could be trained. A conversation with answers before such a turn
+        ends after the last of them (an empty answer, or a placeholder left empty, would make
+        prepare_dataset drop the answers before it too); one without stays as written.
         """
         messages = [[dict(m) for m in conv] for conv in conversations]
         tools = list(tools) if tools is not None else [None] * len(conversations)
@@ -291,9 +294,11 @@ class Regenerator:
                 jobs.append((c, t[r]))
             answers = self.generate(prompts, seed=derived_seed(self.seed, seed, r))
             for (c, k), tokens in zip(jobs, answers):
-                if tokens is None:  # no room left: this turn and the later ones stay as written
+                if tokens is None:  # no room left: nothing from this turn on is answered
                     counts.unanswered += len(turns[c]) - r
                     turns[c] = turns[c][:r]
+                    if r:
+                        del messages[c][turns[c][-1] + 1:]
                     continue
                 messages[c][k] = {"role": "assistant", "content": self.answer(tokens, counts)}
                 if counts.first_empty is not None and "message" not in counts.first_empty:
@@ -477,7 +482,7 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
     stats = {
         "conversations": total, "chunks": num_chunks, "chunks_reused": reused, "chunks_generated": written,
         "turns_generated": counts.turns, "tokens_generated": counts.tokens,
-        "turns_truncated": counts.truncated, "empty_answers": counts.empty, "turns_left_as_written": counts.unanswered,
+        "turns_truncated": counts.truncated, "empty_answers": counts.empty, "turns_past_the_context": counts.unanswered,
         "text_rows_passed_through": text_rows, "conversations_unchanged": counts.unchanged,
         "bad_rows_skipped": dict(bad),
         "seconds": round(time.perf_counter() - started, 2),
@@ -487,8 +492,8 @@ def regenerate_conversations(sources: Sequence[str | Path], regenerator: Regener
              total, out_path, written, reused, counts.turns, counts.tokens, counts.truncated, counts.empty,
              sum(bad.values()), dict(bad) or "")
     if counts.unanswered:
-        log.warning("%d turns are left as the sources wrote them: the conversation before each fills the engine's "
-                    "context (none of them is trained: prepare_dataset cuts every sample at data.max_seq_len)",
+        log.warning("%d turns are not answered: the conversation before each fills the engine's context, so "
+                    "nothing from them on could be trained; their conversations end after the last answer",
                     counts.unanswered)
     if counts.turns and counts.truncated / counts.turns > 0.5:
         log.warning("%d of %d answers hit regenerate.max_new_tokens=%d: the draft will learn cut-off answers; "
@@ -577,7 +582,7 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
     counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
     model_path, work_dir = Path(model_path), Path(work_dir)
     fingerprint = regeneration_fingerprint(settings, model=weights_identity(model_path), sources=sources,
-                                           shared_engine=shared_engine is not None)
+                                           shared_context=shared_engine.regeneration if shared_engine else None)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     # one writer of the chunks (an orphaned job's and its rerun's would mix), before the target loads
     with (sole_writer(lock_beside(work_dir), f"regenerating answers in {work_dir}", str(work_dir), TargetError),

@@ -8,6 +8,7 @@ from snakemake.exceptions import WorkflowError
 
 from draftsmith.config import uses_gpu
 from draftsmith.engines.registry import say_warm_engines
+from draftsmith.engines.shared import regeneration_context
 from draftsmith.fingerprint import script_fingerprint
 from draftsmith.gate import gate_for_run, mark_planned
 from draftsmith.preflight import PreflightSettings

@@ -85,6 +85,8 @@ rule regenerate_responses:
         sources_identity=sources_identity(user_sources()),
         weights=target_weights(),
         engine=engine_version("regenerate"),
+        # the positions each answer gets where it decodes in the engine capture and evaluation share
+        shared_context=regeneration_context(config),
         code=script_code("regenerate_responses"),
     script:
         "../workflow_scripts/regenerate_responses.py"

@@ -358,11 +358,14 @@ def test_vllm_resumes_by_chunk_and_samples_reproducibly(source, model_dir, tmp_p
 
 
 @_vllm_test
-def test_a_turn_past_the_engines_context_stays_as_written(model_dir, tmp_path):
-    """A turn whose prompt leaves no room in vLLM's context stays as the source wrote it, with the
-    turns after it; the turn before keeps the target's answer (an empty answer in its place would have
-    dropped the whole conversation in prepare_dataset)."""
-    conversation = CONVERSATIONS[1]  # b: two turns
+@pytest.mark.parametrize("placeholder", [False, True])
+def test_a_conversation_ends_before_a_turn_past_the_engines_context(model_dir, tmp_path, placeholder):
+    """A turn whose prompt leaves no room in vLLM's context is not answered, nor any after it: the
+    conversation ends after the answer before it (an empty answer there, or the source's empty
+    placeholder left in place, would make prepare_dataset drop the whole conversation)."""
+    conversation = json.loads(json.dumps(CONVERSATIONS[1]))  # b: two turns
+    if placeholder:
+        conversation["messages"][4]["content"] = ""  # the target's to fill
     source = tiny.write_jsonl(tmp_path / "b.jsonl", [conversation])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     regenerator = Regenerator.__new__(Regenerator)
@@ -374,10 +377,10 @@ def test_a_turn_past_the_engines_context_stays_as_written(model_dir, tmp_path):
     stats = regenerate_responses([source], model_dir, out, tmp_path / "work", settings,
                                  engine_kwargs={"max_model_len": first_prompt + 4})
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert stats["turns_generated"] == 1 and stats["turns_left_as_written"] == 1
+    assert stats["turns_generated"] == 1 and stats["turns_past_the_context"] == 1
     assert 0 < stats["tokens_generated"] <= 4 and stats["empty_answers"] == 0
+    assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
     assert row["messages"][2]["content"] != conversation["messages"][2]["content"]  # the target's
-    assert row["messages"][3:] == conversation["messages"][3:]
 
 
 def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):

@@ -206,10 +206,10 @@ def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeyp
     assert "capture and evaluation load the target each in their own engine" in caplog.text
 
 
-def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, monkeypatch, caplog):
-    """Regeneration decodes in the shared engine only in vLLM, eager anyway (its setting, or the CPU
-    build) and with extraction's engine environment; the engine's context then holds a whole answer
-    after data.max_seq_len tokens, within the target's own positions."""
+def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, monkeypatch):
+    """Greedy regeneration decodes in the shared engine only in vLLM, eager anyway (its setting, or the
+    CPU build) and with extraction's engine environment; the engine's context then holds a whole
+    answer after data.max_seq_len tokens, within the target's own positions."""
     from draftsmith.engines import shared
     from draftsmith.targets import vllm_install
 
@@ -222,26 +222,30 @@ def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, mon
               "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 100},
               "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
               "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64},
-              "regenerate": {"enabled": True, "backend": "vllm", "max_new_tokens": 300, "enforce_eager": True}}
+              "regenerate": {"enabled": True, "backend": "vllm", "max_new_tokens": 300, "enforce_eager": True,
+                             "temperature": 0.0}}
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setattr(vllm_install, "vllm_device_type", lambda: "cuda")
+    monkeypatch.setattr(vllm_install, "vllm_cpu_build", lambda: False)
 
     def engine(**regenerate) -> shared.SharedEngine:
         return shared.SharedEngine.from_config({**config, "regenerate": {**config["regenerate"], **regenerate}},
                                                tmp_path / "target.json")
 
-    assert engine().regeneration and engine().max_model_len == 400
+    assert engine().regeneration == 400 and engine().max_model_len == 400
     assert shared.SharedEngine.for_regeneration(config, tmp_path / "target.json") == engine()
     assert engine(max_new_tokens=1000).max_model_len == 512  # the target's own positions
-    assert not engine(enforce_eager=False).regeneration  # CUDA graphs: an engine of its own
+    assert engine(enforce_eager=False).regeneration is None  # CUDA graphs: an engine of its own
     assert engine(enforce_eager=False).max_model_len == 100 + 20 + 3 + 1
-    assert not engine(backend="hf").regeneration and not engine(enabled=False).regeneration
-    monkeypatch.setattr(vllm_install, "vllm_device_type", lambda: "cpu")
-    assert engine(enforce_eager=False).regeneration
+    assert engine(temperature=0.7).regeneration is None  # sampled: its draws would follow the slot's proposals
+    assert engine(backend="hf").regeneration is None and engine(enabled=False).regeneration is None
+    monkeypatch.setattr(vllm_install, "vllm_cpu_build", lambda: True)
+    assert engine(enforce_eager=False).regeneration == 400
     config["engine_env"] = {"regenerate_responses": {"VLLM_ATTENTION_BACKEND": "FLEX_ATTENTION"}}
-    assert not engine().regeneration
+    assert engine().regeneration is None
     assert shared.SharedEngine.for_regeneration(config, tmp_path / "target.json") is None
-    assert "regeneration loads the target in an engine of its own" in caplog.text
+    # what the rule keys regeneration's output by: the config alone
+    assert shared.regeneration_context({**config, "engine_env": {}}) == 400
+    assert shared.regeneration_context({**config, "engine_env": {}, "warm_target": {"minutes": 0}}) is None
 
 
 def test_an_engines_key_follows_what_it_computes(tmp_path, monkeypatch):

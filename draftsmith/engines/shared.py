@@ -12,20 +12,23 @@ the same: ``SharedEngine`` gives both stages identical engine arguments) and loa
 draft's weights into the slot in place (``draftsmith_load_draft`` in the worker extension); a draft
 of another architecture, or a context the engine was not sized for, gets an engine of its own.
 
-Regeneration in vLLM shares the engine too where it would run eager anyway
+Greedy regeneration in vLLM shares the engine too where it would run eager anyway
 (``regenerate.enforce_eager``, or the CPU build), so that a run loads the target once: it starts the
 engine, and the slot costs each of its decode steps the draft's ``k`` proposals and their
 verification (vLLM's speculative decoding is lossless, so the answers are the target's). The
-context then also holds ``data.max_seq_len`` plus ``regenerate.max_new_tokens``, so every turn that
-can be trained gets its whole answer. With CUDA graphs regeneration keeps an engine of its own: the
-shared engine is eager, and a large regeneration decodes about twice as fast with graphs.
+context then also holds ``regeneration_context`` positions (``data.max_seq_len`` plus
+``regenerate.max_new_tokens``), so every turn that can be trained gets its whole answer. With CUDA
+graphs regeneration keeps an engine of its own: the shared engine is eager, and a large regeneration
+decodes about twice as fast with graphs. So does sampled regeneration: its draws would depend on the
+slot's proposals (random weights, or a trained draft evaluation loaded), so a resumed run would not
+draw what an uninterrupted one drew.
 
 The capture engine's arguments are built here (``capture_engine_args``), by every stage that uses
 the engine alike: equal arguments are what makes it one engine (the warm engine's key).
 
 Which engine capture and evaluation attach to is read from the config, never a rule's parameter:
 it decides no result (capture's states and the served tokens are checked as always). Regeneration's
-chunks are keyed by whether it decoded here (``regeneration_fingerprint``).
+chunks, and its rule, are keyed by the context it decoded in here (``regeneration_context``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class SharedEngine:
     max_model_len: int
     speculative_tokens: int
     slot: dict  # what the engine process builds the slot's draft from: target.json, draft settings, vocabulary
-    regeneration: bool = False  # regeneration runs in it too (and starts it)
+    regeneration: int | None = None  # regeneration_context(config) where regeneration runs in it too
 
     @property
     def speculator_slot(self) -> dict:
@@ -64,16 +67,14 @@ class SharedEngine:
         """The shared engine of this run, or None where capture and evaluation do not share one:
         either stage outside vLLM, evaluation's three-engine cross-check, engines that die with
         their job (``warm_target.minutes: 0``, SLURM, a target too large for the machine's memory
-        asleep), or a target vLLM cannot draft for. Regeneration's share is ``shares_regeneration``'s."""
+        asleep), or a target vLLM cannot draft for."""
         import os
 
         from draftsmith.engines.warm import too_large_to_keep
         from draftsmith.io import read_json
 
         evaluation, extraction = config["eval"], config["extraction"]
-        if extraction["backend"] != "vllm" or evaluation["backend"] != "vllm" or evaluation["separate_engines"]:
-            return None
-        if not (config.get("warm_target") or {}).get("minutes") or os.environ.get("SLURM_JOB_ID"):
+        if not _may_share(config) or os.environ.get("SLURM_JOB_ID"):
             return None
         target = read_json(target_json)
         support = (target.get("backends") or {}).get("vllm") or {}
@@ -90,9 +91,9 @@ class SharedEngine:
             return None
         samples = max(int(config["data"]["max_seq_len"]), int(extraction.get("max_model_len") or 0) - 1)
         context = samples + int(evaluation["max_new_tokens"]) + int(evaluation["k"]) + 1
-        regeneration = shares_regeneration(config)
-        if regeneration:  # a turn that starts within data.max_seq_len gets its whole answer, as in an engine of its own
-            context = max(context, int(config["data"]["max_seq_len"]) + int(config["regenerate"]["max_new_tokens"]))
+        regeneration = regeneration_context(config)
+        if regeneration:
+            context = max(context, regeneration)
         limit = (target.get("text_config") or {}).get("max_position_embeddings")
         if limit:  # vLLM refuses more than the model's own; evaluation checks its prompts against this
             context = min(context, int(limit))
@@ -109,27 +110,36 @@ class SharedEngine:
     @classmethod
     def for_regeneration(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:
         """The shared engine where regeneration decodes in it, else None (an engine of its own)."""
-        engine = cls.from_config(config, target_json) if shares_regeneration(config) else None
+        engine = cls.from_config(config, target_json) if regeneration_context(config) else None
         return engine if engine is not None and engine.regeneration else None
 
 
-def shares_regeneration(config: Mapping) -> bool:
-    """Whether regeneration runs in the shared engine (given that there is one): in vLLM, eager anyway
-    (``regenerate.enforce_eager`` or the CPU build) and with the engine environment extraction's
-    engine has."""
-    from draftsmith.targets.vllm_install import vllm_device_type
+def _may_share(config: Mapping) -> bool:
+    """What the config alone says of a shared engine: capture and evaluation both in vLLM, without
+    evaluation's three-engine cross-check, the engines kept warm."""
+    evaluation = config["eval"]
+    return (config["extraction"]["backend"] == "vllm" and evaluation["backend"] == "vllm"
+            and not evaluation["separate_engines"] and bool((config.get("warm_target") or {}).get("minutes")))
+
+
+def regeneration_context(config: Mapping) -> int | None:
+    """The positions regeneration's answers get in the shared engine (``data.max_seq_len`` plus
+    ``regenerate.max_new_tokens``: every turn that starts inside a training sample gets its whole
+    answer), or None where it decodes in an engine of its own: not in vLLM, sampled, on CUDA graphs,
+    with another engine environment than extraction's, or with no engine to share. Read from the config
+    alone, so that the rule keys its output by it (a longer ``data.max_seq_len`` regenerates); a job
+    may still find no shared engine (a target too large to keep warm, SLURM) and use its own."""
+    from draftsmith.targets.vllm_install import vllm_cpu_build
 
     regenerate = config.get("regenerate") or {}
-    if not regenerate.get("enabled") or regenerate.get("backend") != "vllm":
-        return False
-    if not regenerate.get("enforce_eager") and vllm_device_type() != "cpu":
-        return False
+    if not regenerate.get("enabled") or regenerate.get("backend") != "vllm" or regenerate.get("temperature"):
+        return None
+    if not (regenerate.get("enforce_eager") or vllm_cpu_build()) or not _may_share(config):
+        return None
     env = config.get("engine_env") or {}
     if (env.get("regenerate_responses") or {}) != (env.get("extract_hidden_states") or {}):
-        log.warning("engine_env gives regenerate_responses and extract_hidden_states other variables: "
-                    "regeneration loads the target in an engine of its own")
-        return False
-    return True
+        return None
+    return int(config["data"]["max_seq_len"]) + int(regenerate["max_new_tokens"])
 
 
 def capture_engine_args(model_path: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",

@@ -52,16 +52,22 @@ def vllm_package_dir() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def vllm_cpu_build() -> bool:
+    """Whether vLLM runs on the CPU whatever the machine has: ``VLLM_TARGET_DEVICE=cpu``, or the
+    installed build is the CPU one (the ``vllm-cpu`` distribution, or a version that names it)."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    name, version = _installed_distribution() or ("", "")
+    return name == "vllm-cpu" or "cpu" in version
+
+
 @cache
 def vllm_device_type() -> str:
     """``cpu`` or ``cuda``, as ``vllm.platforms.current_platform.device_type`` says it, by vLLM's own
     rule: the CPU where ``VLLM_TARGET_DEVICE=cpu`` or the installed build is the CPU one (the
     ``vllm-cpu`` distribution, or a version that names it), else CUDA where NVML counts a GPU (all of
     them, as vLLM counts them, without initialising CUDA in this process); anything else from vLLM."""
-    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
-        return "cpu"
-    name, version = _installed_distribution() or ("", "")
-    if name == "vllm-cpu" or "cpu" in version:
+    if vllm_cpu_build():
         return "cpu"
     import torch
 
