@@ -48,7 +48,7 @@ from draftsmith.engines.hf_model import (
     stop_ids_from_files,
     stop_token_ids,
 )
-from draftsmith.engines.shared import SharedEngine, capture_engine_args
+from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import DataError, TargetError, out_of_memory_as
 from draftsmith.io import (
     atomic_write_json,
@@ -618,11 +618,9 @@ def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence
 
     defaults = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     if shared_engine is not None:
-        # capture's own arguments (extraction and evaluation build them alike): the same engine
-        args = capture_engine_args(str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
-                                   max_model_len=shared_engine.max_model_len, trust_remote_code=trust_remote_code,
-                                   shared=shared_engine, **(engine_kwargs or {}))
-        generator = VllmGenerator(str(model_path), slot_engine=(args, shared_engine.speculator_slot))
+        generator = VllmGenerator(str(model_path), slot_engine=shared_engine.slot_engine(
+            str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
+            trust_remote_code=trust_remote_code, **(engine_kwargs or {})))
         log.info("regeneration decodes in the engine capture and evaluation share (eager, with a speculator slot "
                  "of k=%d; regenerate.batch_size does not apply): the run loads the target once",
                  shared_engine.speculative_tokens)

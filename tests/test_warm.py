@@ -180,24 +180,31 @@ def test_a_target_too_large_for_the_machines_memory_asleep_is_not_kept_warm(tmp_
     assert kept["loaded"] and [e["alive"] for e in list_engines()] == [True]
 
 
+def shared_engine_case(tmp_path: Path, max_seq_len: int) -> tuple[Path, dict]:
+    """A one-layer Llama with its target.json in ``tmp_path`` (as inspect_target writes the fields
+    engines.shared reads), and a config under which capture and evaluation share an engine."""
+    model = tiny.build_llama(tmp_path / "target", num_layers=1)
+    target = {"model_path": str(model), "architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 384,
+              "aux_layer_ids": [0], "text_config": {"max_position_embeddings": 512},
+              "backends": {"vllm": {"supported": True, "supports_eagle3": True}}}
+    (tmp_path / "target.json").write_text(json.dumps(target))
+    config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
+              "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": max_seq_len},
+              "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
+              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64}}
+    return model, config
+
+
 def test_a_target_too_large_to_keep_warm_gets_no_shared_engine(tmp_path, monkeypatch, caplog):
     """Capture and evaluation share an engine only where it can stay warm: the same measure of the
     weights against the machine's memory as each job's engine."""
     from draftsmith import placement
     from draftsmith.engines import shared
 
-    model = tiny.build_llama(tmp_path / "target", num_layers=1)
+    model, config = shared_engine_case(tmp_path, max_seq_len=16)
     weights = (model / "model.safetensors").stat().st_size
     (model / "original").mkdir()  # a copy in another format, which vLLM does not load, counts for nothing
     (model / "original" / "consolidated.00.pth").write_bytes(bytes(4 * weights))
-    target = {"model_path": str(model), "architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 384,
-              "aux_layer_ids": [0], "text_config": {"max_position_embeddings": 512},
-              "backends": {"vllm": {"supported": True, "supports_eagle3": True}}}
-    (tmp_path / "target.json").write_text(json.dumps(target))
-    config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
-              "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 16},
-              "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
-              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64}}
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setattr(placement, "host_memory_bytes", lambda: 2 * weights)
     assert shared.SharedEngine.from_config(config, tmp_path / "target.json") is not None
@@ -213,17 +220,9 @@ def test_regeneration_shares_the_engine_where_it_runs_eager_anyway(tmp_path, mon
     from draftsmith.engines import shared
     from draftsmith.targets import vllm_install
 
-    model = tiny.build_llama(tmp_path / "target", num_layers=1)
-    target = {"model_path": str(model), "architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 384,
-              "aux_layer_ids": [0], "text_config": {"max_position_embeddings": 512},
-              "backends": {"vllm": {"supported": True, "supports_eagle3": True}}}
-    (tmp_path / "target.json").write_text(json.dumps(target))
-    config = {"eval": {"backend": "vllm", "separate_engines": False, "max_new_tokens": 20, "k": 3},
-              "extraction": {"backend": "vllm", "max_model_len": None}, "data": {"max_seq_len": 100},
-              "warm_target": {"minutes": 10}, "draft": {"variant": "eagle3", "num_layers": 1},
-              "train": {"ttt_steps": 3}, "vocab": {"draft_vocab_size": 64},
-              "regenerate": {"enabled": True, "backend": "vllm", "max_new_tokens": 300, "enforce_eager": True,
-                             "temperature": 0.0}}
+    _, config = shared_engine_case(tmp_path, max_seq_len=100)
+    config["regenerate"] = {"enabled": True, "backend": "vllm", "max_new_tokens": 300, "enforce_eager": True,
+                            "temperature": 0.0}
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setattr(vllm_install, "vllm_cpu_build", lambda: False)
 

@@ -62,6 +62,14 @@ class SharedEngine:
         """``open_llm``'s description of the engine's speculator slot."""
         return {"slot": self.slot, "num_speculative_tokens": self.speculative_tokens}
 
+    def slot_engine(self, model_path: str, *, tensor_parallel_size: int, dtype: str, trust_remote_code: bool,
+                    **llm_kwargs) -> tuple[dict, dict]:
+        """The engine's arguments and its slot as a stage that attaches to it (evaluation,
+        regeneration) names them: capture's own, so that all name the same engine."""
+        return (capture_engine_args(model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                    max_model_len=self.max_model_len, trust_remote_code=trust_remote_code,
+                                    shared=self, **llm_kwargs), self.speculator_slot)
+
     @classmethod
     def from_config(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:
         """The shared engine of this run, or None where capture and evaluation do not share one:
@@ -110,8 +118,7 @@ class SharedEngine:
     @classmethod
     def for_regeneration(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:
         """The shared engine where regeneration decodes in it, else None (an engine of its own)."""
-        engine = cls.from_config(config, target_json) if regeneration_context(config) else None
-        return engine if engine is not None and engine.regeneration else None
+        return cls.from_config(config, target_json) if regeneration_context(config) else None
 
 
 def _may_share(config: Mapping) -> bool:

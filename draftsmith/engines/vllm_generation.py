@@ -66,9 +66,8 @@ class VllmGenerator:
         # An in-process CPU engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) replaces torch.set_num_threads
         # with a no-op; close() puts it back.
         self._set_num_threads = torch.set_num_threads
-        role = "eager" if self.args.get("enforce_eager") else "CUDA graphs"
-        if slot is not None:
-            role = "eager, shared with capture and evaluation"
+        role = ("eager, shared with capture and evaluation" if slot is not None
+                else "eager" if self.args.get("enforce_eager") else "CUDA graphs")
         try:
             self.engine = open_llm(self.args, what=f"vLLM generation engine (TP {self.args['tensor_parallel_size']}, "
                                                    f"{role})", set_num_threads=self._set_num_threads,
