@@ -575,8 +575,8 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
                          engine_kwargs: dict | None = None, shared_engine: SharedEngine | None = None) -> dict:
     """Load the target in ``model_path`` (transformers or vLLM, per ``settings.backend``) and write
     ``out_path``: the conversations of ``sources`` with the target's own answers (OpenAI messages,
-    same ids, plus ``source``). ``engine_kwargs`` are vLLM's; with ``shared_engine`` vLLM decodes in
-    the engine capture and evaluation share (``engines.shared``), started here when none is warm."""
+    same ids, plus ``source``). ``engine_kwargs`` are vLLM's; with ``shared_engine`` instead vLLM decodes
+    in the engine capture and evaluation share (``engines.shared``), started here when none is warm."""
     from transformers import AutoTokenizer
 
     counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
@@ -614,13 +614,17 @@ def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence
         yield [Regenerator(model, tokenizer, s, stop_ids=[*defaults, *(more or ())]) for s, more in zip(settings, extra)]
         return
 
+    if shared_engine is not None and engine_kwargs:
+        # The shared engine's arguments are capture's (SharedEngine.slot_engine): others would name another engine.
+        raise ValueError(f"engine_kwargs {sorted(engine_kwargs)} and shared_engine exclude each other: the shared "
+                         "engine is built with capture's arguments; pass one or the other")
     from draftsmith.engines.vllm_generation import VllmGenerator
 
     defaults = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     if shared_engine is not None:
         generator = VllmGenerator(str(model_path), slot_engine=shared_engine.slot_engine(
             str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
-            trust_remote_code=trust_remote_code, **(engine_kwargs or {})))
+            trust_remote_code=trust_remote_code))
         log.info("regeneration decodes in the engine capture and evaluation share (eager, with a speculator slot "
                  "of k=%d; regenerate.batch_size does not apply): the run loads the target once",
                  shared_engine.speculative_tokens)
