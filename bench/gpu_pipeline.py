@@ -264,7 +264,8 @@ def run_pipeline(args: argparse.Namespace, budget: Budget, stages: Stages, summa
     from draftsmith.data import DataSettings, prepare_dataset
     from draftsmith.evaluate import EvalSettings, evaluate_draft
     from draftsmith.plots import plot_acceptance_by_position, plot_training
-    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.regenerate.stage import regenerate_responses
     from draftsmith.targets.inspect import write_target_json
     from draftsmith.vocab import build_vocab_mapping
 

@@ -3,7 +3,7 @@
 A random-init Llama of a real shape (default: Llama-3-8B, bf16) is saved once as a Hugging Face
 folder in ``--work`` (with a small ChatML tokenizer; 16 GB for the 8B shape), and the same
 multi-turn conversations are regenerated greedily by each backend through
-``draftsmith.regenerate.regenerate_responses``, the function the workflow's rule calls, each
+``draftsmith.regenerate.stage.regenerate_responses``, the function the workflow's rule calls, each
 backend in a fresh process (so one never runs beside the other's memory). A random-init model
 rarely emits its stop token, so nearly every answer runs to ``--max-new-tokens``: both backends
 generate the same number of tokens, and tokens/s compare directly.
@@ -110,7 +110,8 @@ def write_conversations(path: Path, count: int) -> Path:
 
 def run_one(args: argparse.Namespace, backend: str) -> dict:
     """Regenerate every conversation with ``backend``, in this process, from an empty work folder."""
-    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.regenerate.stage import regenerate_responses
 
     out, work = args.work / f"regenerated-{backend}.jsonl", args.work / f"work-{backend}"
     shutil.rmtree(work, ignore_errors=True)

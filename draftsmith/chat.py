@@ -261,7 +261,9 @@ def user_turn(tokenizer, system: str | None, where: str) -> UserTurn:
     if not found:
         raise DataError("the chat template does not render the user's text as given, so where a user turn "
                         "starts cannot be found", where=where, fix="use data.sources of your own for this target")
-    special = set(tokenizer.all_special_ids)
+    # The special tokens map may name another eos than the token that ends a turn (a base model's,
+    # or a GGUF conversion's); every added special token can close one.
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     closing = [t for t in tokenizer(tail, add_special_tokens=False)["input_ids"] if t in special]
     if not closing:
         raise DataError("the chat template closes a user turn without a special token, so the target's request "

@@ -159,6 +159,13 @@ def convert_smollm2(source: str | Path, out_dir: str | Path) -> Path:
         model.load_state_dict(gguf_model.state_dict(), strict=True)
         model.generation_config = gguf_model.generation_config
         del gguf_model
+        # The special tokens by the ids the GGUF's metadata gives the model (its eos is the end of a
+        # turn): transformers' GGUF tokenizer conversion names other tokens in some releases (5.17
+        # made <|im_start|> the eos), which would leave the chat template's turns without their end.
+        for role in ("bos", "eos", "pad"):
+            token_id = getattr(config, f"{role}_token_id", None)
+            if token_id is not None:
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
         model.save_pretrained(dst)
         tokenizer.save_pretrained(dst)
         del model
@@ -228,6 +235,11 @@ def check_smollm2(folder: str | Path, generate: bool = True) -> str | None:
     if not tokenizer.chat_template:
         raise TargetError("the converted tokenizer has no chat template", where=str(folder),
                           fix="add chat_template.jinja to the folder")
+    if tokenizer.eos_token_id != config.eos_token_id:
+        raise TargetError(f"the converted tokenizer's eos token is {tokenizer.eos_token!r} (id "
+                          f"{tokenizer.eos_token_id}), the model's is id {config.eos_token_id}",
+                          where=str(folder / "tokenizer_config.json"),
+                          fix="delete the folder: the next run converts the GGUF again")
     if not generate:
         return None
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()

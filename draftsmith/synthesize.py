@@ -22,7 +22,7 @@ killed job resumes at its first missing chunk; a fingerprint of the settings, th
 code guards the chunks. Chunks are added until ``synthesize.conversations`` distinct conversations
 are kept; a target that keeps under ``MIN_YIELD`` of its tries is refused early, before it burns
 hours of GPU on requests it cannot write. Its answers are judged as regeneration's are
-(``regenerate.check_answers``): empty ones are kept and counted, and more than
+(``regenerate.answering.check_answers``): empty ones are kept and counted, and more than
 ``data.max_bad_fraction`` of them stop the stage naming the target.
 """
 
@@ -54,16 +54,16 @@ from draftsmith.io import (
     read_jsonl,
     sole_writer,
 )
-from draftsmith.regenerate import (
-    RegenerateSettings,
+from draftsmith.regenerate.answering import (
     Regenerator,
     TurnCounts,
     check_answers,
     derived_seed,
     mostly_empty_so_far,
     open_regenerators,
-    regeneration_fingerprint,
 )
+from draftsmith.regenerate.settings import RegenerateSettings
+from draftsmith.regenerate.stage import regeneration_fingerprint
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, from_schema
 from draftsmith.targets.identity import weights_identity
 

@@ -75,7 +75,7 @@ def render(rows: dict[str, list[str]]) -> str:
         "none, and for every module it imports, `draftsmith.data` (its bad-row accounting) among them.",
         "With `data.sources: [self]`, `synthesize_conversations` reruns, with `prepare_dataset` and what",
         "follows it, for `draftsmith.synthesize`, listed here with no rule since the demo writes none, and",
-        "for every module it imports (`draftsmith.regenerate` and what that imports among them).",
+        "for every module it imports (the `draftsmith.regenerate` modules and what they import among them).",
         "",
         "A fingerprint hashes each file's Python tokens, not its bytes. It ignores comments, blank",
         "lines and spacing within a line (`x=1` or `x = 1`), and the width of an indentation: editing",

@@ -394,7 +394,8 @@ def _(tmp, env):
 @case("regenerate-too-many-bad-rows", DataError, "4 of 6 rows (66.7%) are unusable, more than data.max_bad_fraction",
       "out/regenerated.jsonl")
 def _(tmp, env):
-    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.regenerate.stage import regenerate_responses
 
     lines = [json.dumps(_chat(i)) for i in range(2)] + ['{"messages": ['] * 4  # cut mid-row
     (tmp / "broken.jsonl").write_text("\n".join(lines) + "\n")
@@ -405,7 +406,8 @@ def _(tmp, env):
 @case("regenerate-target-writes-empty-answers", TargetError, "more than data.max_bad_fraction=0.2: prepare_dataset "
       "would drop their conversations", "out/regenerated.jsonl")
 def _(tmp, env):
-    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.regenerate.stage import regenerate_responses
 
     # A random target with a vocabulary of 4096 ids and a tokenizer of 384 (weights and tokenizer that
     # do not belong together): most ids it writes decode to nothing.
@@ -847,7 +849,8 @@ def _(tmp, env):
 
 @case("regeneration-held-by-another-process", TargetError, "is regenerating answers in", "out/regenerated.jsonl")
 def _(tmp, env):
-    from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.regenerate.stage import regenerate_responses
 
     source = tiny.write_jsonl(tmp / "chats.jsonl", [_chat(i) for i in range(2)])
     with _held_in_another_process("from pathlib import Path; from draftsmith.io import lock_beside, sole_writer; "

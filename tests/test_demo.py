@@ -207,3 +207,21 @@ def test_convert_smollm2_the_same_from_the_wheel_and_from_the_installed_distribu
     assert sorted(p.name for p in installed.iterdir()) == sorted(p.name for p in out.iterdir())
     for path in out.iterdir():
         assert (installed / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_converted_tokenizer_whose_eos_is_not_the_models_is_refused(tmp_path):
+    """transformers 5.17's GGUF conversion named <|im_start|> the eos of SmolLM2's tokenizer, whose
+    model ends a turn with <|im_end|>: the conversion takes the model's ids, and the check refuses a
+    folder where the two differ."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    import tiny
+
+    folder = tiny.build_tokenizer(tmp_path / "target")
+    end_of_turn = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<|im_end|>")
+    LlamaConfig(**demo.SMOLLM2_SHAPE, eos_token_id=end_of_turn).save_pretrained(folder)
+    assert demo.check_smollm2(folder, generate=False) is None
+    AutoTokenizer.from_pretrained(folder, eos_token="<|im_start|>").save_pretrained(folder)
+    with pytest.raises(TargetError, match=r"eos token is '<\|im_start\|>'") as error:
+        demo.check_smollm2(folder, generate=False)
+    assert error.value.where.endswith("tokenizer_config.json") and "converts the GGUF again" in error.value.fix

@@ -80,7 +80,8 @@ def test_the_stage_caches_follow_the_weights_and_their_code(tmp_path, monkeypatc
     code that makes them: new weights or a patched capture are never resumed from old work."""
     from draftsmith.extract.extract import part_fingerprint
     from draftsmith.extract.settings import ExtractionSettings
-    from draftsmith.regenerate import RegenerateSettings, regeneration_fingerprint
+    from draftsmith.regenerate.settings import RegenerateSettings
+    from draftsmith.regenerate.stage import regeneration_fingerprint
 
     folder = _folder(tmp_path / "model", 1.0)
     target = {"model_path": str(folder), "layers_path": "model.layers", "captured_layer_ids": [1, 2],

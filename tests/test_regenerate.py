@@ -13,7 +13,9 @@ from transformers import AutoTokenizer
 import tiny
 from draftsmith.engines.hf_model import load_target_model, stop_token_ids
 from draftsmith.errors import DataError
-from draftsmith.regenerate import RegenerateSettings, Regenerator, regenerate_responses
+from draftsmith.regenerate.answering import Regenerator
+from draftsmith.regenerate.settings import RegenerateSettings
+from draftsmith.regenerate.stage import regenerate_responses
 from tiny_vllm import vllm_test
 
 CONVERSATIONS = [
@@ -298,9 +300,9 @@ def test_a_rows_tools_reach_the_chat_template_as_in_prepare_dataset(tmp_path, mo
 def test_too_many_bad_rows_stop_regeneration_before_the_target_loads(tmp_path, monkeypatch, model_dir):
     """prepare_dataset reads the regenerated rows only, where the bad ones are gone: regeneration
     holds the sources to data.max_bad_fraction itself, before it loads anything."""
-    import draftsmith.regenerate
+    import draftsmith.regenerate.answering
 
-    monkeypatch.setattr(draftsmith.regenerate, "load_target_model", lambda *a, **k: pytest.fail("the target loaded"))
+    monkeypatch.setattr(draftsmith.regenerate.answering, "load_target_model", lambda *a, **k: pytest.fail("the target loaded"))
     source = tiny.write_jsonl(tmp_path / "bad.jsonl", CONVERSATIONS[:2] + ["{not json"] * 3)
     with pytest.raises(DataError) as e:
         _run(source, model_dir, tmp_path, max_bad_fraction=0.2)
@@ -396,7 +398,7 @@ def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
 
 def test_engine_arguments_beside_the_shared_engine_are_refused_before_a_load(model_dir):
     from draftsmith.engines.shared import SharedEngine
-    from draftsmith.regenerate import open_regenerators
+    from draftsmith.regenerate.answering import open_regenerators
 
     shared = SharedEngine(max_model_len=256, speculative_tokens=3, slot={})
     with (pytest.raises(ValueError, match=r"\['max_model_len'\] and shared_engine exclude each other"),
@@ -454,7 +456,7 @@ def test_an_answer_keeps_the_special_tokens_the_target_wrote(tmp_path):
     tool-call or thinking marker) stays, so the answer re-encodes to the target's ids."""
     from types import SimpleNamespace
 
-    from draftsmith.regenerate import TurnCounts
+    from draftsmith.regenerate.answering import TurnCounts
 
     tok = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok"))
     model = torch.nn.Linear(1, 1)  # answer() decodes only; the model is never called
@@ -473,7 +475,7 @@ def test_an_answer_cut_inside_a_character_ends_at_the_last_whole_one(tmp_path):
     answer max_new_tokens cuts there ends before that character, so it re-encodes to the target's ids."""
     from types import SimpleNamespace
 
-    from draftsmith.regenerate import TurnCounts
+    from draftsmith.regenerate.answering import TurnCounts
 
     tok = AutoTokenizer.from_pretrained(tiny.build_tokenizer(tmp_path / "tok"))
     whole = tok.encode("Hi 日本", add_special_tokens=False)
@@ -525,10 +527,10 @@ def test_a_target_that_writes_mostly_empty_answers_stops_before_the_last_chunk(s
                                                                               monkeypatch):
     """More than half of the answers so far empty, once enough are written: the stage stops there,
     not after every chunk (hours of generation, for a large target)."""
-    from draftsmith import regenerate
+    from draftsmith.regenerate import answering
     from draftsmith.errors import TargetError
 
-    monkeypatch.setattr(regenerate, "EARLY_JUDGE_ANSWERS", 2)
+    monkeypatch.setattr(answering, "EARLY_JUDGE_ANSWERS", 2)
     _answers_replaced(monkeypatch, lambda n, tokens: [227])
     calls = _count_chunks(monkeypatch)
     with pytest.raises(TargetError, match="the target wrote 3 empty answers of 3"):

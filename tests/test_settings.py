@@ -22,7 +22,7 @@ from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.online import OnlineSettings
 from draftsmith.payoff import PayoffSettings
 from draftsmith.preflight import PreflightSettings
-from draftsmith.regenerate import RegenerateSettings
+from draftsmith.regenerate.settings import RegenerateSettings
 from draftsmith.settings import key_schema
 from draftsmith.synthesize import SynthesizeSettings
 from draftsmith.train import TrainSettings, launch_from_config
@@ -205,7 +205,7 @@ def test_cache_keys_are_those_of_the_settings_before_they_carried_the_device(mon
     import draftsmith.extract.extract
     import draftsmith.train.checkpoints
     from draftsmith.extract.extract import part_fingerprint
-    from draftsmith.regenerate import regeneration_fingerprint
+    from draftsmith.regenerate.stage import regeneration_fingerprint
     from draftsmith.train.checkpoints import checkpoint_key
 
     monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "CODE")

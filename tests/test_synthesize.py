@@ -13,7 +13,8 @@ import pytest
 import tiny
 from draftsmith.chat import user_turn
 from draftsmith.errors import DataError
-from draftsmith.regenerate import RegenerateSettings, Regenerator
+from draftsmith.regenerate.answering import Regenerator
+from draftsmith.regenerate.settings import RegenerateSettings
 from draftsmith.synthesize import (
     SynthesizeSettings,
     drop_reason,
@@ -48,6 +49,17 @@ def test_the_user_turn_of_a_chat_template(chatml, llama3):
     turn = user_turn(llama3, None, "t")
     assert llama3.decode(turn.opening).endswith("<|start_header_id|>user<|end_header_id|>\n\n")
     assert llama3.convert_ids_to_tokens(turn.closing) == ["<|eot_id|>"]
+
+
+def test_an_end_of_turn_that_is_an_added_special_token_outside_the_special_tokens_map(tmp_path):
+    """Many tokenizers name another eos than the token that ends a turn (a base model's, or a GGUF
+    conversion's); the end of turn is still one of the tokenizer's added special tokens."""
+    from transformers import AutoTokenizer
+
+    folder = tiny.build_tokenizer(tmp_path / "chatml", tiny.CHATML_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(folder, eos_token="<|endoftext|>")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in tokenizer.all_special_ids
+    assert tokenizer.convert_ids_to_tokens(user_turn(tokenizer, None, "t").closing) == ["<|im_end|>"]
 
 
 def test_a_template_without_a_special_end_of_turn_is_refused(tmp_path):
@@ -91,7 +103,7 @@ class Scripted(Regenerator):
 
 
 def _collect(tmp_path, chatml, script, answers, max_bad_fraction=0.5, **settings):
-    from draftsmith.regenerate import check_answers
+    from draftsmith.regenerate.answering import check_answers
     from draftsmith.synthesize import _collect as collect
 
     end = chatml.convert_tokens_to_ids("<|im_end|>")
@@ -157,10 +169,10 @@ def test_a_target_that_writes_empty_answers_is_refused_naming_it(tmp_path, chatm
 
 def test_mostly_empty_answers_stop_before_the_last_chunk_and_a_few_are_a_warning(tmp_path, chatml, monkeypatch,
                                                                                caplog):
-    from draftsmith import regenerate
+    from draftsmith.regenerate import answering
     from draftsmith.errors import TargetError
 
-    monkeypatch.setattr(regenerate, "EARLY_JUDGE_ANSWERS", 4)
+    monkeypatch.setattr(answering, "EARLY_JUDGE_ANSWERS", 4)
     script = [[f"request {i}" for i in range(4)], [f"request {i}" for i in range(4, 8)]]
     with pytest.raises(TargetError, match="3 empty answers of 4"):  # before chunk 1 is written
         _collect(tmp_path / "early", chatml, script, [["", "", "", "an answer"]], max_bad_fraction=0.5,

@@ -308,7 +308,8 @@ SHARED_JOB = textwrap.dedent("""
         shared = SharedEngine.from_config(config, {target_json!r}) if {shared!r} else None
         if {stage!r} == "regenerate":
             from transformers import AutoTokenizer
-            from draftsmith.regenerate import RegenerateSettings, open_regenerators
+            from draftsmith.regenerate.answering import open_regenerators
+            from draftsmith.regenerate.settings import RegenerateSettings
             settings = RegenerateSettings(backend="vllm", max_new_tokens=12, model_dtype="float32", device="cpu")
             tokenizer = AutoTokenizer.from_pretrained(target["model_path"])
             with open_regenerators(target["model_path"], tokenizer, [settings], engine_kwargs=ENGINE_ARGS,

@@ -4,7 +4,8 @@ from draftsmith.engines.shared import SharedEngine
 from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
-from draftsmith.regenerate import RegenerateSettings, regenerate_responses
+from draftsmith.regenerate.settings import RegenerateSettings
+from draftsmith.regenerate.stage import regenerate_responses
 from draftsmith.targets.inspect import read_target_json
 
 # vLLM may start its engine with multiprocessing "spawn", which runs this file again as

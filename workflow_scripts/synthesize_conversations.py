@@ -6,7 +6,7 @@ from draftsmith.gate import gate_for_run, wait_for_preflight
 from draftsmith.io import read_json
 from draftsmith.logs import setup_logging
 from draftsmith.placement import engine_env, engine_placement
-from draftsmith.regenerate import RegenerateSettings
+from draftsmith.regenerate.settings import RegenerateSettings
 from draftsmith.synthesize import SynthesizeSettings, synthesize_conversations
 
 # vLLM may start its engine with multiprocessing "spawn", which runs this file again as
