@@ -527,8 +527,8 @@ def test_a_target_that_writes_mostly_empty_answers_stops_before_the_last_chunk(s
                                                                               monkeypatch):
     """More than half of the answers so far empty, once enough are written: the stage stops there,
     not after every chunk (hours of generation, for a large target)."""
-    from draftsmith.regenerate import answering
     from draftsmith.errors import TargetError
+    from draftsmith.regenerate import answering
 
     monkeypatch.setattr(answering, "EARLY_JUDGE_ANSWERS", 2)
     _answers_replaced(monkeypatch, lambda n, tokens: [227])

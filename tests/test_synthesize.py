@@ -169,8 +169,8 @@ def test_a_target_that_writes_empty_answers_is_refused_naming_it(tmp_path, chatm
 
 def test_mostly_empty_answers_stop_before_the_last_chunk_and_a_few_are_a_warning(tmp_path, chatml, monkeypatch,
                                                                                caplog):
-    from draftsmith.regenerate import answering
     from draftsmith.errors import TargetError
+    from draftsmith.regenerate import answering
 
     monkeypatch.setattr(answering, "EARLY_JUDGE_ANSWERS", 4)
     script = [[f"request {i}" for i in range(4)], [f"request {i}" for i in range(4, 8)]]
