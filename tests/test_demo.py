@@ -224,4 +224,4 @@ def test_a_converted_tokenizer_whose_eos_is_not_the_models_is_refused(tmp_path):
     AutoTokenizer.from_pretrained(folder, eos_token="<|im_start|>").save_pretrained(folder)
     with pytest.raises(TargetError, match=r"eos token is '<\|im_start\|>'") as error:
         demo.check_smollm2(folder, generate=False)
-    assert error.value.where.endswith("tokenizer_config.json") and "converts the GGUF again" in error.value.fix
+    assert error.value.where.endswith("tokenizer_config.json") and "constraints.txt" in error.value.fix

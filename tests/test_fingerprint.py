@@ -50,6 +50,22 @@ def test_fingerprint_changes_with_the_code(toy_package):
     assert code_fingerprint("draftsmith.a") != before
 
 
+def test_a_package_keys_its_code_not_a_stale_module_of_its_name(toy_package):
+    """A module that became a package (regenerate.py -> regenerate/) leaves the old file behind
+    where a copy does not delete files; Python imports the package, so the package is what counts."""
+    package = toy_package
+    (package / "a.py").write_text("from draftsmith.b import stage\n")
+    (package / "b.py").unlink()
+    (package / "b").mkdir()
+    (package / "b" / "__init__.py").write_text("")
+    (package / "b" / "stage.py").write_text("X = 1\n")
+    before = code_fingerprint("draftsmith.a")
+    (package / "b.py").write_text("X = 2\n")  # stale: never imported
+    assert code_fingerprint("draftsmith.a") == before
+    (package / "b" / "stage.py").write_text("X = 2\n")
+    assert code_fingerprint("draftsmith.a") != before
+
+
 def test_a_script_is_fingerprinted_with_the_modules_it_imports(tmp_path):
     from draftsmith.fingerprint import script_closure, script_fingerprint
 

@@ -396,17 +396,6 @@ def test_vllm_engine_arguments_map_the_settings_one_to_one(model_dir):
     assert args["generation_config"] == "vllm"  # the model's sampling defaults are not applied
 
 
-def test_engine_arguments_beside_the_shared_engine_are_refused_before_a_load(model_dir):
-    from draftsmith.engines.shared import SharedEngine
-    from draftsmith.regenerate.answering import open_regenerators
-
-    shared = SharedEngine(max_model_len=256, speculative_tokens=3, slot={})
-    with (pytest.raises(ValueError, match=r"\['max_model_len'\] and shared_engine exclude each other"),
-          open_regenerators(model_dir, None, [RegenerateSettings(backend="vllm", device="cpu")],
-                            engine_kwargs={"max_model_len": 512}, shared_engine=shared)):
-        pass
-
-
 @_vllm_test
 def test_the_workflow_regenerates_through_vllm(tmp_path):
     """The rule's script under Snakemake: vLLM's engine process starts (spawn re-runs the script as

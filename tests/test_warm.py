@@ -279,6 +279,24 @@ def test_an_engines_key_follows_what_it_computes(tmp_path, monkeypatch):
     assert key() != retrained
 
 
+def test_a_stage_names_the_shared_engine_as_capture_does_whatever_it_asks_of_its_own(tmp_path):
+    """Regeneration and evaluation pass the arguments their own engines would take; those the shared
+    engine sets itself (its context, eager, its batching) are its own, the rest reach it as they
+    reach capture's, so all three name one engine."""
+    from draftsmith.engines.shared import SharedEngine, capture_engine_args
+
+    model = str(tiny.build_llama(tmp_path / "target", num_layers=1))
+    shared = SharedEngine(max_model_len=1280, speculative_tokens=3, slot={"draft": "settings"})
+    capture = capture_engine_args(model, tensor_parallel_size=1, dtype="bfloat16", max_model_len=1024,
+                                  shared=shared, **ENGINE_ARGS)
+    asked = dict(max_model_len=512, enforce_eager=False, max_num_seqs=64, max_num_batched_tokens=2048,
+                 language_model_only=False)
+    args, slot = shared.slot_engine(model, tensor_parallel_size=1, dtype="bfloat16", trust_remote_code=False,
+                                    **ENGINE_ARGS, **asked)
+    assert args == capture and args["max_model_len"] == 1280 and args["enforce_eager"] is True
+    assert slot == {"slot": {"draft": "settings"}, "num_speculative_tokens": 3}
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_without_keep_warm_the_engine_is_the_jobs_own(monkeypatch):
     """The Python API, tests and benches (no DRAFTSMITH_KEEP_WARM_S) and SLURM jobs (which end every

@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "draftsmith.extract.vllm_worker.CaptureWorkerExtension"
 DEFAULT_TOKEN_BUDGET = 8192  # rows per forward pass unless max_model_len needs more
+# Engine arguments the shared engine sets for every stage in it: its context (enough for each), eager
+# (capture's hooks are Python), capture's batching; a stage's own values of them do not apply there.
+SET_BY_THE_SHARED_ENGINE = frozenset({"max_model_len", "enforce_eager", "max_num_seqs", "max_num_batched_tokens",
+                                      "language_model_only"})
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,13 @@ class SharedEngine:
     def slot_engine(self, model_path: str, *, tensor_parallel_size: int, dtype: str, trust_remote_code: bool,
                     **llm_kwargs) -> tuple[dict, dict]:
         """The engine's arguments and its slot as a stage that attaches to it (evaluation,
-        regeneration) names them: capture's own, so that all name the same engine."""
+        regeneration) names them: capture's own, so that all name the same engine. ``llm_kwargs``:
+        the stage's other engine arguments, less those the shared engine sets itself
+        (``SET_BY_THE_SHARED_ENGINE``), whatever the stage's own engine would have taken."""
+        own = {k: v for k, v in llm_kwargs.items() if k not in SET_BY_THE_SHARED_ENGINE}
         return (capture_engine_args(model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                     max_model_len=self.max_model_len, trust_remote_code=trust_remote_code,
-                                    shared=self, **llm_kwargs), self.speculator_slot)
+                                    shared=self, **own), self.speculator_slot)
 
     @classmethod
     def from_config(cls, config: Mapping, target_json: str | Path) -> SharedEngine | None:

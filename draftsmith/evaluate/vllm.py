@@ -215,12 +215,7 @@ def _draft_server(target: dict, draft_dir: str | Path, settings: EvalSettings, s
             reason = (f"the prompts and answers need {common['max_model_len']} positions, the engine holds "
                       f"{shared.max_model_len}")
         else:
-            extra = {k: v for k, v in common.items()  # what capture's engine was built with: the same engine
-                     if k not in ("dtype", "max_model_len", "tensor_parallel_size", "trust_remote_code", "enforce_eager",
-                                  "max_num_seqs")}
-            server = VllmServer(model_path, slot_engine=shared.slot_engine(
-                model_path, tensor_parallel_size=common["tensor_parallel_size"], dtype=common["dtype"],
-                trust_remote_code=common["trust_remote_code"], **extra))
+            server = VllmServer(model_path, slot_engine=shared.slot_engine(model_path, **common))
             reason = draft_misfit(server.engine.slot, draft_dir)
             if reason is None:
                 try:

@@ -236,17 +236,13 @@ def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence
         yield [Regenerator(model, tokenizer, s, stop_ids=[*defaults, *(more or ())]) for s, more in zip(settings, extra)]
         return
 
-    if shared_engine is not None and engine_kwargs:
-        # The shared engine's arguments are capture's (SharedEngine.slot_engine): others would name another engine.
-        raise ValueError(f"engine_kwargs {sorted(engine_kwargs)} and shared_engine exclude each other: the shared "
-                         "engine is built with capture's arguments; pass one or the other")
     from draftsmith.engines.vllm_generation import VllmGenerator
 
     defaults = stop_ids_from_files(model_path, trust_remote_code=trust_remote_code)
     if shared_engine is not None:
-        generator = VllmGenerator(str(model_path), slot_engine=shared_engine.slot_engine(
-            str(model_path), tensor_parallel_size=first.tensor_parallel_size, dtype=dtype_name,
-            trust_remote_code=trust_remote_code))
+        generator = VllmGenerator(str(model_path), slot_engine=shared_engine.slot_engine(str(model_path), **{
+            **(engine_kwargs or {}), "tensor_parallel_size": first.tensor_parallel_size, "dtype": dtype_name,
+            "trust_remote_code": trust_remote_code}))
         log.info("regeneration decodes in the engine capture and evaluation share (eager, with a speculator slot "
                  "of k=%d; regenerate.batch_size does not apply): the run loads the target once",
                  shared_engine.speculative_tokens)

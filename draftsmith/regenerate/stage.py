@@ -289,8 +289,8 @@ def regenerate_responses(sources: Sequence[str | Path], model_path: str | Path, 
                          engine_kwargs: dict | None = None, shared_engine: SharedEngine | None = None) -> dict:
     """Load the target in ``model_path`` (transformers or vLLM, per ``settings.backend``) and write
     ``out_path``: the conversations of ``sources`` with the target's own answers (OpenAI messages,
-    same ids, plus ``source``). ``engine_kwargs`` are vLLM's; with ``shared_engine`` instead vLLM decodes
-    in the engine capture and evaluation share (``engines.shared``), started here when none is warm."""
+    same ids, plus ``source``). ``engine_kwargs`` are vLLM's; with ``shared_engine`` vLLM decodes in
+    the engine capture and evaluation share (``engines.shared``), started here when none is warm."""
     from transformers import AutoTokenizer
 
     counted = count_conversations(sources, settings.max_bad_fraction)  # bad data stops before any load
