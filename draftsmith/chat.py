@@ -73,12 +73,18 @@ def require_chat_template(tokenizer, tokenizer_dir: str | Path) -> None:
                             "the folder (evaluation decodes chat prompts, so plain text alone cannot do)")
 
 
+def added_special_tokens(tokenizer) -> dict[int, str]:
+    """The tokenizer's added special tokens, id to text: the chat template's markers among them,
+    whether or not the special tokens map names them (it may name another eos than a turn's end)."""
+    return {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
 class ChatRenderer:
     """Renders conversations with one tokenizer's chat template and finds the assistant's tokens."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        special = set(added_special_tokens(tokenizer).values())
         special |= {t for t in (tokenizer.eos_token,) if t}
         self.special = re.compile("|".join(map(re.escape, sorted(special, key=len, reverse=True)))) \
             if special else None
@@ -261,9 +267,7 @@ def user_turn(tokenizer, system: str | None, where: str) -> UserTurn:
     if not found:
         raise DataError("the chat template does not render the user's text as given, so where a user turn "
                         "starts cannot be found", where=where, fix="use data.sources of your own for this target")
-    # The special tokens map may name another eos than the token that ends a turn (a base model's,
-    # or a GGUF conversion's); every added special token can close one.
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = set(tokenizer.all_special_ids) | set(added_special_tokens(tokenizer))
     closing = [t for t in tokenizer(tail, add_special_tokens=False)["input_ids"] if t in special]
     if not closing:
         raise DataError("the chat template closes a user turn without a special token, so the target's request "
