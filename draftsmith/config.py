@@ -9,9 +9,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from draftsmith.conversations import source_problem
 from draftsmith.errors import ConfigError
 from draftsmith.settings import allowed
+from draftsmith.sources import source_problem
 
 
 def _key(path) -> str:

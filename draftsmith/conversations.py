@@ -1,47 +1,27 @@
-"""Reading conversations: every row of the data sources (jsonl, json, parquet, each optionally
-gzip-compressed as .jsonl.gz/.json.gz; datasets' save_to_disk folders), normalized to OpenAI-style
-messages (system, user, assistant with optional tool calls, tool results; plus the row's tool
-definitions) or plain text, or reported as a bad row with its reason.
+"""Conversations: every row of the data sources (``draftsmith.sources`` reads them) normalized to
+OpenAI-style messages (system, user, assistant with optional tool calls, tool results; plus the
+row's tool definitions) or plain text, or reported as a ``BadRow`` with its reason
+(``draftsmith.bad_rows``); and the one rule of which turns are answers.
 
-This is all that regeneration needs of the data, the bad-row accounting the stages that read
-sources share (``Tally``: counts per reason, ``data.max_bad_fraction``) included; tokenising and
-masking live in ``draftsmith.data`` (prepare_dataset), so a change there does not discard
-regenerated answers.
+This is all that regeneration needs of the data; tokenising and masking live in
+``draftsmith.data`` (prepare_dataset), so a change there does not discard regenerated answers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import itertools
 import json
-import logging
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.bad_rows import BadRow, row_where
 from draftsmith.errors import DataError
-
-log = logging.getLogger(__name__)
+from draftsmith.sources import MIN_MAX_LINE_BYTES, RawRow, parse_row, read_rows
 
 FORMATS = ("auto", "messages", "conversations", "text")
 
-# Every reason reading can drop a row for (prepare_dataset adds its own).
-READ_REASONS = (
-    "line_too_long",
-    "not_utf8",
-    "invalid_json",
-    "unknown_format",
-    "missing_turns",
-    "empty_turn",
-    "unknown_role",
-    "non_text_content",
-    "invalid_unicode",
-    "invalid_tool_call",
-    "no_assistant_turn",
-)
 
 ROLES = {
     # OpenAI (function: the legacy name of tool results)
@@ -58,13 +38,6 @@ PROMPT_FIELDS = ("turns", "prompt", "question", "instruction", "text")
 # What completes an instruction in the same user turn: Alpaca's input, Dolly's context.
 INPUT_FIELDS = ("input", "context")
 ID_FIELDS = ("id", "question_id", "task_id")
-
-# The source file types read, each with its gzip-compressed form (parquet compresses inside).
-SOURCE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
-
-# A jsonl line longer than this is not loaded: it is a bad row, not a reason to run out of memory.
-MIN_MAX_LINE_BYTES = 16 << 20
-LINE_BYTES_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -91,30 +64,7 @@ class Conversation:
         return row_where(self.file, self.line)
 
 
-@dataclass(frozen=True)
-class BadRow:
-    """A row that cannot be used, with the reason (one of ``READ_REASONS`` or a stage's own) and a detail for the log."""
-
-    file: str
-    line: int
-    reason: str
-    detail: str = ""
-
-    @property
-    def where(self) -> str:
-        return row_where(self.file, self.line)
-
-
 Row = Conversation | BadRow
-# A row as read, before parsing: (file, line, raw), raw a jsonl line's bytes, a json, parquet or
-# datasets row, or a BadRow (read_rows, to_row).
-RawRow = tuple[str, int, Any]
-
-
-def row_where(file: str, line: int) -> str:
-    """Where a row is, for messages: ``file:line`` for jsonl, ``file[row i]`` otherwise."""
-    # jsonl rows are numbered by their 1-based line; json/parquet/datasets rows by their 0-based index.
-    return f"{file}:{line}" if file.endswith((".jsonl", ".jsonl.gz")) else f"{file}[row {line}]"
 
 
 def answer_turns(messages: list[dict[str, Any]]) -> list[int]:
@@ -137,48 +87,6 @@ def first_answer(messages: list[dict[str, Any]]) -> int:
     return next(iter(answer_turns(messages)), len(messages))
 
 
-def source_type(path: str | Path) -> str | None:
-    """The supported suffix ``path`` ends with (``.jsonl.gz`` before ``.jsonl``), or None."""
-    name = str(path).lower()
-    return next((s for s in sorted(SOURCE_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
-
-
-def source_problem(path: str | Path) -> str | None:
-    """Why ``path`` cannot be read as a data source, judged from its name and first bytes (no rows
-    are parsed), or None; for the config check."""
-    path = Path(path)
-    if not path.exists():
-        return "does not exist"
-    if path.is_dir():
-        return None  # a save_to_disk folder: checked when read
-    kind = source_type(path)
-    if kind is None:
-        return (f"unsupported file type {''.join(path.suffixes[-2:]) or '(none)'!r}; give "
-                + ", ".join(SOURCE_SUFFIXES) + " files, or a folder written by datasets' save_to_disk")
-    try:
-        with path.open("rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        return f"cannot be read: {e.strerror or e}"
-    if kind.endswith(".gz") and head[:2] != b"\x1f\x8b":
-        return f"is named {kind} but is not gzip-compressed; rename it to {kind[:-3]} or compress it"
-    if kind == ".parquet" and head != b"PAR1":
-        return "is named .parquet but is not a parquet file"
-    if not kind.endswith(".gz") and head[:2] == b"\x1f\x8b":
-        return f"is gzip-compressed but named {kind}; rename it to {kind}.gz"
-    return None
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading sources
-
-
-def max_line_bytes(max_seq_len: int) -> int:
-    """The longest jsonl line read as a row: far more than ``max_seq_len`` tokens could take."""
-    return max(MIN_MAX_LINE_BYTES, LINE_BYTES_PER_TOKEN * max_seq_len)
-
-
 def load_conversations(sources: Sequence[str | Path], format: str = "auto",
                        max_line: int = MIN_MAX_LINE_BYTES, regenerating: bool = False) -> Iterator[Row]:
     """Yield every row of ``sources`` in order, normalized to a ``Conversation`` or a ``BadRow``;
@@ -199,21 +107,6 @@ def check_format(format: str) -> None:
                         fix="use one of " + ", ".join(FORMATS))
 
 
-def read_rows(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES,
-              key: str = "data.sources") -> Iterator[RawRow]:
-    """Every row of ``sources`` in order as read, before it is parsed and normalized (``to_row``,
-    which may run in another process): ``(file, line, raw)``, raw being a jsonl line's bytes, a
-    json, parquet or datasets row, or a ``BadRow``. A source without rows raises ``DataError``."""
-    for source in sources:
-        rows = 0
-        for line, raw in read_source(Path(source), max_line):
-            rows += 1
-            yield str(source), line, raw
-        if rows == 0:
-            raise DataError(f"data source {source} holds no rows", where=str(source),
-                            fix=f"fill it or remove it from {key}")
-
-
 def to_row(raw_row: RawRow, format: str = "auto", regenerating: bool = False) -> Row:
     """A row of ``read_rows`` parsed and normalized to a ``Conversation`` or a ``BadRow``.
     ``regenerating``: read as regeneration reads it, the target writing the answers: an empty
@@ -221,7 +114,7 @@ def to_row(raw_row: RawRow, format: str = "auto", regenerating: bool = False) ->
     say) gets an empty assistant turn after it; not in a conversation that uses tools, which
     regeneration leaves as it is (``uses_tools``)."""
     file, line, raw = raw_row
-    raw = _parse(file, line, raw)
+    raw = parse_row(file, line, raw)
     return raw if isinstance(raw, BadRow) else _normalize(raw, file, line, format,
                                                           "written" if regenerating else "given")
 
@@ -299,146 +192,7 @@ def _with_system_turn(raw: Any) -> Any:
 def _rows(sources: Sequence[str | Path], max_line: int, key: str) -> Iterator[tuple[str, int, Any]]:
     """(source, line, parsed row or BadRow) for every row of ``sources``; a source without rows raises."""
     for file, line, raw in read_rows(sources, max_line, key):
-        yield file, line, _parse(file, line, raw)
-
-
-def read_source(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
-    if not path.exists():
-        raise DataError(f"data source {path} does not exist", where=str(path),
-                        fix="check the path in data.sources (relative paths start at the workflow folder)")
-    if path.is_dir():
-        return _read_saved_dataset(path)
-    kind = source_type(path)
-    problem = source_problem(path)
-    if problem and kind is not None:
-        raise DataError(f"cannot read data source {path}: it {problem}", where=str(path),
-                        fix="give the file the name of its format (.jsonl, .json, .parquet, .jsonl.gz, .json.gz)")
-    if kind in (".jsonl", ".jsonl.gz"):
-        return _read_jsonl(path, max_line)
-    if kind in (".json", ".json.gz"):
-        return _read_json(path)
-    if kind == ".parquet":
-        return _read_parquet(path)
-    suffix = "".join(path.suffixes[-2:]).lower()
-    raise DataError(f"cannot read data source {path}: unsupported file type {suffix or '(none)'!r}",
-                    where=str(path),
-                    fix="give " + ", ".join(SOURCE_SUFFIXES) + " files, or a folder written by datasets' save_to_disk")
-
-
-def open_binary(path: Path):
-    return gzip.open(path, "rb") if source_type(path).endswith(".gz") else path.open("rb")
-
-
-def _read_jsonl(path: Path, max_line: int = MIN_MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
-    file = str(path)
-    with open_binary(path) as f:
-        for lineno in itertools.count(1):
-            try:
-                raw = f.readline(max_line + 1)
-            except (OSError, EOFError) as e:  # a truncated or damaged gzip stream
-                raise DataError(f"{path} cannot be decompressed after line {lineno - 1}: {e}", where=f"{file}:{lineno}",
-                                fix="re-create the .gz file (it is truncated or damaged)") from e
-            if not raw:
-                return
-            if len(raw) > max_line and not raw.endswith(b"\n"):
-                size = len(raw)
-                while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
-                    size += len(chunk)  # skip the rest of the line without keeping it
-                size += len(chunk)
-                yield lineno, BadRow(file, lineno, "line_too_long",
-                                     f"{size:,} bytes, over the {max_line:,}-byte limit")
-                continue
-            if raw.strip():
-                yield lineno, raw  # parsed by _parse, in whichever process normalizes the row
-
-
-def _parse(file: str, line: int, raw: Any) -> Any:
-    """A jsonl line (bytes) parsed, or a ``BadRow`` saying why it cannot be; any other row as it is."""
-    if not isinstance(raw, bytes):
-        return raw
-    try:
-        # utf-8-sig on line 1: editors on Windows start files with a byte-order mark.
-        text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
-    except UnicodeDecodeError as e:
-        return BadRow(file, line, "not_utf8", f"byte {e.start}: {e.reason}")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        return BadRow(file, line, "invalid_json", f"{e.msg} (column {e.colno})")
-
-
-def _read_json(path: Path) -> Iterator[tuple[int, Any]]:
-    try:
-        with open_binary(path) as f:
-            data = f.read()
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path} cannot be read: {e}", where=str(path),
-                        fix="re-create the file (a .gz file may be truncated or damaged)") from e
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})", where=str(path),
-                        fix="re-save the file as UTF-8") from e
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON: {e.msg}", where=f"{path}:{e.lineno}:{e.colno}",
-                        fix="repair the file, or write one row per line as .jsonl so a bad row "
-                            "costs only itself") from e
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if not isinstance(data, list):
-        raise DataError(f"{path} holds a JSON {type(data).__name__}, not a list of rows",
-                        where=str(path), fix='write a list of rows, or an object {"data": [rows]}')
-    yield from enumerate(data)
-
-
-def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path} cannot be read as parquet: {e}", where=str(path),
-                        fix="check the file is complete and really parquet") from e
-    index = itertools.count()
-    try:
-        for batch in parquet.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield next(index), row
-    except (pa.ArrowException, OSError) as e:  # a codec this pyarrow lacks, a damaged page
-        raise DataError(f"{path} cannot be read as parquet after row {next(index)}: {e}", where=str(path),
-                        fix="re-write the file with a codec pyarrow reads (snappy, gzip, zstd, brotli, lz4), "
-                            "or check it is complete") from e
-
-
-def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
-    yield from enumerate(load_saved_dataset(path))
-
-
-def load_saved_dataset(path: Path):
-    """The dataset (its 'train' split) of a save_to_disk folder, memory-mapped: rows are read as used."""
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"{path} is a folder but not one written by datasets' save_to_disk: {e}",
-                        where=str(path),
-                        fix="give a save_to_disk folder, or list the folder's .jsonl/.json/.parquet files "
-                            "in data.sources") from e
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{path} holds the splits {sorted(ds)} and none is named 'train'",
-                            where=str(path),
-                            fix=f"give the folder of the split to use, e.g. {path / sorted(ds)[0]}")
-        ds = ds["train"]
-    return ds
-
-
-# ---------------------------------------------------------------------------------------------
-# Normalizing rows
+        yield file, line, parse_row(file, line, raw)
 
 
 def line_id(file: str, line: int) -> str:
@@ -616,77 +370,3 @@ def _content_text(content: Any) -> str | tuple[str, str]:
         # Joined without a separator, as chat templates that accept parts render them.
         return "".join(texts)
     return "non_text_content", f"content is a {type(content).__name__}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Bad rows: counted per reason, the first ones logged, the stage refused past data.max_bad_fraction
-# (prepare_dataset, regenerate_responses and prepare_eval_prompts apply the same accounting)
-
-# How to fix the rows dropped for a reason, added to the error when too many rows are bad; the
-# reasons only prepare_dataset finds (rendering, tokenizing, length) included, so one table says it.
-REASON_FIXES = {
-    "line_too_long": "a jsonl row over the size limit (a file without newlines between rows?): split it, or "
-                     "raise data.max_seq_len (the limit is 64 bytes per token of it, at least 16 MiB)",
-    "not_utf8": "re-save the file as UTF-8",
-    "invalid_json": "repair the lines named in the log (one JSON object per line)",
-    "unknown_format": "rows need a 'messages', 'conversations' or 'text' field (or set data.format)",
-    "missing_turns": "give each row a non-empty list of turns in 'messages' (or 'conversations'), or set "
-                     "data.format to the field the rows hold",
-    "empty_turn": "fill or drop the empty turns (only a tool result may be empty; with regenerate.enabled: true, "
-                  "the target writes the empty answers of a conversation without tool calls or results)",
-    "unknown_role": "roles must be system, user, assistant or tool (ShareGPT: human, gpt, observation)",
-    "non_text_content": "content must be text or a list of text parts; images and audio are not trained on",
-    "no_assistant_turn": "every conversation needs an assistant turn after a user (or tool) turn to learn from "
-                         "(assistant turns before the first user turn are kept as context only); for prompts "
-                         "without answers, set regenerate.enabled: true and the target answers a conversation that "
-                         "ends with a user turn (one without tool calls or results)",
-    "invalid_unicode": "the rows hold lone surrogate escapes (e.g. \"\\ud800\"), half of an emoji cut by a "
-                       "truncating tool: repair or drop them at the source",
-    "invalid_tool_call": "assistant tool_calls need a function name and JSON-object arguments (OpenAI's shape); "
-                         "'tools' must be a list of tool definitions",
-    "tokenizer_error": "the tokenizer rejected the text (the log names the rows and the error)",
-    "too_long_prompt": "raise data.max_seq_len",
-}
-
-MAX_LOGGED_BAD_ROWS = 10
-
-
-@dataclass
-class Tally:
-    """Counts of rows read and dropped, and the first bad rows (logged and kept for stats)."""
-
-    max_bad_fraction: float
-    read: int = 0
-    dropped: Counter = dataclasses.field(default_factory=Counter)
-    first_bad: list[dict] = dataclasses.field(default_factory=list)
-    fixes: dict[str, str] = dataclasses.field(default_factory=dict)  # reason -> how to fix, from the first such error
-
-    def bad(self, row: BadRow, fix: str | None = None) -> None:
-        """Count a bad row (``fix``: how to fix the rows of its reason, if the reason alone does not say)."""
-        self.dropped[row.reason] += 1
-        if fix:
-            self.fixes.setdefault(row.reason, fix)
-        if len(self.first_bad) < MAX_LOGGED_BAD_ROWS:
-            self.first_bad.append({"file": row.file, "line": row.line, "reason": row.reason,
-                                   "detail": row.detail})
-            log.warning("bad row %s: %s (%s)", row.where, row.reason, row.detail)
-            if len(self.first_bad) == MAX_LOGGED_BAD_ROWS:
-                log.warning("further bad rows are counted (stats.json), not logged")
-
-    def check(self) -> None:
-        """Raise ``DataError`` when more than ``max_bad_fraction`` of the rows read are bad."""
-        bad = sum(self.dropped.values())
-        if self.read == 0 or bad / self.read <= self.max_bad_fraction:
-            return
-        first = self.first_bad[0]
-        counts = ", ".join(f"{r}={n}" for r, n in self.dropped.most_common())
-        fix = "clean the data (the log lists the first bad rows and why) or raise data.max_bad_fraction"
-        for reason, how in {**REASON_FIXES, **self.fixes}.items():
-            if self.dropped[reason]:
-                fix += f"; {reason}: {how}"
-        raise DataError(
-            f"{bad} of {self.read} rows ({bad / self.read:.1%}) are unusable, more than "
-            f"data.max_bad_fraction={self.max_bad_fraction}: {counts}",
-            where=f"first bad row {row_where(first['file'], first['line'])} "
-                  f"({first['reason']}: {first['detail']})",
-            fix=fix)

@@ -1,8 +1,8 @@
 """Stage prepare_dataset: read conversations, apply the target's chat template, mask the
 assistant's tokens, and split off held-out prompts.
 
-Data flows top-down through this module: sources are read row by row
-(``draftsmith.conversations``: each row normalized to OpenAI-style messages or plain text, or
+Data flows top-down through this module: sources are read row by row (``draftsmith.sources``)
+and normalized (``draftsmith.conversations``: each row to OpenAI-style messages or plain text, or
 reported as a bad row with its reason), ids and prompts are collected and split (``split_heldout``:
 one row per held-out prompt, every other row asking it kept out of training), and a second pass
 tokenizes the rows that are kept (``ChatRenderer``) and streams them to ``train.jsonl`` and
@@ -11,7 +11,7 @@ and take the results back in row order: the main process alone counts, names bad
 so the output is the same for any number of workers.
 
 prepare_eval_prompts (``draftsmith.eval_prompts``) reads its prompt sets with the bad-row accounting
-this stage uses (``Tally``, from ``draftsmith.conversations``, which regeneration shares) and this
+this stage uses (``draftsmith.bad_rows``, which regeneration shares) and this
 stage's output files (``PendingFile``) and id deduplication (``unique_id``).
 """
 
@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
+from draftsmith.bad_rows import READ_REASONS, REASON_FIXES, BadRow, Tally, row_where
 from draftsmith.chat import (
     ChatRenderer,
     ChatTemplateError,
@@ -43,26 +44,19 @@ from draftsmith.chat import (
     require_chat_template,
 )
 from draftsmith.conversations import (  # noqa: F401 - Conversation and load_conversations are part of this stage's API too
-    READ_REASONS,
-    REASON_FIXES,
-    BadRow,
     Conversation,
-    RawRow,
     Row,
-    Tally,
     check_format,
     first_answer,
     line_id,
     load_conversations,
-    max_line_bytes,
-    read_rows,
-    row_where,
     to_row,
 )
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json, fsync_dir, share_mode, storage_error
 from draftsmith.parallel import ordered_map
 from draftsmith.settings import PROGRESS_INTERVAL_S, StageSettings, check_settings, data_format, from_schema
+from draftsmith.sources import RawRow, max_line_bytes, read_rows
 
 log = logging.getLogger(__name__)
 

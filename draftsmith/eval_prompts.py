@@ -2,7 +2,7 @@
 chat template into heldout.jsonl's format, so evaluate_draft reads it as it reads the held-out split.
 
 Rows are read, counted and dropped as prepare_dataset reads them (the bad-row tally of
-``draftsmith.conversations``, ``draftsmith.data``'s output files); an instruction keeps its input
+``draftsmith.bad_rows``, ``draftsmith.data``'s output files); an instruction keeps its input
 (Alpaca's ``input``, Dolly's ``context``) and a row's ``system`` field is a system turn. This
 module is apart from that stage's so that a change here reruns the evaluation only, not the
 dataset, extraction and training downstream of prepare_dataset.
@@ -14,12 +14,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.bad_rows import REASON_FIXES, BadRow, Tally
 from draftsmith.chat import ChatRenderer, ChatTemplateError, TokenizerFailure, load_tokenizer, require_chat_template
-from draftsmith.conversations import PROMPT_FIELDS, REASON_FIXES, BadRow, Tally, load_prompts, max_line_bytes
+from draftsmith.conversations import PROMPT_FIELDS, load_prompts
 from draftsmith.data import REASONS, PendingFile, render_failure, unique_id
 from draftsmith.errors import DataError
 from draftsmith.io import atomic_write_json
 from draftsmith.settings import StageSettings, check_settings, from_schema
+from draftsmith.sources import max_line_bytes
 
 log = logging.getLogger(__name__)
 

@@ -21,20 +21,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from draftsmith.conversations import (
-    REASON_FIXES,
-    BadRow,
-    Conversation,
-    answer_turns,
-    load_conversations,
-    max_line_bytes,
-    source_type,
-    to_row,
-)
+from draftsmith.bad_rows import REASON_FIXES, BadRow
+from draftsmith.conversations import Conversation, answer_turns, load_conversations, to_row
 from draftsmith.errors import ConfigError, DataError, TargetError
 from draftsmith.io import atomic_write_json, read_json
 from draftsmith.settings import StageSettings, check_settings, data_format, from_schema
 from draftsmith.source_sample import SAMPLE_STREAM_BYTES, SampledRow, sample_rows
+from draftsmith.sources import max_line_bytes, source_type
 
 log = logging.getLogger(__name__)
 

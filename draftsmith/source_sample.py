@@ -1,5 +1,5 @@
 """Rows spread over the whole of a data source without reading all of it: the sample the preflight
-judges a source by (``draftsmith.preflight``). Kept apart from ``draftsmith.conversations``, whose
+judges a source by (``draftsmith.preflight``). Kept apart from ``draftsmith.sources``, whose
 reading regeneration's cache is keyed by, so a change to how the preflight samples does not
 discard regenerated answers.
 """
@@ -10,18 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.conversations import (
+from draftsmith.bad_rows import BadRow, row_where
+from draftsmith.errors import DataError
+from draftsmith.sources import (
     MIN_MAX_LINE_BYTES,
-    BadRow,
     RawRow,
     load_saved_dataset,
     open_binary,
     read_source,
-    row_where,
     source_problem,
     source_type,
 )
-from draftsmith.errors import DataError
 
 # A gzip stream cannot be seeked: its sample is spread over this much of its start.
 SAMPLE_STREAM_BYTES = 64 << 20

@@ -953,7 +953,8 @@ def test_prompt_sets_are_read_in_the_benchmarks_shapes(tmp_path):
     """MT-bench (turns), HumanEval (prompt, task_id), GSM8K (question), conversations with or
     without an answer: each becomes the turns before the first answer; a row without a prompt is
     a bad row."""
-    from draftsmith.conversations import BadRow, load_prompts
+    from draftsmith.bad_rows import BadRow
+    from draftsmith.conversations import load_prompts
 
     source = tiny.write_jsonl(tmp_path / "mixed.jsonl", [
         {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},

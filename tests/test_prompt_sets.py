@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.conversations import BadRow, load_prompts
+from draftsmith.bad_rows import BadRow
+from draftsmith.conversations import load_prompts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prompt_sets.py"
 spec = importlib.util.spec_from_file_location("prompt_sets", SCRIPT)

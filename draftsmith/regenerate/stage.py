@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
-from draftsmith.conversations import BadRow, Tally, answer_turns, load_conversations
+from draftsmith.bad_rows import BadRow, Tally
+from draftsmith.conversations import answer_turns, load_conversations
 from draftsmith.engines.hf_model import model_dtype_name, resolve_device
 from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import DataError, TargetError
