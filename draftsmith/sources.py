@@ -24,7 +24,7 @@ LINE_BYTES_PER_TOKEN = 64
 
 
 # A row as read, before parsing: (file, line, raw), raw a jsonl line's bytes, a json, parquet or
-# datasets row, or a BadRow (read_rows, to_row).
+# datasets row, or a BadRow (read_rows; draftsmith.conversations.to_row parses and normalizes it).
 RawRow = tuple[str, int, Any]
 
 
@@ -67,8 +67,8 @@ def max_line_bytes(max_seq_len: int) -> int:
 
 def read_rows(sources: Sequence[str | Path], max_line: int = MIN_MAX_LINE_BYTES,
               key: str = "data.sources") -> Iterator[RawRow]:
-    """Every row of ``sources`` in order as read, before it is parsed and normalized (``to_row``,
-    which may run in another process): ``(file, line, raw)``, raw being a jsonl line's bytes, a
+    """Every row of ``sources`` in order as read, before it is parsed and normalized
+    (``draftsmith.conversations.to_row``, which may run in another process): ``(file, line, raw)``, raw being a jsonl line's bytes, a
     json, parquet or datasets row, or a ``BadRow``. A source without rows raises ``DataError``."""
     for source in sources:
         rows = 0
