@@ -33,6 +33,10 @@ rule synthesize_conversations:
         f"{LOGS}/synthesize_conversations.log",
     benchmark:
         f"{BENCH}/synthesize_conversations.tsv"
+    # before regeneration where both wait for the GPU: sampled, it decodes in an engine of its own,
+    # and the engine greedy regeneration starts after it stays for capture and evaluation (one
+    # load of the target fewer; draftsmith/engines/shared.py)
+    priority: 10
     conda:
         "../envs/vllm.yaml"
     threads: job_threads(regenerate_gpus())

@@ -216,17 +216,16 @@ def test_no_job_that_loads_the_target_starts_a_load_after_the_preflight_failed(t
 def test_another_vllm_reruns_preflight_when_a_stage_uses_it(tmp_path):
     """check_setup checks the vLLM any stage runs; target.json says what vLLM can capture, so
     inspect_target (and every stage after it) follows the vLLM only when extraction uses it."""
-    import os
     import subprocess
 
-    from workflow_helpers import SNAKEMAKE
+    from workflow_helpers import SNAKEMAKE, path_first
 
     workdir, config = tiny_workflow(tmp_path)
     # another vLLM release, as importlib.metadata sees it first on the path
     fake = tmp_path / "site" / "vllm-0.99.0.dist-info"
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{workdir}"}
+    env = path_first(tmp_path / "site", workdir)
     for sections, reruns in (({"eval": {"backend": "vllm"}}, {"check_setup"}),
                              ({"extraction": {"backend": "vllm"}}, {"inspect_target", "check_setup"}),
                              ({}, set())):  # no stage uses vLLM: its version is no reason to rerun

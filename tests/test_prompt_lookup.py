@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.evaluate.prompt_lookup import propose, replay
+from draftsmith.evaluate.prompt_lookup import EARLIEST, LATEST_PADDED, propose, replay
 from tiny_vllm import HAS_VLLM, vllm_test
 
 
@@ -56,6 +56,36 @@ def test_proposal_rule_by_hand():
     assert propose([1, 5, 2, 5], 3, ngram_max=3, ngram_min=2) == []
 
 
+def test_v2_runner_rule_by_hand():
+    """The V2 model runner's speculator (vLLM's default on CUDA from 0.33): the latest occurrence of
+    the longest suffix, and always k tokens, the last token in the slots the match leaves."""
+    assert propose([7, 8, 1, 7, 8, 2, 7, 8], 3, ngram_max=3, rule=LATEST_PADDED) == [2, 7, 8]
+    assert propose([7, 8, 9, 7, 8], 5, ngram_max=3, rule=LATEST_PADDED) == [9, 7, 8, 8, 8]
+    assert propose([1, 2, 3], 3, ngram_max=3, rule=LATEST_PADDED) == [3, 3, 3]
+    assert propose([1, 5, 2, 5], 3, ngram_max=3, ngram_min=2, rule=LATEST_PADDED) == [5, 5, 5]
+    # the longest suffix first, wherever a shorter one occurs later
+    assert propose([4, 5, 6, 9, 5, 6, 1, 4, 5, 6], 2, ngram_max=3, rule=LATEST_PADDED) == [9, 5]
+    with pytest.raises(ValueError, match="unknown prompt-lookup rule"):
+        propose([1, 2], 3, ngram_max=3, rule="newest")
+
+
+def test_v2_runner_replay_drafts_every_step():
+    """Every step after the prefill's token is drafted (k proposals), a padded slot accepted where the
+    text repeats its last token. vLLM 0.33's record on CUDA for the cycle target's prompt 20 21
+    (greedy 22 23 24 20 21 ...): nothing accepted until 20 recurs, then the whole draft each step."""
+    cycle = [22, 23, 24, 20, 21] * 6
+    run = replay("a", [20, 21], cycle, k=3, ngram_max=3, max_new_tokens=24, stop_ids=[], max_model_len=None,
+                 rule=LATEST_PADDED)
+    assert run.tokens == cycle[:24]
+    assert run.accepted[:5] == [0, 0, 0, 3, 3] and set(run.proposed) == {3}
+    earliest = replay("a", [20, 21], cycle, k=3, ngram_max=3, max_new_tokens=24, stop_ids=[], max_model_len=None,
+                      rule=EARLIEST)
+    assert earliest.tokens == run.tokens and earliest.accepted[:2] == [3, 3] and len(earliest.accepted) == 5
+    repeats = replay("r", [5, 6], [9, 9, 9, 9, 9, 9, 9, 9, 9], k=3, ngram_max=3, max_new_tokens=5, stop_ids=[],
+                     max_model_len=None, rule=LATEST_PADDED)
+    assert repeats.accepted[0] == 3  # 9 9 9 padded after the prefill's 9: no match, all right
+
+
 def test_replay_steps_and_stops_by_hand():
     """Prompt 1 2 3 1 2, greedy 3 1 2 9 ...: the prefill's 3 (no draft); then "1 2 3" (what followed
     the earliest 1 2 3... suffix) against the truth 1 2 9: two accepted and 9; and so on."""
@@ -74,8 +104,8 @@ def test_replay_steps_and_stops_by_hand():
 
 
 # On test_vllm_serving's cycle target, whose greedy text walks two cycles (20..24 and 30..33; any
-# other token repeats itself): proposals that are right from the start, wrong at first ("trap": the
-# earliest "22 23" was followed by 99), mixed; and a long prompt that nears the engine's context.
+# other token repeats itself): proposals that are right from the start, wrong at first ("trap": by the
+# V1 rule, the earliest "22 23" was followed by 99), mixed; and a long prompt that nears the engine's context.
 PROMPTS = {"a": [20, 21], "trap": [22, 23, 99, 22, 23], "b": [30, 31, 32], "mixed": [20, 21, 30, 31, 20, 21, 22],
            "other": [12, 40, 7], "long": [22, 23, 24, 20, 21, 30, 31, 32, 33, 30] * 3 + [24]}
 K, NEW = 3, 24
@@ -85,8 +115,9 @@ K, NEW = 3, 24
 def test_replay_is_vllms_ngram_speculator(tmp_path):
     """The target's greedy text from one engine, the n-gram baseline replayed on it, against vLLM's
     own ngram speculator serving the same prompts: the same outputs, the same steps (accepted and
-    proposed per step, from each request's record), the same counters. The engine's context is the
-    evaluation's (the longest prompt nears it), and one prompt stops at a stop token mid-step."""
+    proposed per step, from each request's record), the same counters, by the rule of the model
+    runner the engine uses. The engine's context is the evaluation's (the longest prompt nears it),
+    and one prompt stops at a stop token mid-step."""
     from test_vllm_serving import build_cycle_target
 
     from tiny_vllm import per_request_records
@@ -115,7 +146,8 @@ def test_replay_is_vllms_ngram_speculator(tmp_path):
             with VllmServer({str(model)!r}, speculative_config=ngram, **common) as server:
                 plain, counters, _ = server.generate(ids, max_new_tokens={NEW})
                 stopped, _, _ = server.generate(ids[1:2], max_new_tokens={NEW}, stop_ids=[stop])
-            json.dump({{"limit": limit, "stop": stop, "greedy": [g.tokens for g in greedy],
+                v2 = server.engine.v2_model_runner
+            json.dump({{"limit": limit, "v2": v2, "stop": stop, "greedy": [g.tokens for g in greedy],
                        "served": [[s.tokens, s.accepted, s.proposed] for s in plain],
                        "stopped": [stopped[0].tokens, stopped[0].accepted, stopped[0].proposed],
                        "counters": [counters.drafts, counters.draft_tokens, counters.accepted_tokens,
@@ -125,8 +157,9 @@ def test_replay_is_vllms_ngram_speculator(tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     from draftsmith.engines.vllm_serving import counters_from_records
 
-    replayed = [replay(name, ids, greedy, k=K, ngram_max=3, max_new_tokens=NEW, stop_ids=[], max_model_len=out["limit"])
-                for (name, ids), greedy in zip(PROMPTS.items(), out["greedy"])]
+    rule = LATEST_PADDED if out["v2"] else EARLIEST
+    replayed = [replay(name, ids, greedy, k=K, ngram_max=3, max_new_tokens=NEW, stop_ids=[], max_model_len=out["limit"],
+                       rule=rule) for (name, ids), greedy in zip(PROMPTS.items(), out["greedy"])]
     for name, run, (tokens, accepted, proposed) in zip(PROMPTS, replayed, out["served"]):
         assert (run.tokens, run.accepted, run.proposed) == (tokens, accepted, proposed), name
     counters = counters_from_records([r.accepted for r in replayed], [r.proposed for r in replayed], K)
@@ -134,6 +167,6 @@ def test_replay_is_vllms_ngram_speculator(tmp_path):
             counters.accepted_per_position] == out["counters"]
     assert 0 < sum(sum(r.accepted) for r in replayed) < sum(sum(r.proposed) for r in replayed)
     stopped = replay("trap", PROMPTS["trap"], out["greedy"][1], k=K, ngram_max=3, max_new_tokens=NEW,
-                     stop_ids=[out["stop"]], max_model_len=out["limit"])
+                     stop_ids=[out["stop"]], max_model_len=out["limit"], rule=rule)
     assert [stopped.tokens, stopped.accepted, stopped.proposed] == out["stopped"]
     assert stopped.tokens[-1] == out["stop"] and sum(stopped.accepted) > 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
@@ -401,7 +400,7 @@ def test_the_workflow_regenerates_through_vllm(tmp_path):
     """The rule's script under Snakemake: vLLM's engine process starts (spawn re-runs the script as
     __mp_main__), the config's engine_env reaches it, and the rows are written. Another vLLM release
     reruns the rule, with only regeneration in vLLM."""
-    from workflow_helpers import SNAKEMAKE_COMMAND, planned_rules, snakemake, tiny_workflow, write_config
+    from workflow_helpers import SNAKEMAKE_COMMAND, path_first, planned_rules, snakemake, tiny_workflow, write_config
 
     workdir, config = tiny_workflow(tmp_path)
     config["regenerate"] = {"enabled": True, "backend": "vllm", "max_new_tokens": 4, "chunk_size": 64}
@@ -418,7 +417,7 @@ def test_the_workflow_regenerates_through_vllm(tmp_path):
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.99.0\n")
     plan = subprocess.run([*SNAKEMAKE_COMMAND, "-n", "--cores", "1", "results/t/data/regenerated.jsonl",
                            f"--configfile={configfile}"], cwd=workdir, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{workdir}"})
+                          env=path_first(tmp_path / "site", workdir))
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert planned_rules(plan) == {"regenerate_responses"}, plan.stdout[-3000:]
 

@@ -220,18 +220,26 @@ def test_the_stage_in_vllm(tmp_path, in_process_engine):
 
 @pytest.mark.slow
 def test_the_workflow_trains_on_what_the_target_wrote(tmp_path):
-    """data.sources: [self] through Snakemake: preflight finds the user turn without loading weights,
-    synthesize_conversations writes the conversations, prepare_dataset splits them; a second plan
-    reuses them."""
-    from workflow_helpers import planned_rules, snakemake, tiny_workflow, write_config
+    """data.sources: [self] beside a file through Snakemake: preflight finds the user turn without
+    loading weights, synthesize_conversations writes the conversations before regeneration answers
+    the file's (one job at a time: so a GPU run's regeneration engine stays for capture),
+    prepare_dataset splits both; a second plan reuses them."""
+    from workflow_helpers import planned_jobs, planned_rules, snakemake, tiny_workflow, write_config
 
     workdir, config = tiny_workflow(tmp_path)
-    config["data"].update(sources=["self"], max_seq_len=192)
+    config["data"].update(sources=["self", *config["data"]["sources"]], max_seq_len=192)
     config.update(synthesize={"conversations": 12, "chunk_size": 32, "max_prompt_tokens": 96, "min_prompt_chars": 1},
-                  regenerate={"max_new_tokens": 8}, train={"batch_tokens": 192}, vocab={"draft_vocab_size": 64})
+                  regenerate={"enabled": True, "max_new_tokens": 8}, train={"batch_tokens": 192},
+                  vocab={"draft_vocab_size": 64})
     configfile = write_config(workdir, config)
     targets = ("results/t/preflight.json", "results/t/data/train.jsonl")
-    snakemake(workdir, *targets, configfile=configfile)
+    jobs = planned_jobs(snakemake(workdir, "-n", *targets, configfile=configfile))
+    assert jobs["synthesize_conversations"]["priority"] > jobs["regenerate_responses"]["priority"]
+    snakemake(workdir, "--cores", "1", *targets, configfile=configfile)
+    logs = workdir / "logs" / "t"
+    synthesized, regenerated = ((logs / f"{rule}.log").read_text().splitlines()
+                                for rule in ("synthesize_conversations", "regenerate_responses"))
+    assert synthesized[-1][:23] <= regenerated[0][:23]  # their timestamps: one after the other
     results = workdir / "results" / "t"
     written = [json.loads(line) for line in (results / "data/synthesized.jsonl").read_text().splitlines()]
     assert len(written) == 12 and json.loads((results / "data/synthesized.stats.json").read_text())["conversations"] == 12
@@ -240,5 +248,5 @@ def test_the_workflow_trains_on_what_the_target_wrote(tmp_path):
     stats = json.loads((results / "data/stats.json").read_text())
     train = (results / "data/train.jsonl").read_text().splitlines()
     held_out = (results / "data/heldout.jsonl").read_text().splitlines()
-    assert len(train) + len(held_out) == 12 and held_out, stats
+    assert len(train) + len(held_out) == 12 + 40 and held_out, stats
     assert planned_rules(snakemake(workdir, "-n", *targets, configfile=configfile)) == set()

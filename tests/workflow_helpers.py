@@ -40,10 +40,16 @@ def write_config(workdir: Path, config: dict, name: str = "test.yaml") -> Path:
     return path
 
 
+def path_first(*folders: Path) -> dict[str, str]:
+    """This process's environment with ``folders`` first on PYTHONPATH, before what it held (where a
+    machine installs packages through PYTHONPATH, as the GPU kit does, they stay importable)."""
+    path = os.pathsep.join(p for p in (*map(str, folders), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def snakemake(workdir: Path, *args: str, configfile: Path | None = None, check: bool = True,
               timeout: int = 900) -> subprocess.CompletedProcess:
-    path = os.pathsep.join(p for p in (str(workdir), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = {**path_first(workdir), "PYTHONUNBUFFERED": "1"}
     cmd = [*SNAKEMAKE_COMMAND, "--cores", "2", "--resources", "gpu=0"]
     if configfile is not None:
         cmd.append(f"--configfile={configfile}")  # "=": the option takes several values
@@ -79,7 +85,8 @@ def tiny_workflow(tmp_path: Path, **data: object) -> tuple[Path, dict]:
 
 
 def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, dict]:
-    """Per rule of a dry run's job table (the last job of a rule wins): its threads and resources."""
+    """Per rule of a dry run's job table (the last job of a rule wins): its threads, resources and
+    scheduling priority."""
     jobs: dict[str, dict] = {}
     text = result.stdout + result.stderr
     for block in re.split(r"\n(?=\[)|\n\s*\n", text):
@@ -88,10 +95,12 @@ def planned_jobs(result: subprocess.CompletedProcess) -> dict[str, dict]:
             continue
         threads = re.search(r"^\s+threads: (\d+)", block, flags=re.M)
         resources = re.search(r"^\s+resources: (.*)$", block, flags=re.M)
+        priority = re.search(r"^\s+priority: (\d+)", block, flags=re.M)
         pairs = [p.split("=", 1) for p in resources.group(1).split(", ")] if resources else []
         jobs[match.group(1)] = {
             "threads": int(threads.group(1)) if threads else 1,
             "resources": {k: int(v) if v.isdigit() else v for k, v in pairs},
+            "priority": int(priority.group(1)) if priority else 0,
         }
     return jobs
 

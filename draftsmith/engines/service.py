@@ -67,9 +67,11 @@ def main(folder: Path) -> int:
         listener = _listen(folder)
         llm, load_seconds = _load(folder, spec, state)
         from draftsmith.engines.warm import engine_max_model_len
+        from draftsmith.targets.vllm_compat import uses_v2_model_runner
 
         state.update(status="ready", load_seconds=round(load_seconds, 2),
-                     max_model_len=engine_max_model_len(llm.llm, spec["kwargs"].get("max_model_len")))
+                     max_model_len=engine_max_model_len(llm.llm, spec["kwargs"].get("max_model_len")),
+                     v2_model_runner=uses_v2_model_runner(llm.llm))
         _write(folder, state)
         state["keep_warm_s"] = float(spec["keep_warm_s"])
         reason = _serve(folder, llm, listener, state, sleeps=bool(spec["kwargs"].get("enable_sleep_mode")))
@@ -253,7 +255,8 @@ def _session(folder: Path, llm, conn: Connection, state: dict) -> tuple[str | No
             _write(folder, state)
             log.info("job pid %s attached (%s)", message[1]["pid"], " ".join(message[1]["argv"]))
             reply = ("ok", {"pid": os.getpid(), "load_seconds": state["load_seconds"], "jobs": state["jobs"] - 1,
-                            "max_model_len": state["max_model_len"], "slot": state.get("slot")})
+                            "max_model_len": state["max_model_len"], "slot": state.get("slot"),
+                            "v2_model_runner": state["v2_model_runner"]})
             fatal = None
         else:
             reply, fatal = _call(llm, *message[1:])

@@ -186,6 +186,7 @@ class Engine:
     max_model_len: int
     _close: Any = field(repr=False, default=None)
     slot: str | None = None  # the folder of the speculator slot's draft (draftsmith.engines.shared)
+    v2_model_runner: bool = False  # vLLM's V2 model runner (targets.vllm_compat.uses_v2_model_runner)
 
     def close(self) -> None:
         close, self._close = self._close, None
@@ -232,12 +233,12 @@ def _in_process(kwargs: dict, what: str, set_num_threads) -> Engine:
         raise vllm_import_error(e) from e
 
     from draftsmith.engines.plain import ServedLLM
-    from draftsmith.targets.vllm_compat import shutdown_llm
+    from draftsmith.targets.vllm_compat import shutdown_llm, uses_v2_model_runner
 
     with target_load(what) as load:
         llm = LLM(**kwargs)
     return Engine(ServedLLM(llm), load.seconds, True, engine_max_model_len(llm, kwargs.get("max_model_len")),
-                  lambda: shutdown_llm(llm, set_num_threads))
+                  lambda: shutdown_llm(llm, set_num_threads), v2_model_runner=uses_v2_model_runner(llm))
 
 
 def engine_max_model_len(llm, asked: int | None) -> int:
@@ -384,7 +385,8 @@ def _attach(folder: Path, key: str, what: str, *, cold: bool = False) -> Engine:
         log.info("attached to the warm target engine %s in %.1f s: %s (pid %s, loaded in %.1f s, %d job(s) before "
                  "this one; no load of the target)", key, time.monotonic() - started, what, info["pid"],
                  info["load_seconds"], info["jobs"])
-    return Engine(remote, info["load_seconds"], cold, info["max_model_len"], remote.detach, slot=info.get("slot"))
+    return Engine(remote, info["load_seconds"], cold, info["max_model_len"], remote.detach, slot=info.get("slot"),
+                  v2_model_runner=bool(info.get("v2_model_runner")))
 
 
 # ---------------------------------------------------------------------------------------------

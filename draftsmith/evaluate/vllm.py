@@ -34,7 +34,7 @@ from draftsmith.evaluate.metrics import (
     first_difference,
     near_tie,
 )
-from draftsmith.evaluate.prompt_lookup import PROMPT_LOOKUP_MIN, replay
+from draftsmith.evaluate.prompt_lookup import EARLIEST, LATEST_PADDED, PROMPT_LOOKUP_MIN, replay
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
 from draftsmith.targets.vllm_compat import has_engine_arg, vocab_maps_allowed
 
@@ -150,7 +150,8 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
         scores = None
         if baseline and not settings.separate_engines:
             scores = server.score(ids, [s.tokens for s in served], extend=settings.k + 1)
-        engine = {**server.settings, "load_seconds": round(server.load_seconds, 2)}
+        engine = {**server.settings, "load_seconds": round(server.load_seconds, 2),
+                  "model_runner": "V2" if server.engine.v2_model_runner else "V1"}
     log.info("vLLM: %d prompts in %.2fs with the draft (k=%d); τ = %s by vLLM's counters", len(prompts),
              draft_seconds, settings.k, counters.summary()["tau"])
     run = VllmRun(generations(served), counters, draft_seconds, speculative_config, engine, list(stop_ids),
@@ -170,9 +171,11 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
         return run
     # Every step, drafted or not, as the draft's τ and the HF loop count them (a step without an
     # n-gram match is a forward pass of the target all the same); vLLM's counters count the drafted ones.
+    # The proposals follow the speculator of the runner this engine uses (prompt_lookup).
+    rule = LATEST_PADDED if engine["model_runner"] == "V2" else EARLIEST
     run.baseline = [replay(p.id, p.ids, [*g.tokens, *s.continuation], k=settings.k, ngram_max=settings.ngram_max,
                            max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids, max_model_len=max_model_len,
-                           count_steps_without_draft=True)
+                           count_steps_without_draft=True, rule=rule)
                     for p, g, s in zip(prompts, run.draft, scores)]
     drafted = [[(a, n) for a, n in zip(g.accepted, g.proposed) if n] for g in run.baseline]
     run.baseline_counters = counters_from_records([[a for a, _ in d] for d in drafted],
@@ -461,8 +464,8 @@ def _vllm_figures(run: VllmRun, prompts: Sequence[Prompt], part: slice, k: int, 
         lossless = _differing_from_greedy(run.greedy[part], draft, baseline)
     else:
         lossless = check_served_tokens(prompts, draft, run.scores[part], dtype)
-        lossless["baseline"] = ("replayed on the checked text with vLLM's prompt-lookup rule "
-                                "(draftsmith.evaluate.prompt_lookup)")
+        lossless["baseline"] = (f"replayed on the checked text with the prompt-lookup rule of vLLM's "
+                                f"{run.engine['model_runner']} model runner (draftsmith.evaluate.prompt_lookup)")
     return {
         **stats["draft"],
         "baseline": {**DrafterSpec("ngram", ngram_max=ngram_max).describe(), **stats["baseline"]},

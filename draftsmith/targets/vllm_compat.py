@@ -101,6 +101,13 @@ def spec_decode_record(completion) -> tuple[list[int], list[int]] | None:
     return list(record.per_step_accepted), list(record.per_step_drafted)
 
 
+def uses_v2_model_runner(llm) -> bool:
+    """Whether the engine of ``vllm.LLM`` ``llm`` runs vLLM's V2 model runner (the default on CUDA
+    from 0.33), whose n-gram speculator proposes by another rule (``evaluate.prompt_lookup``)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return bool(getattr(config, "use_v2_model_runner", False))
+
+
 def platform_workarounds(engine: dict) -> dict:
     """Engine arguments that keep vLLM exact on this platform for the engine of ``engine`` (its
     ``LLM`` arguments so far: model, dtype, max_model_len, trust_remote_code), its KV cache sized to
