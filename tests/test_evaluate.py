@@ -523,8 +523,9 @@ def test_eagle3_draft_is_lossless_and_incremental(backend, references, draft_dir
 def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
     target_json = tmp_path / "target.json"
     write_target_json(target_json, model_dir)
+    # held-out prompts from two data files (the user's and the target's own, say)
     heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
-        {"id": p.id, "messages": [], "prompt_ids": p.ids, "source": {"file": "x.jsonl", "line": i}}
+        {"id": p.id, "messages": [], "prompt_ids": p.ids, "source": {"file": "xy"[i == 2] + ".jsonl", "line": i}}
         for i, p in enumerate(PROMPTS)])
     out = tmp_path / "eval" / "acceptance.json"
     settings = EvalSettings(k=2, k_sweep=(1, 2, 3), max_prompts=3, max_new_tokens=10, sweep_max_prompts=2,
@@ -545,6 +546,10 @@ def test_evaluate_draft_writes_acceptance_json(tmp_path, model_dir, draft_dir):
     assert "fewer than" in written["speedup"]["measured"] and written["device"]["type"] == "cpu"
     assert written["lossless"]["numerical_ties"] == []
     assert "sources" not in written
+    files = written["by_source"]
+    assert {name: f["num_prompts"] for name, f in files.items()} == {"x.jsonl": 2, "y.jsonl": 1}
+    for name, overall in (("tau", written["tau"]), ("baseline_tau", written["baseline"]["tau"])):
+        assert min(f[name] for f in files.values()) <= overall <= max(f[name] for f in files.values())
 
 
 def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_dir, draft_dir):
@@ -566,6 +571,7 @@ def test_each_prompt_set_is_evaluated_and_reported_on_its_own(tmp_path, model_di
     settings = EvalSettings(k=2, k_sweep=(1, 2), max_prompts=3, max_new_tokens=8, sweep_max_prompts=1,
                             model_dtype="float32", device="cpu")
     result = evaluate_draft(draft_dir, target_json, heldout, out, settings, sources=sources)
+    assert result["by_source"] is None  # the held-out prompts of one file
     assert result["num_prompts"] == 2 and set(result["sources"]) == {"code", "repeats"}
     for name, path in sources.items():
         found = result["sources"][name]
@@ -648,7 +654,7 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     write_target_json(tmp_path / "target.json", model)
     draft = random_draft(inspect_target(model), tmp_path / "draft")
     heldout = tiny.write_jsonl(tmp_path / "heldout.jsonl", [
-        {"id": pid, "messages": [], "prompt_ids": ids, "source": {"file": "x.jsonl", "line": i}}
+        {"id": pid, "messages": [], "prompt_ids": ids, "source": {"file": "x.jsonl" if i else "z.jsonl", "line": i}}
         for i, (pid, ids) in enumerate(LLAMA_PROMPTS.items())])
     # one eval.sources set, decoded in the same engines as the held-out prompts
     repeats = tiny.write_jsonl(tmp_path / "repeats.jsonl", [
@@ -684,6 +690,10 @@ def test_eval_backend_vllm_evaluates_in_vllm_alone(tmp_path, separate_engines):
     assert result["tau_by_k"]["k"] == [3] and len(result["acceptance_rate_by_position"]) == 3
     found = result["sources"]["repeats"]
     assert found["num_prompts"] == 2 and found["prompts"] == str(repeats) and found["tau"] >= 1
+    # the held-out prompts by data file; the prompt set is one file
+    assert {name: f["num_prompts"] for name, f in result["by_source"].items()} == {
+        "z.jsonl": 1, "x.jsonl": len(LLAMA_PROMPTS) - 1}
+    assert found["by_source"] is None
     assert found["baseline"]["kind"] == "ngram" and found["baseline"]["num_steps"] > 0
     # the counters cover every prompt set; the per-request records each set's own
     assert result["vllm"]["num_drafts"] == result["num_steps"] + found["num_steps"]

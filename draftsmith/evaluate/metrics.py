@@ -120,6 +120,28 @@ def acceptance_stats(generations: Sequence[Generation], k: int) -> dict:
     }
 
 
+def by_source(prompts: Sequence[Prompt], draft: Sequence[Generation], baseline: Sequence[Generation],
+              k: int) -> dict | None:
+    """τ of the draft and of the baseline on each data file's held-out prompts, where they come from
+    more than one (the user's conversations beside the target's own, say): a mean over all of them
+    hides which the draft serves well. None for prompts of one file."""
+    files: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        files.setdefault(prompt.source, []).append(i)
+    if len(files) < 2:
+        return None
+    found = {}
+    for file, indices in files.items():
+        tau = acceptance_stats([draft[i] for i in indices], k)["tau"]
+        baseline_tau = acceptance_stats([baseline[i] for i in indices], k)["tau"]
+        found[file or "(unnamed)"] = {"num_prompts": len(indices), "tau": tau, "baseline_tau": baseline_tau,
+                                      "ratio": tau / baseline_tau if tau and baseline_tau else None}
+    log.info("τ by held-out source at k=%d: %s", k, "; ".join(
+        f"{file} {f['tau'] or 0:.3f} vs {f['baseline_tau'] or 0:.3f} ({f['num_prompts']} prompts)"
+        for file, f in found.items()))
+    return found
+
+
 @dataclass(frozen=True)
 class OutsideRun:
     """Outputs another engine (vLLM) produced for the same prompts, in prompt order, to be checked
@@ -175,6 +197,7 @@ def evaluate_runs(backend: DecodingBackend, prompts: Sequence[Prompt], draft: Dr
         **main["draft"],
         "draft": _describe(draft),
         "baseline": {**_describe(baseline), **main["baseline"]},
+        "by_source": by_source(prompts, runs["draft", settings.k], runs["baseline", settings.k], settings.k),
         "tau_by_k": {
             "k": sweep,
             "draft": [acceptance_stats(swept["draft", k], k)["tau"] for k in sweep],

@@ -50,10 +50,11 @@ def propose(context: Sequence[int], k: int, *, ngram_max: int, ngram_min: int = 
         k = min(k, max_model_len - total)
     if k <= 0 or not total:
         return []
-    found = _follower(np.asarray(context, dtype=np.int64), ngram_min, ngram_max, latest=rule == LATEST_PADDED)
-    drafts = [int(t) for t in context[found:min(found + k, total)]] if found is not None else []
+    tokens = np.asarray(context, dtype=np.int64)
+    found = _follower(tokens, ngram_min, ngram_max, latest=rule == LATEST_PADDED)
+    drafts = [int(t) for t in tokens[found:found + k]] if found is not None else []
     if rule == LATEST_PADDED:
-        drafts += [int(context[-1])] * (k - len(drafts))
+        drafts += [int(tokens[-1])] * (k - len(drafts))
     return drafts
 
 

@@ -55,6 +55,7 @@ class EvalSettings(StageSettings):
 class Prompt:
     id: str
     ids: list[int]
+    source: str = ""  # the data file the held-out prompt came from (heldout.jsonl's source.file)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,9 @@ def read_prompts(heldout_jsonl: str | Path, max_prompts: int | None = None) -> l
     prompts = []
     for lineno, row in read_jsonl(heldout_jsonl, error=EvaluationError, fix="rerun prepare_dataset"):
         try:
-            prompt = Prompt(str(row["id"]), [int(t) for t in row["prompt_ids"]])
+            source = row.get("source")
+            prompt = Prompt(str(row["id"]), [int(t) for t in row["prompt_ids"]],
+                            str(source.get("file", "")) if isinstance(source, dict) else "")
         except (KeyError, TypeError, ValueError) as e:
             raise EvaluationError(f"not a held-out prompt row: {type(e).__name__}: {e}",
                                   where=f"{heldout_jsonl}:{lineno}", fix="rerun prepare_dataset") from e

@@ -31,6 +31,7 @@ from draftsmith.evaluate.metrics import (
     TIE_TOLERANCE,
     OutsideRun,
     acceptance_stats,
+    by_source,
     first_difference,
     near_tie,
 )
@@ -395,7 +396,7 @@ def evaluate_in_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Prom
                                   "target one GPU holds")
     started = time.perf_counter()
     sets = {"": list(prompts), **{name: list(found) for name, found in (sources or {}).items()}}
-    everything = [Prompt(f"{name}/{p.id}" if name else p.id, p.ids) for name, found in sets.items() for p in found]
+    everything = [dataclasses.replace(p, id=f"{name}/{p.id}") if name else p for name, found in sets.items() for p in found]
     run = serve_with_vllm(target, draft_dir, everything, settings, dtype=dtype, stop_ids=stop_ids,
                           tensor_parallel_size=tensor_parallel_size, baseline=True, shared=shared, **engine_kwargs)
     k = settings.k
@@ -469,6 +470,7 @@ def _vllm_figures(run: VllmRun, prompts: Sequence[Prompt], part: slice, k: int, 
     return {
         **stats["draft"],
         "baseline": {**DrafterSpec("ngram", ngram_max=ngram_max).describe(), **stats["baseline"]},
+        "by_source": by_source(prompts, draft, baseline, k),
         "tau_by_k": {"k": [k], "draft": [stats["draft"]["tau"]], "baseline": [stats["baseline"]["tau"]],
                      "num_prompts": len(draft), "prompts": "all"},
         "lossless": lossless,
