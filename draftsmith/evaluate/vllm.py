@@ -35,7 +35,7 @@ from draftsmith.evaluate.metrics import (
     first_difference,
     near_tie,
 )
-from draftsmith.evaluate.prompt_lookup import EARLIEST, LATEST_PADDED, PROMPT_LOOKUP_MIN, replay
+from draftsmith.evaluate.prompt_lookup import PROMPT_LOOKUP_MIN, RUNNER_RULES, replay
 from draftsmith.evaluate.settings import DrafterSpec, EvalSettings, Generation, Prompt
 from draftsmith.targets.vllm_compat import has_engine_arg, vocab_maps_allowed
 
@@ -173,7 +173,7 @@ def serve_with_vllm(target: dict, draft_dir: str | Path, prompts: Sequence[Promp
     # Every step, drafted or not, as the draft's τ and the HF loop count them (a step without an
     # n-gram match is a forward pass of the target all the same); vLLM's counters count the drafted ones.
     # The proposals follow the speculator of the runner this engine uses (prompt_lookup).
-    rule = LATEST_PADDED if engine["model_runner"] == "V2" else EARLIEST
+    rule = RUNNER_RULES[engine["model_runner"]]
     run.baseline = [replay(p.id, p.ids, [*g.tokens, *s.continuation], k=settings.k, ngram_max=settings.ngram_max,
                            max_new_tokens=settings.max_new_tokens, stop_ids=stop_ids, max_model_len=max_model_len,
                            count_steps_without_draft=True, rule=rule)
