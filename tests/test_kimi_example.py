@@ -67,9 +67,10 @@ def test_snakemake_plans_the_gpu_demo(tmp_path):
     assert config["regenerate"]["backend"] == config["extraction"]["backend"] == config["eval"]["backend"] == "vllm"
     plan = snakemake(workdir, "-n", "--cores", "4", "--resources", "gpu=1", configfile=write_config(workdir, config))
     assert planned_rules(plan) == {
-        "demo_target", "demo_dataset", "inspect_target", "check_setup", "regenerate_responses", "prepare_dataset",
+        "demo_target", "demo_dataset", "inspect_target", "check_setup", "synthesize_conversations",
+        "regenerate_responses", "prepare_dataset",
         "extract_hidden_states", "merge_hidden_states", "build_vocab_mapping", "train_draft", "evaluate_draft",
         "plot_training", "plot_evaluation", "estimate_payoff"}
     jobs = planned_jobs(plan)
-    assert all(jobs[rule]["resources"]["gpu"] == 1 for rule in ("regenerate_responses", "extract_hidden_states",
-                                                                "evaluate_draft", "train_draft"))
+    assert all(jobs[rule]["resources"]["gpu"] == 1 for rule in ("synthesize_conversations", "regenerate_responses",
+                                                                "extract_hidden_states", "evaluate_draft", "train_draft"))
