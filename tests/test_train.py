@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -877,7 +878,7 @@ def test_trained_eagle31_draft_is_served_by_vllm_as_the_hf_loop_drafts(tmp_path)
         assert served["per_request"]["tau"] == pytest.approx(served["tau"])
         differing = len(prompts) - served["prompts_with_the_hf_loops_steps"]
         assert differing <= 1 + cut_short
-        span = new_tokens - -(-new_tokens // (k + 1))
+        span = new_tokens - math.ceil(new_tokens / (k + 1))
         assert abs(served["num_drafts"] - served["hf_loop"]["num_steps"]) <= differing * span
         if differing == 0:
             assert served["tau"] == pytest.approx(served["hf_loop"]["tau"], rel=0.02)

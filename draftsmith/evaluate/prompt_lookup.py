@@ -36,8 +36,8 @@ from draftsmith.evaluate.settings import Generation
 PROMPT_LOOKUP_MIN = 1  # the shortest suffix matched (vLLM's prompt_lookup_min, as the baseline configures it)
 EARLIEST = "earliest occurrence"  # the V1 model runner's proposer
 LATEST_PADDED = "latest occurrence, padded to k"  # the V2 model runner's
-RULES = (EARLIEST, LATEST_PADDED)
 RUNNER_RULES = {"V1": EARLIEST, "V2": LATEST_PADDED}  # the rule of each vLLM model runner
+RULES = tuple(RUNNER_RULES.values())
 
 
 def propose(context: Sequence[int], k: int, *, ngram_max: int, ngram_min: int = PROMPT_LOOKUP_MIN,
