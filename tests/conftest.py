@@ -27,6 +27,15 @@ def warm_engine_registry(tmp_path_factory):
         os.environ[registry.ENGINE_DIR_ENV] = saved
 
 
+@pytest.fixture(autouse=True)
+def float32_on_every_cpu(monkeypatch):
+    """``auto`` runs the HF backend's batched forwards in bfloat16 on CPUs with bfloat16 matrix
+    instructions: tests compare paths in float32 on every machine, and ask for bfloat16 where they test it."""
+    from draftsmith.engines import hf_model
+
+    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def chatml_tokenizer(tmp_path_factory) -> Path:
     """Folder of a tiny byte-level BPE tokenizer with a ChatML chat template (<|im_end|> closes turns)."""

@@ -145,6 +145,26 @@ def test_stored_states_are_the_targets_states(train, target, tmp_path):
                 torch.testing.assert_close(data.states[layer_id][a:b], alone[layer_id], rtol=1e-5, atol=1e-4)
 
 
+def test_auto_captures_in_bfloat16_where_the_cpu_multiplies_it(train, target, tmp_path, monkeypatch):
+    """target.dtype auto on the CPU: the HF backend's forwards in bfloat16 on a CPU with bfloat16 matrix
+    instructions, float32 on one without, and a store made one way is never taken for the other."""
+    from draftsmith.engines import hf_model
+
+    def bfloat16_values(index) -> bool:  # a float32 store holds bfloat16's values only if computed in it
+        states = read_shard(index, index.shards[0]).states[5]
+        return torch.equal(states, states.bfloat16().float())
+
+    target_json, _ = target
+    settings = ExtractionSettings(dtype="float32", **SMALL)
+    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: True)
+    root = tmp_path / "hs"
+    assert bfloat16_values(_run(train, target_json, root, settings))
+    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: False)
+    assert not bfloat16_values(_run(train, target_json, root, settings))  # another machine's auto: captured anew
+    _run(train, target_json, tmp_path / "fresh", settings)
+    assert _tree(root) == _tree(tmp_path / "fresh")
+
+
 def test_parts_merge_into_one_index_covering_every_sample_once(train, target, tmp_path):
     target_json, _ = target
     index = _run(train, target_json, tmp_path / "hs", ExtractionSettings(parts=2, **SMALL))

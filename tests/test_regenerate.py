@@ -79,6 +79,34 @@ def _count_chunks(monkeypatch, fail_after=None):
     return calls
 
 
+def test_auto_answers_in_bfloat16_where_the_cpu_multiplies_it(source, model_dir, tmp_path, monkeypatch):
+    """target.dtype auto on the CPU: transformers' batched generation in bfloat16 on a CPU with bfloat16
+    matrix instructions, float32 on one without, the chunks keyed by what auto chose there."""
+    from draftsmith.engines import hf_model
+    from draftsmith.regenerate import answering
+
+    loaded = []
+
+    def load(*args, **kwargs):
+        model = load_target_model(*args, **kwargs)
+        loaded.append(next(model.parameters()).dtype)
+        return model
+
+    monkeypatch.setattr(answering, "load_target_model", load)
+    calls = _count_chunks(monkeypatch)
+    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: True)
+    auto, _ = _run(source, model_dir, tmp_path, model_dtype="auto")
+    assert len(calls) == 4 and loaded == [torch.bfloat16]
+    named, _ = _run(source, model_dir, tmp_path, model_dtype="bfloat16")  # what auto chose: chunks kept
+    assert named == auto and len(calls) == 4
+    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: False)
+    float32, _ = _run(source, model_dir, tmp_path, model_dtype="auto")  # another machine: regenerated
+    assert len(calls) == 8 and loaded[-1] == torch.float32
+    fresh, _ = _run(source, model_dir, tmp_path / "fresh", model_dtype="float32")
+    assert float32 == fresh
+    assert hf_model.model_dtype_name("auto", "cpu", batched_hf=False) == "float32"  # evaluation's loop, vLLM
+
+
 def test_greedy_answers_equal_model_generate_turn_by_turn(source, model_dir, tmp_path):
     rows, stats = _run(source, model_dir, tmp_path, chunk_size=3)
     assert [r["id"] for r in rows] == GOOD_IDS

@@ -4,6 +4,7 @@ that end its answers."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,31 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def model_dtype_name(dtype: str, device: str) -> str:
+def model_dtype_name(dtype: str, device: str, *, batched_hf: bool = False) -> str:
     """The dtype the target runs in on the resolved ``device``, by name, for every stage, engine and
-    cache key: ``auto`` = bfloat16 on GPU; float32 on CPU, where bf16 matmuls are slow."""
+    cache key: ``auto`` = bfloat16 on GPU; on CPU float32, except for transformers' batched forwards
+    (``batched_hf``: regeneration, synthesis and extraction with the HF backend) on a CPU that
+    multiplies bfloat16 natively, where they run 1.8-2.7x faster in it (docs/benchmarks.md, "bfloat16
+    where the CPU multiplies it"). Evaluation's loop decodes one token at a time, where bfloat16 saves
+    nothing and its coarse logits tie, and vLLM's CPU build is checked in float32: both stay float32."""
     if dtype == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
+        if device != "cpu":
+            return "bfloat16"
+        return "bfloat16" if batched_hf and cpu_multiplies_bfloat16() else "float32"
     if dtype not in MODEL_DTYPES:
         raise ExtractionError(f"unknown model dtype {dtype!r}", where="target.dtype",
                               fix=f"use auto or one of {sorted(MODEL_DTYPES)}")
     return dtype
+
+
+@functools.cache
+def cpu_multiplies_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions (AMX tiles or AVX512-BF16), which oneDNN's
+    bfloat16 matmuls use; without them bfloat16 is converted to float32 and runs slower."""
+    try:
+        return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    except AttributeError:  # a torch build without these probes: assume none
+        return False
 
 
 def resolve_model_dtype(dtype: str, device: str) -> torch.dtype:

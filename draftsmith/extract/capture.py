@@ -68,7 +68,8 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
         return HfBackend.load(
             target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
             final_layer_id=target_info["final_layer_id"], lm_head_path=target_info.get("lm_head_path"),
-            dtype=settings.model_dtype, device=device, device_map=settings.device_map, trust_remote_code=trust,
+            dtype=model_dtype_name(settings.model_dtype, device, batched_hf=True), device=device,
+            device_map=settings.device_map, trust_remote_code=trust,
             fp8=fp8, logit_transform=target_info.get("logit_transform"))
     if name == "vllm":
         support = (target_info.get("backends") or {}).get("vllm") or {}

@@ -134,7 +134,8 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
         "layer_ids": target_info["captured_layer_ids"],
         "hidden_size": target_info["hidden_size"],
         "dtype": settings.dtype,
-        "model_dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device)),
+        "model_dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device),
+                                        batched_hf=settings.backend == "hf"),
     }
     if settings.backend == "vllm":
         head.update(backend="vllm", tensor_parallel_size=settings.tensor_parallel_size, **engine_release("vllm"))

@@ -17,7 +17,7 @@ class ExtractionSettings(StageSettings):
     parts: int = from_schema("extraction.parts")
     tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")
     dtype: str = from_schema("extraction.dtype")  # storage dtype of the states
-    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
+    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto: engines.hf_model.model_dtype_name
     device: str = from_schema("device")
     device_map: str | None = from_schema("extraction.device_map")  # "auto" spreads the hf model over the GPUs
     batch_tokens: int = from_schema("extraction.batch_tokens")  # padded tokens per forward pass

@@ -225,11 +225,11 @@ def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence
     ``engine_kwargs`` are vLLM's; ``shared_engine`` as ``regenerate_responses`` says."""
     first = settings[0]
     torch_device = resolve_device(first.device)
-    dtype_name = model_dtype_name(first.model_dtype, torch_device)
+    dtype_name = model_dtype_name(first.model_dtype, torch_device, batched_hf=first.backend != "vllm")
     sampling = ("greedy" if first.greedy else f"temperature {first.temperature}, top_p {first.top_p}, seed {first.seed}")
     extra = list(stop_ids) + [None] * (len(settings) - len(stop_ids))
     if first.backend != "vllm":
-        model = load_target_model(model_path, dtype=first.model_dtype, device=first.device,
+        model = load_target_model(model_path, dtype=dtype_name, device=first.device,
                                   trust_remote_code=trust_remote_code)
         log.info("generating with %s on %s (%s): %s", model_path, torch_device, dtype_name, sampling)
         defaults = stop_token_ids(model, tokenizer)

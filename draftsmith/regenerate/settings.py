@@ -22,7 +22,7 @@ class RegenerateSettings(StageSettings):
     chunk_size: int = from_schema("regenerate.chunk_size")  # conversations per resumable chunk
     enforce_eager: bool = from_schema("regenerate.enforce_eager")  # vLLM without CUDA graphs on a GPU
     seed: int = from_schema("seed")
-    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto = bf16 on GPU, fp32 on CPU
+    model_dtype: str = from_schema("target.dtype")  # dtype the target runs in; auto: engines.hf_model.model_dtype_name
     device: str = from_schema("device")
     tensor_parallel_size: int = from_schema("extraction.tensor_parallel_size")  # vLLM's; hf runs on one device
     max_bad_fraction: float = from_schema("data.max_bad_fraction")  # checked here, before the target loads

@@ -478,8 +478,8 @@ def check_fits_host(info: dict, rules: list[str], *, dtype: str = "auto") -> Non
 
     if os.environ.get("SLURM_JOB_ID"):
         return
-    # auto is float32 on the CPU, as engines.hf_model.model_dtype_name has it (which imports this
-    # module, so it cannot be imported here)
+    # auto is float32 on the CPU for evaluation's loop, as engines.hf_model.model_dtype_name has it
+    # (which imports this module, so it cannot be imported here); the batched stages may run bfloat16
     cpu_dtype = "float32" if dtype == "auto" else dtype
     need, have = weight_bytes(info, cpu_dtype), host_memory_bytes()
     if need <= have:
