@@ -32,7 +32,7 @@ def model_dtype_name(dtype: str, device: str, *, batched_hf: bool = False) -> st
     """The dtype the target runs in on the resolved ``device``, by name, for every stage, engine and
     cache key: ``auto`` = bfloat16 on GPU; on CPU float32, except for transformers' batched forwards
     (``batched_hf``: regeneration, synthesis and extraction with the HF backend) on a CPU that
-    multiplies bfloat16 natively, where they run 1.8-2.7x faster in it (docs/benchmarks.md, "bfloat16
+    multiplies bfloat16 natively, where they run up to 2.9x faster in it (docs/benchmarks.md, "bfloat16
     where the CPU multiplies it"). Evaluation's loop decodes one token at a time, where bfloat16 saves
     nothing and its coarse logits tie, and vLLM's CPU build is checked in float32: both stay float32."""
     if dtype == "auto":
