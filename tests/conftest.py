@@ -27,13 +27,20 @@ def warm_engine_registry(tmp_path_factory):
         os.environ[registry.ENGINE_DIR_ENV] = saved
 
 
-@pytest.fixture(autouse=True)
-def float32_on_every_cpu(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def float32_on_every_cpu():
     """``auto`` runs the HF backend's batched forwards in bfloat16 on CPUs with bfloat16 matrix
-    instructions: tests compare paths in float32 on every machine, and ask for bfloat16 where they test it."""
-    from draftsmith.engines import hf_model
+    instructions: tests (and the workflows and scripts they start, which inherit the variable)
+    compare paths in float32 on every machine, and ask for bfloat16 where they test it."""
+    from draftsmith.engines.hf_model import CPU_BFLOAT16_ENV
 
-    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: False)
+    saved = os.environ.get(CPU_BFLOAT16_ENV)
+    os.environ[CPU_BFLOAT16_ENV] = "0"
+    yield
+    if saved is None:
+        os.environ.pop(CPU_BFLOAT16_ENV, None)
+    else:
+        os.environ[CPU_BFLOAT16_ENV] = saved
 
 
 @pytest.fixture(scope="session")

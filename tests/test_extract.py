@@ -156,10 +156,10 @@ def test_auto_captures_in_bfloat16_where_the_cpu_multiplies_it(train, target, tm
 
     target_json, _ = target
     settings = ExtractionSettings(dtype="float32", **SMALL)
-    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: True)
+    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "1")
     root = tmp_path / "hs"
     assert bfloat16_values(_run(train, target_json, root, settings))
-    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: False)
+    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "0")
     assert not bfloat16_values(_run(train, target_json, root, settings))  # another machine's auto: captured anew
     _run(train, target_json, tmp_path / "fresh", settings)
     assert _tree(root) == _tree(tmp_path / "fresh")

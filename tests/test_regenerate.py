@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 import tiny
 from draftsmith.engines.hf_model import load_target_model, stop_token_ids
-from draftsmith.errors import DataError
+from draftsmith.errors import DataError, ExtractionError
 from draftsmith.regenerate.answering import Regenerator
 from draftsmith.regenerate.settings import RegenerateSettings
 from draftsmith.regenerate.stage import regenerate_responses
@@ -94,17 +94,20 @@ def test_auto_answers_in_bfloat16_where_the_cpu_multiplies_it(source, model_dir,
 
     monkeypatch.setattr(answering, "load_target_model", load)
     calls = _count_chunks(monkeypatch)
-    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: True)
+    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "1")
     auto, _ = _run(source, model_dir, tmp_path, model_dtype="auto")
     assert len(calls) == 4 and loaded == [torch.bfloat16]
     named, _ = _run(source, model_dir, tmp_path, model_dtype="bfloat16")  # what auto chose: chunks kept
     assert named == auto and len(calls) == 4
-    monkeypatch.setattr(hf_model, "cpu_multiplies_bfloat16", lambda: False)
+    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "0")
     float32, _ = _run(source, model_dir, tmp_path, model_dtype="auto")  # another machine: regenerated
     assert len(calls) == 8 and loaded[-1] == torch.float32
     fresh, _ = _run(source, model_dir, tmp_path / "fresh", model_dtype="float32")
     assert float32 == fresh
     assert hf_model.model_dtype_name("auto", "cpu", batched_hf=False) == "float32"  # evaluation's loop, vLLM
+    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "yes")
+    with pytest.raises(ExtractionError, match="DRAFTSMITH_CPU_BFLOAT16 is 'yes', neither 1 nor 0"):
+        hf_model.model_dtype_name("auto", "cpu", batched_hf=True)
 
 
 def test_greedy_answers_equal_model_generate_turn_by_turn(source, model_dir, tmp_path):
