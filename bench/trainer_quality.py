@@ -93,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=3, help="the k reported first (and the loop evaluator's)")
     p.add_argument("--max-k", type=int, default=5, help="replay: tau for every k from 1 to this")
     p.add_argument("--evaluator", choices=["replay", "loop"], default="replay")
+    p.add_argument("--trace-batch", type=int, default=32,
+                   help="replay: prompts decoded greedily at once for the traces (1: one at a time, as the loop)")
     p.add_argument("--prompt-sets", nargs="+", default=[], metavar="NAME=PATH",
                    help="more prompt sets (eval.sources' files, e.g. scripts/prompt_sets.py's), rendered with the "
                         "target's chat template, each evaluated (replay) and reported on its own")
@@ -331,31 +333,76 @@ def train_draftsmith(inputs: dict, args: argparse.Namespace, variant: str, recip
 # The evaluation: every draft alike
 
 
+@torch.no_grad()
+def batched_greedy(target, prompts, length: int, batch_size: int) -> list[list[int]]:
+    """Each prompt's first ``length`` greedy tokens, ``batch_size`` prompts of similar length at once
+    (left-padded; one forward of the batch per token), past any stop token as ``trace_greedy`` decodes.
+    One prompt at a time costs a forward per token per prompt: minutes for a few hundred prompts
+    on the GPU, where a batch takes seconds. Padding can move a forward's last bits, so at a near-tie
+    of two logits a token may differ from one-prompt decoding; every draft is replayed on the same
+    traces, so the comparison stays like for like."""
+    model, device = target.model, target.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
+    decoded: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(prompts[i].ids) for i in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        for row, i in enumerate(rows):
+            prompt = torch.tensor(prompts[i].ids, dtype=torch.long, device=device)
+            ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = target.new_cache()
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens = []
+        for step in range(length):
+            tokens.append(logits.argmax(-1))
+            if step + 1 < length:
+                mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                positions = positions[:, -1:] + 1
+                logits = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
+                               past_key_values=cache, use_cache=True).logits[:, -1]
+        for row, continuation in zip(rows, torch.stack(tokens, dim=1).tolist()):
+            decoded[row] = continuation
+    return decoded
+
+
 class Evaluator:
     """Evaluates drafts on the same held-out prompts: ``replay`` traces the target's greedy text once
-    (kept in ``work``, with the n-gram baseline's τ from the HF loop) and replays each draft for every
+    (kept in ``work``, batched: ``batched_greedy``; the n-gram baseline's τ replayed by the HF loop's steps) and replays each draft for every
     k up to ``max_k``; ``loop`` runs ``evaluate_draft`` (the HF loop, lossless-checked) per draft."""
 
     def __init__(self, inputs: dict, args: argparse.Namespace, work: Path) -> None:
         self.inputs, self.args, self.decoder = inputs, args, None
         if args.evaluator == "loop":
             return
-        from draftsmith.evaluate import DrafterSpec, acceptance_stats, make_decoder, read_prompts
-        from draftsmith.evaluate.replay import trace_greedy
+        from draftsmith.evaluate import acceptance_stats, make_decoder, read_prompts
+        from draftsmith.evaluate.drafters import NgramDrafter
+        from draftsmith.evaluate.replay import replay_runs, trace_greedy
+        from draftsmith.evaluate.settings import Generation
         from draftsmith.targets.inspect import read_target_json
 
         self.decoder = make_decoder(read_target_json(inputs["target"]), max_new_tokens=args.max_new_tokens,
                                     device=args.device)
         prompts = read_prompts(inputs["heldout"], args.eval_prompts)
-        cache = work / f"traces-{len(prompts)}-{args.max_new_tokens}-{args.max_k}.pt"
+        cache = work / f"traces-{len(prompts)}-{args.max_new_tokens}-{args.max_k}-b{args.trace_batch}.pt"
         if cache.is_file():
             saved = torch.load(cache, weights_only=False)
             self.traces, self.ngram = saved["traces"], saved["ngram"]
             return
         start = time.perf_counter()
-        self.traces = trace_greedy(self.decoder, prompts, args.max_new_tokens, args.max_k)
-        ngram = [self.decoder.speculate(p, DrafterSpec("ngram"), args.k) for p in prompts]
-        self.ngram = acceptance_stats(ngram, args.k)
+        length = args.max_new_tokens + args.max_k + 1  # as trace_greedy decodes
+        if args.trace_batch > 1:
+            decoded = batched_greedy(self.decoder.target, prompts, length, args.trace_batch)
+        else:
+            decoded = None
+        self.traces = trace_greedy(self.decoder, prompts, args.max_new_tokens, args.max_k, decoded)
+        # the n-gram baseline's proposals depend on the greedy text alone: replayed by the HF loop's steps
+        ngram_runs = replay_runs(self.decoder, prompts, {"ngram": NgramDrafter()}, [args.k],
+                                 [Generation(t.prompt.id, t.ids[len(t.prompt.ids):], 0.0) for t in self.traces])
+        self.ngram = acceptance_stats(ngram_runs["ngram", args.k], args.k)
         print(f"greedy traces and the n-gram baseline of {len(prompts)} prompts in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
         torch.save({"traces": self.traces, "ngram": self.ngram}, cache)
