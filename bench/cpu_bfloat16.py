@@ -22,7 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftsmith.engines.hf_model import cpu_multiplies_bfloat16, load_target_model  # noqa: E402
+from draftsmith.engines.cpu_bfloat16 import cpu_multiplies_bfloat16  # noqa: E402
+from draftsmith.engines.hf_model import load_target_model  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -9,6 +9,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from draftsmith.engines.cpu_bfloat16 import forced_by_environment
 from draftsmith.errors import ConfigError
 from draftsmith.settings import allowed
 from draftsmith.sources import source_problem
@@ -64,6 +65,10 @@ def semantic_errors(config: dict) -> list[str]:
     if extraction["backend"] == "hf" and extraction["tensor_parallel_size"] > 1 and not extraction["device_map"]:
         lines.append("extraction.tensor_parallel_size: > 1 with the hf backend needs extraction.device_map: auto "
                      "(layers spread over the GPUs), or use extraction.backend: vllm")
+    try:  # read where each CPU stage resolves target.dtype: auto; a typo would stop them one by one
+        forced_by_environment()
+    except ConfigError as e:
+        lines.append(f"{e.what} (the environment): {e.fix}")
     aux = target["aux_layer_ids"]
     if aux is not None and len(set(aux)) != len(aux):
         lines.append(f"target.aux_layer_ids: {aux} repeats a layer; list each layer once")

@@ -32,7 +32,7 @@ def float32_on_every_cpu():
     """``auto`` runs the HF backend's batched forwards in bfloat16 on CPUs with bfloat16 matrix
     instructions: tests (and the workflows and scripts they start, which inherit the variable)
     compare paths in float32 on every machine, and ask for bfloat16 where they test it."""
-    from draftsmith.engines.hf_model import CPU_BFLOAT16_ENV
+    from draftsmith.engines.cpu_bfloat16 import CPU_BFLOAT16_ENV
 
     saved = os.environ.get(CPU_BFLOAT16_ENV)
     os.environ[CPU_BFLOAT16_ENV] = "0"

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -125,6 +126,12 @@ def _(tmp, env):
 @case("config-heldout-fraction-1", ConfigError, "data.heldout_fraction: 1 is greater than or equal to the maximum")
 def _(tmp, env):
     _check({"data": {"heldout_fraction": 1}})
+
+
+@case("config-cpu-bfloat16-neither-1-nor-0", ConfigError, "DRAFTSMITH_CPU_BFLOAT16 is 'yes', neither 1 nor 0")
+def _(tmp, env):
+    with mock.patch.dict(os.environ, {"DRAFTSMITH_CPU_BFLOAT16": "yes"}):
+        _check({})
 
 
 @case("config-target-path-missing", ConfigError, "target.path: required when target.source is 'path'")

@@ -148,7 +148,7 @@ def test_stored_states_are_the_targets_states(train, target, tmp_path):
 def test_auto_captures_in_bfloat16_where_the_cpu_multiplies_it(train, target, tmp_path, monkeypatch):
     """target.dtype auto on the CPU: the HF backend's forwards in bfloat16 on a CPU with bfloat16 matrix
     instructions, float32 on one without, and a store made one way is never taken for the other."""
-    from draftsmith.engines import hf_model
+    from draftsmith.engines.cpu_bfloat16 import CPU_BFLOAT16_ENV
 
     def bfloat16_values(index) -> bool:  # a float32 store holds bfloat16's values only if computed in it
         states = read_shard(index, index.shards[0]).states[5]
@@ -156,10 +156,10 @@ def test_auto_captures_in_bfloat16_where_the_cpu_multiplies_it(train, target, tm
 
     target_json, _ = target
     settings = ExtractionSettings(dtype="float32", **SMALL)
-    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "1")
+    monkeypatch.setenv(CPU_BFLOAT16_ENV, "1")
     root = tmp_path / "hs"
     assert bfloat16_values(_run(train, target_json, root, settings))
-    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "0")
+    monkeypatch.setenv(CPU_BFLOAT16_ENV, "0")
     assert not bfloat16_values(_run(train, target_json, root, settings))  # another machine's auto: captured anew
     _run(train, target_json, tmp_path / "fresh", settings)
     assert _tree(root) == _tree(tmp_path / "fresh")

@@ -144,3 +144,20 @@ def test_an_unfinished_shard_is_refused_and_leaves_nothing(tmp_path):
     with pytest.raises(ExtractionError, match=r"rows per layer \{1: 2, 3: 1\}"):
         store.open_shard(2, 4).append({1: torch.randn(2, 8), 3: torch.randn(1, 8)})
     assert not list(tmp_path.glob("part-0/shard-*")) and not list(tmp_path.glob("part-0/.shard-*"))
+
+
+def test_parts_whose_target_ran_in_different_dtypes_are_not_merged(tmp_path):
+    """target.dtype auto resolves per node: parts captured in bfloat16 on one kind of CPU and in
+    float32 on another would make one store of both; the merge refuses and says how to make them agree."""
+    states = {1: torch.randn(3, 8), 2: torch.randn(3, 8)}
+    for part, model_dtype in enumerate(["bfloat16", "float32"]):
+        store = PartStore(tmp_path, part, fingerprint="f", dtype="float32", hidden_size=8, layer_ids=[1, 2],
+                          model_dtype=model_dtype)
+        info = store.write_shard(0, [f"p{part}"], [[5, 6, 7]], [[1, 1, 1]], states)
+        store.finish([info], tmp_path / f"part-{part}.json")
+    manifests = [tmp_path / "part-0.json", tmp_path / "part-1.json"]
+    with pytest.raises(ExtractionError, match="part 0's states were computed in bfloat16, part 1's in float32") as e:
+        merge_parts(manifests, tmp_path / "index.json")
+    assert "target.dtype" in e.value.fix and not (tmp_path / "index.json").exists()
+    merge_parts(manifests[:1], tmp_path / "index.json")
+    assert (tmp_path / "index.json").is_file()

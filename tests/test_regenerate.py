@@ -10,8 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 import tiny
+from draftsmith.engines.cpu_bfloat16 import CPU_BFLOAT16_ENV
 from draftsmith.engines.hf_model import load_target_model, stop_token_ids
-from draftsmith.errors import DataError, ExtractionError
+from draftsmith.errors import ConfigError, DataError
 from draftsmith.regenerate.answering import Regenerator
 from draftsmith.regenerate.settings import RegenerateSettings
 from draftsmith.regenerate.stage import regenerate_responses
@@ -94,19 +95,19 @@ def test_auto_answers_in_bfloat16_where_the_cpu_multiplies_it(source, model_dir,
 
     monkeypatch.setattr(answering, "load_target_model", load)
     calls = _count_chunks(monkeypatch)
-    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "1")
+    monkeypatch.setenv(CPU_BFLOAT16_ENV, "1")
     auto, _ = _run(source, model_dir, tmp_path, model_dtype="auto")
     assert len(calls) == 4 and loaded == [torch.bfloat16]
     named, _ = _run(source, model_dir, tmp_path, model_dtype="bfloat16")  # what auto chose: chunks kept
     assert named == auto and len(calls) == 4
-    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "0")
+    monkeypatch.setenv(CPU_BFLOAT16_ENV, "0")
     float32, _ = _run(source, model_dir, tmp_path, model_dtype="auto")  # another machine: regenerated
     assert len(calls) == 8 and loaded[-1] == torch.float32
     fresh, _ = _run(source, model_dir, tmp_path / "fresh", model_dtype="float32")
     assert float32 == fresh
     assert hf_model.model_dtype_name("auto", "cpu", batched_hf=False) == "float32"  # evaluation's loop, vLLM
-    monkeypatch.setenv(hf_model.CPU_BFLOAT16_ENV, "yes")
-    with pytest.raises(ExtractionError, match="DRAFTSMITH_CPU_BFLOAT16 is 'yes', neither 1 nor 0"):
+    monkeypatch.setenv(CPU_BFLOAT16_ENV, "yes")
+    with pytest.raises(ConfigError, match="DRAFTSMITH_CPU_BFLOAT16 is 'yes', neither 1 nor 0"):
         hf_model.model_dtype_name("auto", "cpu", batched_hf=True)
 
 

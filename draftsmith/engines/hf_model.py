@@ -4,14 +4,13 @@ that end its answers."""
 
 from __future__ import annotations
 
-import functools
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from draftsmith.engines.cpu_bfloat16 import cpu_multiplies_bfloat16
 from draftsmith.engines.loads import target_load
 from draftsmith.errors import ExtractionError, TargetError
 
@@ -46,29 +45,12 @@ def model_dtype_name(dtype: str, device: str, *, batched_hf: bool = False) -> st
     return dtype
 
 
-CPU_BFLOAT16_ENV = "DRAFTSMITH_CPU_BFLOAT16"
-
-
-def cpu_multiplies_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 matrix instructions (AMX tiles or AVX512-BF16), which oneDNN's
-    bfloat16 matmuls use; without them bfloat16 is converted to float32 and runs slower.
-    ``DRAFTSMITH_CPU_BFLOAT16`` (1 or 0) overrides the probe, so that the nodes of a cluster that
-    differ resolve ``auto`` alike (each node's answer keys the stages' caches)."""
-    forced = os.environ.get(CPU_BFLOAT16_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise ExtractionError(f"{CPU_BFLOAT16_ENV} is {forced!r}, neither 1 nor 0", where="the environment",
-                              fix=f"set {CPU_BFLOAT16_ENV} to 1 or 0, or unset it to probe the CPU")
-    return _cpu_has_bfloat16_instructions()
-
-
-@functools.cache
-def _cpu_has_bfloat16_instructions() -> bool:
-    try:
-        return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    except AttributeError:  # a torch build without these probes: assume none
-        return False
+def stage_model_dtype(settings) -> str:
+    """``model_dtype_name`` for a stage that runs the target through ``settings.backend`` on
+    ``settings.device`` (regeneration's, synthesis's or extraction's settings): the one answer its
+    load and its cache key share; the HF backend's forwards are the batched ones."""
+    return model_dtype_name(settings.model_dtype, resolve_device(settings.device),
+                            batched_hf=settings.backend == "hf")
 
 
 def resolve_model_dtype(dtype: str, device: str) -> torch.dtype:

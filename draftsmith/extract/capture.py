@@ -50,11 +50,11 @@ def plan_batches(shard: Sequence[dict], batch_tokens: int) -> list[list[dict]]:
 # Backends
 
 
-def make_backend(name: str, target_info: dict, settings: ExtractionSettings, longest_sample: int, *,
+def make_backend(target_info: dict, settings: ExtractionSettings, longest_sample: int, *,
                  shared: SharedEngine | None = None) -> CaptureBackend:
-    """Load the target under the named backend (``hf`` or ``vllm``), hooked for the captured layers,
-    for samples of up to ``longest_sample`` tokens."""
-    from draftsmith.engines.hf_model import model_dtype_name, resolve_device
+    """Load the target under ``settings.backend`` (``hf`` or ``vllm``), hooked for the captured
+    layers, for samples of up to ``longest_sample`` tokens."""
+    from draftsmith.engines.hf_model import resolve_device, stage_model_dtype
 
     layer_ids = target_info["captured_layer_ids"]
     trust = bool(target_info.get("trust_remote_code", False))
@@ -62,13 +62,14 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
     # An fp8 store's rows are quantised where the target runs: half the bytes leave the device,
     # and this process's CPU does no quantising.
     fp8 = settings.dtype == "fp8"
+    name, dtype = settings.backend, stage_model_dtype(settings)  # the dtype the part's fingerprint names
     if name == "hf":
         from draftsmith.extract.hf_backend import HfBackend
 
         return HfBackend.load(
             target_info["model_path"], layers_path=target_info["layers_path"], capture_layer_ids=layer_ids,
             final_layer_id=target_info["final_layer_id"], lm_head_path=target_info.get("lm_head_path"),
-            dtype=model_dtype_name(settings.model_dtype, device, batched_hf=True), device=device,
+            dtype=dtype, device=device,
             device_map=settings.device_map, trust_remote_code=trust,
             fp8=fp8, logit_transform=target_info.get("logit_transform"))
     if name == "vllm":
@@ -81,7 +82,7 @@ def make_backend(name: str, target_info: dict, settings: ExtractionSettings, lon
 
         return VllmBackend(
             target_info["model_path"], layer_ids, tensor_parallel_size=settings.tensor_parallel_size,
-            dtype=model_dtype_name(settings.model_dtype, device),
+            dtype=dtype,
             # vLLM samples one token after each prompt: the context must hold the longest sample plus one.
             max_model_len=settings.max_model_len or longest_sample + 1,
             trust_remote_code=trust, layers_path=target_info["layers_path"], fp8=fp8, shared=shared)

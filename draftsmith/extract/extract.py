@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.engines.hf_model import model_dtype_name, resolve_device
+from draftsmith.engines.hf_model import stage_model_dtype
 from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.capture import extract_shards, make_backend
@@ -134,8 +134,7 @@ def part_fingerprint(target_info: dict, shards: Sequence[Sequence[dict]], settin
         "layer_ids": target_info["captured_layer_ids"],
         "hidden_size": target_info["hidden_size"],
         "dtype": settings.dtype,
-        "model_dtype": model_dtype_name(settings.model_dtype, resolve_device(settings.device),
-                                        batched_hf=settings.backend == "hf"),
+        "model_dtype": stage_model_dtype(settings),
     }
     if settings.backend == "vllm":
         head.update(backend="vllm", tensor_parallel_size=settings.tensor_parallel_size, **engine_release("vllm"))
@@ -255,7 +254,8 @@ def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, s
     log.info("part %d of %d: %d samples, %d tokens in %d shards; layers %s, hidden %d",
              part, settings.parts, sum(map(len, shards)), part_tokens, len(shards), layer_ids, hidden)
     store = PartStore(store_root, part, fingerprint=part_fingerprint(target_info, shards, settings),
-                      dtype=settings.dtype, hidden_size=hidden, layer_ids=layer_ids)
+                      dtype=settings.dtype, hidden_size=hidden, layer_ids=layer_ids,
+                      model_dtype=stage_model_dtype(settings))
     done = _verify_shards(store, len(shards))
     todo = [(n, shard) for n, shard in enumerate(shards) if n not in done]
     todo_tokens = sum(tokens(s) for _, s in todo)
@@ -273,7 +273,7 @@ def _extract_part(train_jsonl: str | Path, target_json: str | Path, part: int, s
             log.warning("part %d: samples of up to %d tokens exceed extraction.batch_tokens (%d); each such "
                         "sample runs as a batch of its own", part, longest, settings.batch_tokens)
         started = time.perf_counter()
-        with make_backend(settings.backend, target_info, settings, longest, shared=shared_engine) as backend:
+        with make_backend(target_info, settings, longest, shared=shared_engine) as backend:
             log.info("part %d: %s backend ready in %.1f s", part, backend.name, time.perf_counter() - started)
             with _Progress(part, shards, done, todo_tokens) as progress:
                 written = extract_shards(backend, store, todo, batch_tokens=settings.batch_tokens,

@@ -180,11 +180,20 @@ def merge_parts(part_manifests: Sequence[str | Path], index_path: str | Path) ->
                     f"parts disagree on {key}: part {first['part']} has {first[key]}, "
                     f"part {manifest['part']} has {manifest[key]}",
                     fix="rerun extraction for all parts with the same settings")
+        if manifest.get("model_dtype") != first.get("model_dtype"):
+            # target.dtype auto on nodes of differing CPUs: each part's fingerprint covers its own samples
+            raise ExtractionError(
+                f"part {first['part']}'s states were computed in {first.get('model_dtype')}, part "
+                f"{manifest['part']}'s in {manifest.get('model_dtype')}: one store would train on both",
+                where=str(index_path.parent),
+                fix="set target.dtype to bfloat16 or float32 (or DRAFTSMITH_CPU_BFLOAT16 alike on every node, "
+                    "docs/cluster.md) and rerun the workflow: the parts of the other dtype are extracted again")
     shards = [s for manifest in parts for s in manifest["shards"]]
     layer_ids = first["layer_ids"]
     index = {
         "format": INDEX_FORMAT,
         "dtype": first["dtype"],
+        "model_dtype": first.get("model_dtype"),
         "hidden_size": first["hidden_size"],
         "aux_layer_ids": layer_ids[:-1],
         "final_layer_id": layer_ids[-1],

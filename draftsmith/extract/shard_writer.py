@@ -66,7 +66,8 @@ class PartStore:
     """
 
     def __init__(self, root: str | Path, part: int, *, fingerprint: str, dtype: str,
-                 hidden_size: int, layer_ids: Sequence[int], read_soon: bool = False) -> None:
+                 hidden_size: int, layer_ids: Sequence[int], model_dtype: str | None = None,
+                 read_soon: bool = False) -> None:
         if dtype not in STORAGE_DTYPES:
             raise ExtractionError(f"unknown storage dtype {dtype!r}", where="extraction.dtype",
                                   fix=f"use one of {sorted(STORAGE_DTYPES)}")
@@ -76,7 +77,7 @@ class PartStore:
         self.dir = self.root / part_dir_name(part)
         self.meta = {
             "fingerprint": fingerprint, "dtype": dtype, "hidden_size": hidden_size,
-            "layer_ids": sorted(layer_ids),
+            "layer_ids": sorted(layer_ids), "model_dtype": model_dtype,
         }
         self._open()
 

@@ -115,7 +115,7 @@ class Producer:
     def _load(self):
         longest = max(len(s["input_ids"]) for shard in self.plan.shards for s in shard)
         started = time.perf_counter()
-        backend = make_backend(self.extraction.backend, self.target_info, self.extraction, longest)
+        backend = make_backend(self.target_info, self.extraction, longest)
         log.info("producer: %s backend ready in %.1f s", self.extraction.backend, time.perf_counter() - started)
         return backend
 

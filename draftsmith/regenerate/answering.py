@@ -18,8 +18,8 @@ import torch
 from draftsmith.conversations import answer_turns, uses_tools
 from draftsmith.engines.hf_model import (
     load_target_model,
-    model_dtype_name,
     resolve_device,
+    stage_model_dtype,
     stop_ids_from_files,
     stop_token_ids,
 )
@@ -225,7 +225,7 @@ def open_regenerators(model_path: str | Path, tokenizer: Any, settings: Sequence
     ``engine_kwargs`` are vLLM's; ``shared_engine`` as ``regenerate_responses`` says."""
     first = settings[0]
     torch_device = resolve_device(first.device)
-    dtype_name = model_dtype_name(first.model_dtype, torch_device, batched_hf=first.backend == "hf")
+    dtype_name = stage_model_dtype(first)
     sampling = ("greedy" if first.greedy else f"temperature {first.temperature}, top_p {first.top_p}, seed {first.seed}")
     extra = list(stop_ids) + [None] * (len(settings) - len(stop_ids))
     if first.backend != "vllm":

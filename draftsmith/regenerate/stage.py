@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from draftsmith.bad_rows import BadRow, Tally
 from draftsmith.conversations import answer_turns, load_conversations
-from draftsmith.engines.hf_model import model_dtype_name, resolve_device
+from draftsmith.engines.hf_model import resolve_device, stage_model_dtype
 from draftsmith.engines.shared import SharedEngine
 from draftsmith.errors import DataError, TargetError
 from draftsmith.io import (
@@ -77,7 +77,7 @@ def regeneration_fingerprint(settings: RegenerateSettings, *, model: dict, sourc
     device = resolve_device(settings.device)
     # The engine's numerics by what they resolve to ("auto" on this machine), so a config that
     # names what auto chose keeps the chunks; vLLM's tensor parallel size only where vLLM runs.
-    numerics = {"dtype": model_dtype_name(settings.model_dtype, device, batched_hf=settings.backend == "hf"),
+    numerics = {"dtype": stage_model_dtype(settings),
                 "device": device.split(":")[0],
                 "tensor_parallel_size": settings.tensor_parallel_size if settings.backend == "vllm" else 1}
     if eager and settings.backend == "vllm" and numerics["device"] == "cuda":  # other kernels than CUDA graphs'
