@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -175,6 +176,7 @@ def inputs_in(work: Path, store: str) -> dict:
 # speculators' trainer on Draftsmith's store
 
 
+@functools.cache  # one read of the store for every speculators run of the process (25 GB at 20,000 conversations)
 def store_dataset(index_path: Path, dtype: torch.dtype):
     """speculators' ``BaseDataset`` over the store, read into memory once: a sample's aux states
     concatenated in ascending layer order, its token ids and loss mask, and the final state as
