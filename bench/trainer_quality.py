@@ -342,7 +342,9 @@ def batched_greedy(target, prompts, length: int, batch_size: int) -> list[list[i
     One prompt at a time costs a forward per token per prompt: minutes for a few hundred prompts
     on the GPU, where a batch takes seconds. Padding can move a forward's last bits, so at a near-tie
     of two logits a token may differ from one-prompt decoding; every draft is replayed on the same
-    traces, so the comparison stays like for like."""
+    traces, so the comparison stays like for like. For models that place rotary positions by
+    ``position_ids`` (transformers' own families); remote code that counts them from the cache's
+    length would see the padding: ``--trace-batch 1`` there."""
     model, device = target.model, target.device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
     decoded: list[list[int]] = [[] for _ in prompts]
@@ -366,15 +368,16 @@ def batched_greedy(target, prompts, length: int, batch_size: int) -> list[list[i
                 positions = positions[:, -1:] + 1
                 logits = model(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
                                past_key_values=cache, use_cache=True).logits[:, -1]
-        for row, continuation in zip(rows, torch.stack(tokens, dim=1).tolist()):
-            decoded[row] = continuation
+        for prompt_index, continuation in zip(rows, torch.stack(tokens, dim=1).tolist()):
+            decoded[prompt_index] = continuation
     return decoded
 
 
 class Evaluator:
     """Evaluates drafts on the same held-out prompts: ``replay`` traces the target's greedy text once
-    (kept in ``work``, batched: ``batched_greedy``; the n-gram baseline's τ replayed by the HF loop's steps) and replays each draft for every
-    k up to ``max_k``; ``loop`` runs ``evaluate_draft`` (the HF loop, lossless-checked) per draft."""
+    (``batched_greedy``; kept in ``work``, with the n-gram baseline's τ replayed by the HF loop's
+    steps) and replays each draft for every k up to ``max_k``; ``loop`` runs ``evaluate_draft``
+    (the HF loop, lossless-checked) per draft."""
 
     def __init__(self, inputs: dict, args: argparse.Namespace, work: Path) -> None:
         self.inputs, self.args, self.decoder = inputs, args, None

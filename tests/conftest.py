@@ -43,10 +43,25 @@ def float32_on_every_cpu():
         os.environ[CPU_BFLOAT16_ENV] = saved
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """Target descriptions the session's module fixtures inspect are kept in the session's own cache,
+    never the user's (the tests' own cache below comes only after module fixtures)."""
+    from draftsmith.targets.inspection_memo import CACHE_ENV
+
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("session-cache"))
+    yield
+    if saved is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = saved
+
+
 @pytest.fixture(autouse=True)
 def own_inspection_memo(tmp_path_factory, monkeypatch):
     """Each test (and the workflows it starts) keeps target descriptions in a cache of its own, so
-    one test's inspection never stands in for another's, and none lands in the user's cache."""
+    one test's inspection never stands in for another's."""
     from draftsmith.targets.inspection_memo import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("cache")))

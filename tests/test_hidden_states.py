@@ -161,3 +161,7 @@ def test_parts_whose_target_ran_in_different_dtypes_are_not_merged(tmp_path):
     assert "target.dtype" in e.value.fix and not (tmp_path / "index.json").exists()
     merge_parts(manifests[:1], tmp_path / "index.json")
     assert (tmp_path / "index.json").is_file()
+    # a part written before the dtype was recorded merges with either
+    store = PartStore(tmp_path, 2, fingerprint="f", dtype="float32", hidden_size=8, layer_ids=[1, 2])
+    store.finish([store.write_shard(0, ["p2"], [[5, 6, 7]], [[1, 1, 1]], states)], tmp_path / "part-2.json")
+    assert merge_parts([manifests[1], tmp_path / "part-2.json"], tmp_path / "index.json").num_samples == 2

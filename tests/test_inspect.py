@@ -69,6 +69,26 @@ def test_a_second_preflight_takes_the_description_until_a_file_or_setting_change
         kept.write_text("{")
     inspect_target(folder)
     assert len(builds) == 5
+    # a cache that cannot be written keeps nothing and stops nothing
+    monkeypatch.setenv(inspection_memo.CACHE_ENV, str(folder / "config.json"))
+    inspect_target(folder)
+    inspect_target(folder)
+    assert len(builds) == 7
+
+
+def test_nothing_is_kept_where_the_key_cannot_see_the_code(tmp_path, monkeypatch):
+    """Remote code from another repository, or transformers installed editable (its code changes
+    under one release): every preflight inspects."""
+    from draftsmith.targets import inspection_memo
+
+    folder = tiny.build_llama(tmp_path / "llama")
+    assert inspection_memo.inspection_key(folder, {}) is not None
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "org/repo--cfg.Config"}}))
+    assert inspection_memo.inspection_key(folder, {}) is None
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(inspection_memo, "_editable", lambda name: name == "transformers")
+    assert inspection_memo.inspection_key(folder, {}) is None
 
 
 def test_wrapped_multimodal_model_resolves_to_its_language_model(llava_dir, monkeypatch):

@@ -49,8 +49,9 @@ def trace_greedy(decoder: HFDecoder, prompts: Sequence[Prompt], max_new_tokens: 
     target, traces, length = decoder.target, [], max_new_tokens + depth + 1
     for i, prompt in enumerate(prompts):
         tokens = list(decoded[i][:length]) if decoded is not None else []
-        cache = target.new_cache()
-        logits, _ = target.forward([*prompt.ids, *tokens], cache, last_only=True)
+        if len(tokens) < length:  # decoded as far as asked: only the capture's forward is left
+            cache = target.new_cache()
+            logits, _ = target.forward([*prompt.ids, *tokens], cache, last_only=True)
         while len(tokens) < length:
             tokens.append(int(logits[-1].argmax()))
             if len(tokens) < length:

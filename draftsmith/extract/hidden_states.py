@@ -180,14 +180,16 @@ def merge_parts(part_manifests: Sequence[str | Path], index_path: str | Path) ->
                     f"parts disagree on {key}: part {first['part']} has {first[key]}, "
                     f"part {manifest['part']} has {manifest[key]}",
                     fix="rerun extraction for all parts with the same settings")
-        if manifest.get("model_dtype") != first.get("model_dtype"):
+        dtypes = first.get("model_dtype"), manifest.get("model_dtype")  # None: a part written before it was recorded
+        if None not in dtypes and dtypes[0] != dtypes[1]:
             # target.dtype auto on nodes of differing CPUs: each part's fingerprint covers its own samples
             raise ExtractionError(
-                f"part {first['part']}'s states were computed in {first.get('model_dtype')}, part "
-                f"{manifest['part']}'s in {manifest.get('model_dtype')}: one store would train on both",
+                f"part {first['part']}'s states were computed in {dtypes[0]}, part {manifest['part']}'s in "
+                f"{dtypes[1]}: one store would train on both",
                 where=str(index_path.parent),
-                fix="set target.dtype to bfloat16 or float32 (or DRAFTSMITH_CPU_BFLOAT16 alike on every node, "
-                    "docs/cluster.md) and rerun the workflow: the parts of the other dtype are extracted again")
+                fix="set target.dtype to bfloat16 or float32 and rerun the workflow: the changed setting reruns "
+                    "every part, and those of the other dtype are extracted again (or set DRAFTSMITH_CPU_BFLOAT16 "
+                    "alike on every node and rerun with --forcerun extract_hidden_states; docs/cluster.md)")
     shards = [s for manifest in parts for s in manifest["shards"]]
     layer_ids = first["layer_ids"]
     index = {

