@@ -337,6 +337,72 @@ def test_prompt_runs_are_the_rows_counting_up_from_position_zero():
     assert prompt_runs([3, 4, 5], [1, 2, 3]) == []  # a later chunk of some request: no whole prompt
 
 
+class _EngineSteps:
+    """A VllmBackend whose engine steps are recorded instead of run: ``_run`` notes each batch it
+    starts (raising at ``fail_at``), ``_states`` maps it at once, ``_abandon`` notes the clean-up."""
+
+    def __init__(self, fail_at: int | None = None):
+        from draftsmith.extract.vllm_backend import VllmBackend
+
+        self.started, self.abandoned, self.fail_at = [], 0, fail_at
+        self.backend = backend = VllmBackend.__new__(VllmBackend)
+        backend.llm = object()
+        backend._run = self._run
+        backend._states = lambda ran: ran
+        backend._abandon = self._abandon
+
+    def _run(self, batch):
+        if len(self.started) == self.fail_at:
+            raise RuntimeError(f"batch {batch} failed")
+        self.started.append(batch)
+        return batch
+
+    def _abandon(self):
+        self.abandoned += 1
+
+    def wait_for(self, count: int, seconds: float = 5.0) -> int:
+        import time
+
+        deadline = time.monotonic() + seconds
+        while len(self.started) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(self.started)
+
+
+def test_the_stream_runs_the_next_batches_while_the_caller_holds_one():
+    """The engine is fed from a thread of its own: while the caller works on a batch's states the
+    next batches run, at most RUN_AHEAD computed ones queued beside the one the feeder holds; a
+    stream read to its end leaves nothing to clean up, one closed early is joined and cleaned up."""
+    import threading
+
+    from draftsmith.extract.vllm_backend import RUN_AHEAD
+
+    steps = _EngineSteps()
+    stream = steps.backend.capture_stream([[n] for n in range(8)])
+    assert next(stream) == [0]
+    ahead = 1 + RUN_AHEAD + 1  # the one held here, those queued, the one the feeder waits to queue
+    assert steps.wait_for(ahead) == ahead  # they ran while this batch was held
+    assert steps.wait_for(ahead + 1, seconds=0.3) == ahead  # and no further
+    assert next(stream) == [1]
+    stream.close()
+    assert steps.abandoned == 1 and len(steps.started) <= ahead + 1
+    assert not any(t.name == "draftsmith-capture-feeder" for t in threading.enumerate())
+
+    steps = _EngineSteps()
+    assert list(steps.backend.capture_stream([[n] for n in range(5)])) == [[n] for n in range(5)]
+    assert steps.abandoned == 0
+    assert steps.backend.capture([7]) == [7] and steps.abandoned == 0
+
+
+def test_an_engine_failure_reaches_the_caller_after_the_batches_before_it():
+    steps = _EngineSteps(fail_at=2)
+    stream = steps.backend.capture_stream([[n] for n in range(5)])
+    assert [next(stream), next(stream)] == [[0], [1]]
+    with pytest.raises(RuntimeError, match=r"batch \[2\] failed"):
+        next(stream)
+    assert steps.abandoned == 1
+
+
 def test_read_pass_waits_for_the_file_and_reports_a_failed_write(tmp_path):
     """A pass file appears (renamed from its partial name) while the driver waits; a failed write
     leaves its reason beside the name instead; a pass that never comes stops the wait."""

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,7 @@ class _StoreThread:
         self._abort = False
         self.busy_s = 0.0  # checking and writing batches
         self.waited_s = 0.0  # the capture side blocked on a full queue
+        self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-check")
         self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
         self._thread.start()
 
@@ -200,6 +202,7 @@ class _StoreThread:
             except BaseException as e:  # handed to the main thread, which raises it
                 self._error = e
             self.busy_s += time.perf_counter() - started
+        self._checker.shutdown()
         if self._open is not None:  # an unfinished shard (error or abort): no trace of it stays
             self._open.abort()
             self._open = None
@@ -210,9 +213,13 @@ class _StoreThread:
         try:
             if self._open is None:
                 self._open = self.store.open_shard(job.number, sum(len(s["input_ids"]) for s in samples))
-            check_states([s["id"] for s in job.samples], job.states, where=where, storage=self.store.meta["dtype"])
+            # The check reads every value of the batch (a third of the store's time in bf16): it runs
+            # beside the batch's write, and a bad batch still stops before its shard can commit.
+            checked = self._checker.submit(check_states, [s["id"] for s in job.samples], job.states, where=where,
+                                           storage=self.store.meta["dtype"])
             # Each sample's rows are written as they are (views of the backend's batch buffer): no copy.
             self._open.append({i: [s[i] for s in job.states] for i in self.store.layer_ids})
+            checked.result()
             if self._open.rows < self._open.num_tokens:
                 return
             shard, self._open = self._open, None

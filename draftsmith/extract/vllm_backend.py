@@ -9,8 +9,9 @@ vLLM must run eagerly (``enforce_eager=True``) so the Python hooks run as writte
 spool each pass's states to files in a shared-memory folder; this process maps them. For an fp8
 store (``fp8=True``) the workers quantise the states on their device before they leave it, so the
 spool and this process carry half the bytes and this process does no quantising.
-``capture_stream`` starts each batch before it maps the previous one's files, so the engine does
-not wait between batches for the last passes to reach the spool.
+``capture_stream`` runs the batches through the engine from a feeder thread, back to back, while
+this thread maps the batch before, so the engine waits neither for the last passes to reach the
+spool nor for what the caller does with the states.
 
 vLLM is imported only where an engine loads in this process (requests pass as plain data,
 ``draftsmith.engines.plain``), so this module, and a job attached to a warm engine, import without it.
@@ -21,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 
 SPOOL_MIN_FREE = 8 << 30  # the passes of the batches in flight; containers often mount a 64 MiB /dev/shm
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
+RUN_AHEAD = 1  # computed batches queued beside the one the feeder holds: their passes wait in the spool
+_END = object()  # the feeder's last item: every batch has run
 
 
 def spool_folder() -> str:
@@ -117,25 +122,49 @@ class VllmBackend(CaptureBackend):
                  " as fp8, quantised on the device" if fp8 else "")
 
     def capture(self, batch: list[list[int]]) -> list[dict[int, CapturedRows]]:
-        return next(self.capture_stream([batch]))
+        (states,) = self.capture_stream([batch])  # the whole stream: it ends with the spool drained
+        return states
 
     def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, CapturedRows]]]:
-        """``capture`` for a stream of batches, in order: each batch runs before the previous one's
-        states are mapped, so its last passes reach the spool while the engine computes."""
-        dirty = False  # the spool may hold passes nobody will map (an error, or a consumer that stopped)
-        pending = None
+        """``capture`` for a stream of batches, in order. A feeder thread runs them through the engine
+        back to back, at most ``RUN_AHEAD`` computed batches ahead of the one mapped here: mapping a
+        batch's passes, the caller's work on its states and freeing their memory overlap the engine's
+        next batch instead of leaving it idle between two ``generate`` calls."""
+        computed: queue.Queue = queue.Queue(maxsize=RUN_AHEAD)
+        stop = threading.Event()
+
+        def hand_over(item) -> bool:
+            """Queue a computed batch (or the end, or the error); False once the consumer has stopped."""
+            while not stop.is_set():
+                try:
+                    computed.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def feed() -> None:
+            try:
+                for batch in batches:
+                    if not hand_over(self._run(batch)):
+                        return
+                hand_over(_END)
+            except BaseException as e:  # noqa: BLE001 - raised again in the consumer's thread
+                hand_over(e)
+
+        feeder = threading.Thread(target=feed, name="draftsmith-capture-feeder", daemon=True)
+        feeder.start()
+        drained = False  # every computed batch mapped: the spool holds nothing
         try:
-            for batch in batches:
-                dirty = True
-                previous, pending = pending, self._run(batch)
-                if previous is not None:
-                    yield self._states(previous)
-            if pending is not None:
-                states = self._states(pending)
-                dirty = False
-                yield states
+            while (ran := computed.get()) is not _END:
+                if isinstance(ran, BaseException):
+                    raise ran
+                yield self._states(ran)
+            drained = True
         finally:
-            if dirty and self.llm is not None:
+            stop.set()
+            feeder.join()  # the engine's current batch ends first: nothing is on its way into the spool after
+            if not drained and self.llm is not None:
                 self._abandon()
 
     def _run(self, batch: list[list[int]]) -> _Ran:
