@@ -339,26 +339,39 @@ def test_prompt_runs_are_the_rows_counting_up_from_position_zero():
 
 class _EngineSteps:
     """A VllmBackend whose engine steps are recorded instead of run: ``_run`` notes each batch it
-    starts (raising at ``fail_at``), ``_states`` maps it at once, ``_abandon`` notes the clean-up."""
+    runs (for 20 ms; raising at ``fail_at``), ``_states`` maps it at once (raising for ``bad_states``),
+    ``_abandon`` notes the clean-up and whether the engine was still running a batch then."""
 
-    def __init__(self, fail_at: int | None = None):
+    def __init__(self, fail_at: int | None = None, bad_states: list | None = None):
         from draftsmith.extract.vllm_backend import VllmBackend
 
-        self.started, self.abandoned, self.fail_at = [], 0, fail_at
+        self.started, self.abandoned, self.abandoned_while_running = [], 0, 0
+        self.fail_at, self.bad_states, self.running = fail_at, bad_states, False
         self.backend = backend = VllmBackend.__new__(VllmBackend)
         backend.llm = object()
         backend._run = self._run
-        backend._states = lambda ran: ran
+        backend._states = self._states
         backend._abandon = self._abandon
 
     def _run(self, batch):
+        import time
+
         if len(self.started) == self.fail_at:
             raise RuntimeError(f"batch {batch} failed")
+        self.running = True
+        time.sleep(0.02)
         self.started.append(batch)
+        self.running = False
         return batch
+
+    def _states(self, ran):
+        if ran == self.bad_states:
+            raise ValueError(f"the passes of {ran} are damaged")
+        return ran
 
     def _abandon(self):
         self.abandoned += 1
+        self.abandoned_while_running += self.running
 
     def wait_for(self, count: int, seconds: float = 5.0) -> int:
         import time
@@ -373,8 +386,6 @@ def test_the_stream_runs_the_next_batches_while_the_caller_holds_one():
     """The engine is fed from a thread of its own: while the caller works on a batch's states the
     next batches run, at most RUN_AHEAD computed ones queued beside the one the feeder holds; a
     stream read to its end leaves nothing to clean up, one closed early is joined and cleaned up."""
-    import threading
-
     from draftsmith.extract.vllm_backend import RUN_AHEAD
 
     steps = _EngineSteps()
@@ -385,8 +396,8 @@ def test_the_stream_runs_the_next_batches_while_the_caller_holds_one():
     assert steps.wait_for(ahead + 1, seconds=0.3) == ahead  # and no further
     assert next(stream) == [1]
     stream.close()
-    assert steps.abandoned == 1 and len(steps.started) <= ahead + 1
-    assert not any(t.name == "draftsmith-capture-feeder" for t in threading.enumerate())
+    assert steps.abandoned == 1 and steps.abandoned_while_running == 0 and len(steps.started) <= ahead + 1
+    assert not steps.backend._feeder.is_alive()
 
     steps = _EngineSteps()
     assert list(steps.backend.capture_stream([[n] for n in range(5)])) == [[n] for n in range(5)]
@@ -395,12 +406,23 @@ def test_the_stream_runs_the_next_batches_while_the_caller_holds_one():
 
 
 def test_an_engine_failure_reaches_the_caller_after_the_batches_before_it():
+    """A batch the engine fails comes to the caller in its place; a batch whose passes cannot be
+    mapped stops the stream while the engine runs the next: either way the feeder ends before the
+    spool is cleaned up, once."""
     steps = _EngineSteps(fail_at=2)
     stream = steps.backend.capture_stream([[n] for n in range(5)])
     assert [next(stream), next(stream)] == [[0], [1]]
     with pytest.raises(RuntimeError, match=r"batch \[2\] failed"):
         next(stream)
-    assert steps.abandoned == 1
+    assert steps.abandoned == 1 and not steps.backend._feeder.is_alive()
+
+    steps = _EngineSteps(bad_states=[1])
+    with pytest.raises(ValueError, match="damaged"):
+        list(steps.backend.capture_stream([[n] for n in range(5)]))
+    assert steps.abandoned == 1 and steps.abandoned_while_running == 0 and not steps.backend._feeder.is_alive()
+    with pytest.raises(ValueError, match="damaged"):
+        steps.backend.capture([1])
+    assert steps.abandoned == 2
 
 
 def test_read_pass_waits_for_the_file_and_reports_a_failed_write(tmp_path):

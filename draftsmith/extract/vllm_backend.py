@@ -11,7 +11,7 @@ store (``fp8=True``) the workers quantise the states on their device before they
 spool and this process carry half the bytes and this process does no quantising.
 ``capture_stream`` runs the batches through the engine from a feeder thread, back to back, while
 this thread maps the batch before, so the engine waits neither for the last passes to reach the
-spool nor for what the caller does with the states.
+spool nor for what the caller does with the states, unless the caller falls more than a batch behind.
 
 vLLM is imported only where an engine loads in this process (requests pass as plain data,
 ``draftsmith.engines.plain``), so this module, and a job attached to a warm engine, import without it.
@@ -41,7 +41,9 @@ from draftsmith.targets.vllm_install import installed_vllm_version
 
 log = logging.getLogger(__name__)
 
-SPOOL_MIN_FREE = 8 << 30  # the passes of the batches in flight; containers often mount a 64 MiB /dev/shm
+# the passes of the batches in flight (up to RUN_AHEAD + 2: one mapped, the queued, the feeder's; a
+# Kimi-K2.5 batch of 16,384 tokens is 0.9 GB in bf16); containers often mount a 64 MiB /dev/shm
+SPOOL_MIN_FREE = 8 << 30
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
 RUN_AHEAD = 1  # computed batches queued beside the one the feeder holds: their passes wait in the spool
 _END = object()  # the feeder's last item: every batch has run
@@ -127,11 +129,13 @@ class VllmBackend(CaptureBackend):
 
     def capture_stream(self, batches: Iterable[list[list[int]]]) -> Iterator[list[dict[int, CapturedRows]]]:
         """``capture`` for a stream of batches, in order. A feeder thread runs them through the engine
-        back to back, at most ``RUN_AHEAD`` computed batches ahead of the one mapped here: mapping a
-        batch's passes, the caller's work on its states and freeing their memory overlap the engine's
-        next batch instead of leaving it idle between two ``generate`` calls."""
+        back to back, up to ``RUN_AHEAD + 1`` computed batches ahead of the one mapped here (those queued
+        and the one it holds): mapping a batch's passes, the caller's work on its states and freeing
+        their memory overlap the engine's next batch instead of leaving it idle between two ``generate``
+        calls; only a caller further behind makes it wait. An interrupt takes effect once the engine's
+        current batch has run."""
         computed: queue.Queue = queue.Queue(maxsize=RUN_AHEAD)
-        stop = threading.Event()
+        stop = self._feeder_stop = threading.Event()
 
         def hand_over(item) -> bool:
             """Queue a computed batch (or the end, or the error); False once the consumer has stopped."""
@@ -146,24 +150,23 @@ class VllmBackend(CaptureBackend):
         def feed() -> None:
             try:
                 for batch in batches:
-                    if not hand_over(self._run(batch)):
+                    if stop.is_set() or not hand_over(self._run(batch)):
                         return
                 hand_over(_END)
             except BaseException as e:  # noqa: BLE001 - raised again in the consumer's thread
                 hand_over(e)
 
-        feeder = threading.Thread(target=feed, name="draftsmith-capture-feeder", daemon=True)
-        feeder.start()
+        self._feeder = threading.Thread(target=feed, name="draftsmith-capture-feeder", daemon=True)
         drained = False  # every computed batch mapped: the spool holds nothing
         try:
+            self._feeder.start()
             while (ran := computed.get()) is not _END:
                 if isinstance(ran, BaseException):
                     raise ran
                 yield self._states(ran)
             drained = True
         finally:
-            stop.set()
-            feeder.join()  # the engine's current batch ends first: nothing is on its way into the spool after
+            self._stop_feeder()
             if not drained and self.llm is not None:
                 self._abandon()
 
@@ -212,6 +215,14 @@ class VllmBackend(CaptureBackend):
             states[prompt] = {lid: rows[k] for k, lid in enumerate(self.layer_ids)}
         return [states[key] for key in ran.keys]
 
+    def _stop_feeder(self) -> None:
+        """Stop the feeder and wait for its batch in the engine to end: the engine serves one caller
+        at a time, and nothing may still be on its way into the spool when it is reset or emptied."""
+        feeder = getattr(self, "_feeder", None)
+        if feeder is not None and feeder.ident is not None:
+            self._feeder_stop.set()
+            feeder.join()
+
     def _abandon(self) -> None:
         """Drop what the spool holds or is still receiving: the worker finishes its queued passes
         and forgets the batch, then the files go."""
@@ -223,6 +234,7 @@ class VllmBackend(CaptureBackend):
         if getattr(self, "stalled_s", 0) > 1:
             log.info("vLLM capture: forward passes waited %.1f s in all for the spool (%s) to take their states",
                      self.stalled_s, self.spool)
+        self._stop_feeder()  # a stream left open, or interrupted twice, has not stopped it
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             with contextlib.suppress(Exception):  # a dead engine cannot answer, and has no writer left
