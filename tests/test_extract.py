@@ -606,6 +606,10 @@ def test_numerical_guard_names_the_sample_and_layer(train, target, tmp_path, mon
         extract_part(train, target_json, 0, ExtractionSettings(**{**SMALL, "dtype": storage}), tmp_path / "hs",
                      tmp_path / "m.json")
     assert not (tmp_path / "m.json").exists()
+    # the check runs beside the batch's write: the shard it stops is not committed, nor left half-written
+    shards = [d for d in (tmp_path / "hs").rglob("*") if d.is_dir() and "shard" in d.name]
+    assert shards and all(not d.name.startswith(".") for d in shards)
+    assert not any("sample-11" in json.loads((d / "manifest.json").read_text())["sample_ids"] for d in shards)
 
 
 def test_fp8_rows_without_a_scale_per_token_are_refused_before_the_store(train, target, tmp_path, monkeypatch):

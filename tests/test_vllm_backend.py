@@ -135,8 +135,8 @@ class TestOneLlamaEngine:
 
     @vllm_test
     def test_llama_stream_matches_capture_and_leaves_no_pass_behind(self, llama):
-        """The stream runs each batch before it maps the previous one's passes: the same states as
-        batch-by-batch capture, and an abandoned stream leaves no pass file in the spool."""
+        """The stream's feeder runs batches ahead of the mapping: the same states as batch-by-batch
+        capture, and an abandoned stream leaves no pass file in the spool."""
         import os
 
         _, layer_ids, backend = llama
@@ -147,7 +147,7 @@ class TestOneLlamaEngine:
                 for lid in layer_ids:
                     assert torch.equal(a[lid], b[lid]) if not ON_CUDA else relative_error(a[lid], b[lid]) < 0.01
         stream = backend.capture_stream(batches)
-        next(stream)  # the second batch has run; its passes wait in the spool
+        next(stream)  # the feeder runs ahead: the next batches' passes reach the spool; close() waits for them
         stream.close()
         assert os.listdir(backend.spool) == []
         assert backend.capture([[5, 6, 7]])[0][4].shape == (3, 64)  # the engine still works afterwards

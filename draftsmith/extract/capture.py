@@ -93,7 +93,7 @@ def make_backend(target_info: dict, settings: ExtractionSettings, longest_sample
 
 def capture_batches(backend: CaptureBackend, batches: Iterable[list[list[int]]]
                     ) -> Iterator[list[dict[int, CapturedRows]]]:
-    """The backend's results batch by batch; pipelined where the backend can keep one batch in flight."""
+    """The backend's results batch by batch; pipelined where the backend runs ahead (``capture_stream``)."""
     stream = getattr(backend, "capture_stream", None)
     if stream is not None:
         yield from stream(batches)
@@ -213,7 +213,7 @@ class _StoreThread:
         try:
             if self._open is None:
                 self._open = self.store.open_shard(job.number, sum(len(s["input_ids"]) for s in samples))
-            # Outside fp8 the check reads every value (8.6 to 10.9 CPU seconds of a 30-s bf16 run of 1M
+            # Outside fp8 the check reads every value (about 8.6 CPU seconds of a 30-s bf16 run of 1M
             # tokens, docs/benchmarks.md): it runs beside the batch's write, not before it, and a bad
             # batch still stops before its shard can commit.
             checked = self._checker.submit(check_states, [s["id"] for s in job.samples], job.states, where=where,

@@ -41,8 +41,9 @@ from draftsmith.targets.vllm_install import installed_vllm_version
 
 log = logging.getLogger(__name__)
 
-# the passes of the batches in flight (up to RUN_AHEAD + 2: one mapped, the queued, the feeder's; a
-# Kimi-K2.5 batch of 16,384 tokens is 0.9 GB in bf16); containers often mount a 64 MiB /dev/shm
+# the batches in flight: RUN_AHEAD + 2 as pass files (one mapped, the queued, the feeder's), and the
+# mapped ones the store still holds (its queue and the one it writes); about 6 x 0.94 GB for Kimi-K2.5
+# batches of 16,384 tokens in bf16. Containers often mount a 64 MiB /dev/shm.
 SPOOL_MIN_FREE = 8 << 30
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
 RUN_AHEAD = 1  # computed batches queued beside the one the feeder holds: their passes wait in the spool
@@ -134,6 +135,8 @@ class VllmBackend(CaptureBackend):
         their memory overlap the engine's next batch instead of leaving it idle between two ``generate``
         calls; only a caller further behind makes it wait. An interrupt takes effect once the engine's
         current batch has run."""
+        if getattr(self, "_feeder", None) is not None and self._feeder.is_alive():
+            raise RuntimeError("a capture stream is still open on this engine: close it before starting another")
         computed: queue.Queue = queue.Queue(maxsize=RUN_AHEAD)
         stop = self._feeder_stop = threading.Event()
 
