@@ -397,7 +397,7 @@ def test_the_stream_runs_the_next_batches_while_the_caller_holds_one():
     assert next(stream) == [1]
     stream.close()
     assert steps.abandoned == 1 and steps.abandoned_while_running == 0 and len(steps.started) <= ahead + 1
-    assert not steps.backend._feeder.is_alive()
+    assert not steps.backend._feeder.running()
 
     steps = _EngineSteps()
     assert list(steps.backend.capture_stream([[n] for n in range(5)])) == [[n] for n in range(5)]
@@ -414,12 +414,12 @@ def test_an_engine_failure_reaches_the_caller_after_the_batches_before_it():
     assert [next(stream), next(stream)] == [[0], [1]]
     with pytest.raises(RuntimeError, match=r"batch \[2\] failed"):
         next(stream)
-    assert steps.abandoned == 1 and not steps.backend._feeder.is_alive()
+    assert steps.abandoned == 1 and not steps.backend._feeder.running()
 
     steps = _EngineSteps(bad_states=[1])
     with pytest.raises(ValueError, match="damaged"):
         list(steps.backend.capture_stream([[n] for n in range(5)]))
-    assert steps.abandoned == 1 and steps.abandoned_while_running == 0 and not steps.backend._feeder.is_alive()
+    assert steps.abandoned == 1 and steps.abandoned_while_running == 0 and not steps.backend._feeder.running()
     with pytest.raises(ValueError, match="damaged"):
         steps.backend.capture([1])
     assert steps.abandoned == 2

@@ -22,10 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +35,7 @@ from draftsmith.engines.warm import open_llm
 from draftsmith.errors import ExtractionError
 from draftsmith.extract.backends import CaptureBackend
 from draftsmith.extract.hidden_states import CapturedRows
+from draftsmith.prefetch import Prefetcher
 from draftsmith.targets.vllm_install import installed_vllm_version
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 SPOOL_MIN_FREE = 8 << 30
 SPOOL_WAIT_S = 600  # a pass file the worker has not written by then means the worker is gone
 RUN_AHEAD = 1  # computed batches queued beside the one the feeder holds: their passes wait in the spool
-_END = object()  # the feeder's last item: every batch has run
 
 
 def spool_folder() -> str:
@@ -72,6 +70,7 @@ class VllmBackend(CaptureBackend):
     is the one evaluation will serve the draft in (draftsmith.engines.shared)."""
 
     name = "vllm"
+    _feeder: Prefetcher | None = None  # the open stream's engine feeder
 
     def __init__(self, model_path: str, capture_layer_ids: list[int], *, tensor_parallel_size: int = 1,
                  dtype: str = "bfloat16", max_model_len: int, trust_remote_code: bool = False,
@@ -135,37 +134,13 @@ class VllmBackend(CaptureBackend):
         their memory overlap the engine's next batch instead of leaving it idle between two ``generate``
         calls; only a caller further behind makes it wait. An interrupt takes effect once the engine's
         current batch has run."""
-        if getattr(self, "_feeder", None) is not None and self._feeder.is_alive():
+        if self._feeder is not None and self._feeder.running():
             raise RuntimeError("a capture stream is still open on this engine: close it before starting another")
-        computed: queue.Queue = queue.Queue(maxsize=RUN_AHEAD)
-        stop = self._feeder_stop = threading.Event()
-
-        def hand_over(item) -> bool:
-            """Queue a computed batch (or the end, or the error); False once the consumer has stopped."""
-            while not stop.is_set():
-                try:
-                    computed.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def feed() -> None:
-            try:
-                for batch in batches:
-                    if stop.is_set() or not hand_over(self._run(batch)):
-                        return
-                hand_over(_END)
-            except BaseException as e:  # noqa: BLE001 - raised again in the consumer's thread
-                hand_over(e)
-
-        self._feeder = threading.Thread(target=feed, name="draftsmith-capture-feeder", daemon=True)
         drained = False  # every computed batch mapped: the spool holds nothing
         try:
-            self._feeder.start()
-            while (ran := computed.get()) is not _END:
-                if isinstance(ran, BaseException):
-                    raise ran
+            self._feeder = Prefetcher(((batch,) for batch in batches), self._run, RUN_AHEAD,
+                                      name="draftsmith-capture-feeder")
+            for ran in self._feeder:
                 yield self._states(ran)
             drained = True
         finally:
@@ -221,10 +196,8 @@ class VllmBackend(CaptureBackend):
     def _stop_feeder(self) -> None:
         """Stop the feeder and wait for its batch in the engine to end: the engine serves one caller
         at a time, and nothing may still be on its way into the spool when it is reset or emptied."""
-        feeder = getattr(self, "_feeder", None)
-        if feeder is not None and feeder.ident is not None:
-            self._feeder_stop.set()
-            feeder.join()
+        if self._feeder is not None:
+            self._feeder.close()
 
     def _abandon(self) -> None:
         """Drop what the spool holds or is still receiving: the worker finishes its queued passes

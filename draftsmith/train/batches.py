@@ -9,11 +9,10 @@ import collections
 import contextlib
 import dataclasses
 import math
-import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ import torch
 from draftsmith.errors import TrainingError
 from draftsmith.extract.hidden_states import HiddenStateIndex, ShardInfo, ShardRows, dequantize_fp8, read_shard
 from draftsmith.io import file_matches
+from draftsmith.prefetch import Prefetcher
 from draftsmith.train.objective import scored_positions
 from draftsmith.train.settings import TrainSettings
 
@@ -276,37 +276,6 @@ PREFETCH_DEPTH = 2  # micro-batches queued ahead of the step that computes
 PREFETCH_AHEAD_STEPS = PREFETCH_DEPTH + 1
 
 
-class Prefetcher:
-    """Builds this rank's micro-batches on a background thread: ``make(*job)`` for each job, in order."""
-
-    def __init__(self, jobs: list[tuple[Any, ...]], make, depth: int = PREFETCH_DEPTH) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(jobs, make), daemon=True)
-        self._thread.start()
-
-    def _run(self, jobs, make) -> None:
-        try:
-            for job in jobs:
-                if self._stop.is_set():
-                    return
-                self._queue.put(("ok", make(*job)))
-        except BaseException as e:  # handed to the training loop, which re-raises it
-            self._queue.put(("error", e))
-
-    def get(self) -> dict:
-        kind, value = self._queue.get()
-        if kind == "error":
-            raise value
-        return value
-
-    def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
-
-
 def noise_seed(seed: int, epoch: int, pack: Pack) -> int:
     """The seed of a micro-batch's feature noise (``train.feature_noise``): from the run's seed, the
     epoch and the pack's first sample, so a resumed run or another process count draws the same."""
@@ -414,7 +383,7 @@ class BatchFeed:
         self.open_group: tuple[int, int] | None = None
         accum = settings.grad_accum_steps
         jobs = [(step.packs[rank * accum + a], step.epoch) for step in steps for a in range(accum)]
-        self.prefetch = Prefetcher(jobs, self._make)
+        self.prefetch = Prefetcher(jobs, self._make, PREFETCH_DEPTH, name="draftsmith-batches")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _make(self, pack: Pack, epoch: int) -> dict:
@@ -442,4 +411,5 @@ class BatchFeed:
         return [dequantize_batch(b, self.dtype) for b in _ready(batches, self.stream)]
 
     def close(self) -> None:
-        self.prefetch.close()
+        # not waiting: an online run's batch may wait for a shard its producer will never write
+        self.prefetch.close(wait=False)
